@@ -1,0 +1,93 @@
+"""Typed readings that flow from sources to the policy and the exporter (never backwards)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+# Scalar per-GPU fields, in the order they are probed. NVLink counters are kept apart (per link).
+FIELDS: tuple[str, ...] = (
+    "ecc_corrected_volatile",
+    "ecc_uncorrected_volatile",
+    "ecc_corrected_aggregate",
+    "ecc_uncorrected_aggregate",
+    "retired_pages_sbe",
+    "retired_pages_dbe",
+    "retired_pages_pending",
+    "remapped_rows_correctable",
+    "remapped_rows_uncorrectable",
+    "remapped_rows_pending",
+    "remapped_rows_failure",
+    "remap_histogram_max",
+    "remap_histogram_high",
+    "remap_histogram_partial",
+    "remap_histogram_low",
+    "remap_histogram_none",
+    "pcie_replay",
+    "pcie_link_gen",
+    "pcie_link_width",
+    "temperature_celsius",
+    "slowdown_temperature_celsius",
+    "power_watts",
+    "throttle_reasons",
+)
+
+NVLINK_KINDS: tuple[str, ...] = ("crc_flit", "crc_data", "replay", "recovery")
+
+
+@dataclass(frozen=True)
+class XidEvent:
+    """One Xid report, from NVML's event set, the kernel log, or eBPF."""
+
+    gpu: int | None  # index, or None when the bus id matches no GPU of this node
+    xid: int
+    source: str  # "nvml", "ebpf_xid", "kmsg"
+    pci_bus_id: str = ""
+    pid: int | None = None
+    process: str = ""
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class GpuReading:
+    """One GPU at one poll.
+
+    ``values`` holds only what was read successfully this poll; a field that is not supported
+    on this GPU is in ``unsupported`` and never in ``values`` (never reported as 0). ``errors``
+    maps a field that failed this poll to its NVML error code.
+    """
+
+    index: int
+    uuid: str
+    pci_bus_id: str
+    name: str = ""
+    serial: str = ""
+    values: Mapping[str, float] = field(default_factory=dict)
+    unsupported: frozenset[str] = frozenset()
+    errors: Mapping[str, int] = field(default_factory=dict)
+    nvlink: Mapping[tuple[int, str], int] = field(default_factory=dict)
+    xid_counts: Mapping[int, int] = field(default_factory=dict)  # cumulative since daemon start
+    lost: bool = False
+    hung: bool = False  # an NVML call on this GPU passed its deadline
+
+
+@dataclass(frozen=True)
+class SourceHealth:
+    up: bool
+    poll_seconds: float = 0.0
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class NodeReadings:
+    """Everything the sources produced in one poll cycle."""
+
+    time: float
+    driver_version: str
+    gpus: tuple[GpuReading, ...]
+    xid_events: tuple[XidEvent, ...] = ()  # new since the previous poll, all sources
+    sources: Mapping[str, SourceHealth] = field(default_factory=dict)
+    nvml_errors: Mapping[tuple[str, int], int] = field(default_factory=dict)  # (field, code) -> count
+    kernel_events: Mapping[str, int] = field(default_factory=dict)  # cumulative non-Xid kernel events by kind
+    ebpf_lost: Mapping[str, int] = field(default_factory=dict)
+    malformed_lines: int = 0

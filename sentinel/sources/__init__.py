@@ -1,0 +1,1 @@
+"""Signal sources: each yields typed readings or events and decides nothing."""

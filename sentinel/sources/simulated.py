@@ -1,0 +1,442 @@
+"""Simulated NVML: the pynvml API backed by a JSON state file describing N GPUs.
+
+:class:`SimulatedNvml` implements the pynvml functions :mod:`sentinel.sources.nvml` calls, with
+pynvml's own error classes and constants, so tests, demos and drills run the daemon's real NVML
+code path (deadlines, "not supported", GPU lost) without a GPU. Other processes change the state
+file to inject faults (``sentinel inject``); every write is atomic (write + rename, under an
+advisory lock so concurrent injectors never lose each other's changes). A corrupt or
+half-written file is a :class:`SimulatedStateError` with a clear message; while the daemon runs
+it surfaces as an NVML error reading, never a crash.
+"""
+
+from __future__ import annotations
+
+import copy
+import fcntl
+import json
+import os
+import re
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import pynvml
+
+STATE_VERSION = 1
+NVLINK_LINKS = 18
+# Bus ids of an 8-GPU HGX board; further GPUs continue the pattern.
+_BUSES = ("18", "2a", "3a", "5d", "9a", "ab", "ba", "db")
+
+
+class SimulatedStateError(ValueError):
+    """The state file is missing, corrupt, half-written or of the wrong shape."""
+
+
+def gpu_state(index: int) -> dict[str, Any]:
+    bus = _BUSES[index] if index < len(_BUSES) else f"{0x10 + index:02x}"
+    return {
+        "index": index,
+        "uuid": f"GPU-5e0a1c2d-0000-4000-8000-{index:012x}",
+        "pci_bus_id": f"00000000:{bus.upper()}:00.0",
+        "name": "NVIDIA H100 80GB HBM3 (simulated)",
+        "serial": f"SIM{index:010d}",
+        "ecc": {"corrected_volatile": 0, "uncorrected_volatile": 0, "corrected_aggregate": 0, "uncorrected_aggregate": 0},
+        "retired_pages": {"sbe": 0, "dbe": 0, "pending": False},
+        "remapped_rows": {"correctable": 0, "uncorrectable": 0, "pending": False, "failure": False},
+        "remap_histogram": {"max": 640, "high": 0, "partial": 0, "low": 0, "none": 0},
+        "pcie": {"replay": 0, "gen": 5, "width": 16},
+        "nvlink": [{"crc_flit": 0, "crc_data": 0, "replay": 0, "recovery": 0} for _ in range(NVLINK_LINKS)],
+        "temperature_celsius": 38,
+        "slowdown_temperature_celsius": 87,
+        "power_watts": 120.0,
+        "throttle_reasons": 0,
+        "xid_events": [],
+        "lost": False,
+        "hang": False,
+        "unsupported": [],
+    }
+
+
+def healthy_state(gpus: int, driver_version: str = "550.90.07-sim") -> dict[str, Any]:
+    if gpus < 1:
+        raise SimulatedStateError("--gpus must be at least 1")
+    return {"version": STATE_VERSION, "driver_version": driver_version, "gpus": [gpu_state(i) for i in range(gpus)]}
+
+
+def parse_state(text: str, where: str) -> dict[str, Any]:
+    try:
+        state = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SimulatedStateError(
+            f"{where}: corrupt or half-written simulated GPU state ({exc.msg} at line {exc.lineno} column {exc.colno}); "
+            f"recreate it with `sentinel simulate init {where}`"
+        ) from None
+    if not isinstance(state, dict) or state.get("version") != STATE_VERSION or not isinstance(state.get("gpus"), list):
+        raise SimulatedStateError(f"{where}: not a version-{STATE_VERSION} simulated GPU state (missing 'version' or 'gpus')")
+    for i, gpu in enumerate(state["gpus"]):
+        missing = set(gpu_state(i)) - set(gpu) if isinstance(gpu, dict) else {"everything"}
+        if missing:
+            raise SimulatedStateError(f"{where}: gpus[{i}] is missing {', '.join(sorted(missing))}")
+    return state
+
+
+def load_state(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SimulatedStateError(f"{path}: no such state file; create it with `sentinel simulate init {path}`") from None
+    except OSError as exc:
+        raise SimulatedStateError(f"{path}: cannot read state file: {exc.strerror}") from None
+    return parse_state(text, str(path))
+
+
+def write_state(path: str | Path, state: dict[str, Any]) -> None:
+    """Atomic: write a temporary file in the same directory, fsync, rename over the old one."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(state, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+@contextmanager
+def locked_state(path: str | Path) -> Iterator[dict[str, Any]]:
+    """Read-modify-write under an advisory lock; the new state is written atomically on exit."""
+    path = Path(path)
+    with open(f"{path}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        state = load_state(path)
+        yield state
+        write_state(path, state)
+
+
+FAULTS = {
+    "ecc-sbe": "add N corrected ECC errors (volatile and aggregate)",
+    "ecc-dbe": "add N uncorrected ECC errors (volatile and aggregate)",
+    "retired-sbe": "retire N pages for multiple single-bit errors",
+    "retired-dbe": "retire N pages for double-bit errors",
+    "retired-pending": "mark a page retirement pending",
+    "remap-correctable": "add N rows remapped for correctable errors",
+    "remap-uncorrectable": "add N rows remapped for uncorrectable errors",
+    "remap-pending": "mark a row remap pending",
+    "remap-failure": "mark a row remap failure",
+    "remap-histogram": "set bank availability: max|high|partial|low|none",
+    "pcie-replay": "add N PCIe replays",
+    "nvlink-crc": "add N NVLink CRC flit errors on link 0 (or =+N@LINK)",
+    "xid": "report Xid NN through the NVML event set",
+    "lost": "the GPU falls off the bus (GPU_IS_LOST on every call)",
+    "hang": "the next NVML call on this GPU blocks until `unhang`",
+    "unhang": "release a hang",
+    "temp": "set the temperature to C degrees",
+    "reset": "driver reload / GPU reset: volatile counters back to 0, lost and hang cleared",
+    "unsupported": "make FIELD report NVML_ERROR_NOT_SUPPORTED (takes effect at daemon start)",
+}
+
+_FAULT_RE = re.compile(r"^(?P<name>[a-z-]+)(?:=(?P<value>.+))?$")
+
+
+def _plus(fault: str, value: str | None) -> int:
+    if value is None or not re.fullmatch(r"\+?\d+", value):
+        raise SimulatedStateError(f"{fault}: expects =+N (a non-negative count), e.g. {fault}=+1")
+    return int(value.lstrip("+"))
+
+
+def apply_fault(gpu: dict[str, Any], fault: str) -> None:
+    m = _FAULT_RE.match(fault.strip())
+    if not m or m.group("name") not in FAULTS:
+        raise SimulatedStateError(f"unknown fault {fault!r}; known: {', '.join(sorted(FAULTS))}")
+    name, value = m.group("name"), m.group("value")
+    ecc = gpu["ecc"]
+    if name in ("ecc-sbe", "ecc-dbe"):
+        n, kind = _plus(name, value), "corrected" if name == "ecc-sbe" else "uncorrected"
+        ecc[f"{kind}_volatile"] += n
+        ecc[f"{kind}_aggregate"] += n
+    elif name in ("retired-sbe", "retired-dbe"):
+        gpu["retired_pages"][name.split("-")[1]] += _plus(name, value)
+    elif name == "retired-pending":
+        gpu["retired_pages"]["pending"] = True
+    elif name in ("remap-correctable", "remap-uncorrectable"):
+        gpu["remapped_rows"][name.split("-")[1]] += _plus(name, value)
+    elif name == "remap-pending":
+        gpu["remapped_rows"]["pending"] = True
+    elif name == "remap-failure":
+        gpu["remapped_rows"]["failure"] = True
+    elif name == "remap-histogram":
+        if value not in ("max", "high", "partial", "low", "none"):
+            raise SimulatedStateError("remap-histogram: expects =max|high|partial|low|none")
+        gpu["remap_histogram"] = {k: (8 if k == value else 0) for k in ("max", "high", "partial", "low", "none")}
+    elif name == "pcie-replay":
+        gpu["pcie"]["replay"] += _plus(name, value)
+    elif name == "nvlink-crc":
+        count, _, link = (value or "").partition("@")
+        link_i = int(link) if link.isdigit() else 0
+        if not 0 <= link_i < len(gpu["nvlink"]):
+            raise SimulatedStateError(f"nvlink-crc: link {link_i} out of range")
+        gpu["nvlink"][link_i]["crc_flit"] += _plus(name, count or None)
+    elif name == "xid":
+        if value is None or not value.isdigit():
+            raise SimulatedStateError("xid: expects =NN, e.g. xid=79")
+        gpu["xid_events"].append(int(value))
+    elif name in ("lost", "hang"):
+        gpu[name] = True
+    elif name == "unhang":
+        gpu["hang"] = False
+    elif name == "temp":
+        try:
+            gpu["temperature_celsius"] = int(value or "")
+        except ValueError:
+            raise SimulatedStateError("temp: expects =C, e.g. temp=95") from None
+    elif name == "reset":
+        for key in ("corrected_volatile", "uncorrected_volatile"):
+            ecc[key] = 0
+        gpu["lost"] = gpu["hang"] = False
+    elif name == "unsupported":
+        gpu["unsupported"].append(value or "")
+
+
+def inject(path: str | Path, gpu_index: int, faults: list[str]) -> dict[str, Any]:
+    with locked_state(path) as state:
+        if not 0 <= gpu_index < len(state["gpus"]):
+            raise SimulatedStateError(f"--gpu {gpu_index}: the state has GPUs 0..{len(state['gpus']) - 1}")
+        for fault in faults:
+            apply_fault(state["gpus"][gpu_index], fault)
+        return copy.deepcopy(state["gpus"][gpu_index])
+
+
+# ---------------------------------------------------------------------------------------------
+# The pynvml-compatible backend
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Handle:
+    index: int
+
+
+@dataclass
+class _PciInfo:
+    busId: str
+
+
+@dataclass
+class _Histogram:
+    max: int
+    high: int
+    partial: int
+    low: int
+    none: int
+
+
+@dataclass
+class _EventData:
+    device: _Handle
+    eventType: int
+    eventData: int
+
+
+class _EventSet:
+    def __init__(self, delivered: dict[int, int]) -> None:
+        self.delivered = delivered
+        self.devices: set[int] = set()
+
+
+class SimulatedNvml:
+    """A pynvml look-alike over a state file. Constants and error classes are pynvml's own."""
+
+    NVMLError = pynvml.NVMLError
+
+    def __init__(self, state_path: str | Path, *, hang_poll_seconds: float = 0.05, hang_max_seconds: float = 3600.0):
+        self.path = Path(state_path)
+        self._hang_poll = hang_poll_seconds
+        self._hang_max = hang_max_seconds
+        self._lock = threading.Lock()
+        self._stamp: tuple[int, int, int] | None = None
+        self._state: dict[str, Any] | None = None
+        self._initialized = False
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(pynvml, name)  # AttributeError for unknown names, as pynvml would
+        if callable(value) and not isinstance(value, type):
+            raise AttributeError(f"SimulatedNvml does not implement {name}")
+        return value
+
+    # -- state --------------------------------------------------------------------------------
+    def load(self) -> dict[str, Any]:
+        """The current state; raises SimulatedStateError when the file is bad."""
+        with self._lock:
+            try:
+                st = os.stat(self.path)
+            except FileNotFoundError:
+                raise SimulatedStateError(f"{self.path}: no such state file; create it with `sentinel simulate init {self.path}`") from None
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+            if stamp != self._stamp or self._state is None:
+                self._state = load_state(self.path)
+                self._stamp = stamp
+            return self._state
+
+    def _gpu(self, handle: _Handle) -> dict[str, Any]:
+        if not self._initialized:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
+        try:
+            gpu = self.load()["gpus"][handle.index]
+        except SimulatedStateError:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN) from None
+        if gpu["hang"]:
+            gpu = self._wait_unhang(handle)
+        if gpu["lost"]:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return gpu
+
+    def _wait_unhang(self, handle: _Handle) -> dict[str, Any]:
+        end = time.monotonic() + self._hang_max
+        while time.monotonic() < end:
+            time.sleep(self._hang_poll)
+            try:
+                gpu = self.load()["gpus"][handle.index]
+            except SimulatedStateError:
+                continue
+            if not gpu["hang"]:
+                return gpu
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
+
+    def _field(self, handle: _Handle, name: str) -> dict[str, Any]:
+        gpu = self._gpu(handle)
+        if name in gpu["unsupported"]:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return gpu
+
+    # -- pynvml API ---------------------------------------------------------------------------
+    def nvmlInit(self) -> None:
+        try:
+            self.load()
+        except SimulatedStateError:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_DRIVER_NOT_LOADED) from None
+        self._initialized = True
+
+    def nvmlShutdown(self) -> None:
+        self._initialized = False
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        return str(self.load()["driver_version"])
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.load()["gpus"])
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> _Handle:
+        if not 0 <= index < len(self.load()["gpus"]):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        handle = _Handle(index)
+        self._gpu(handle)
+        return handle
+
+    def nvmlDeviceGetUUID(self, h: _Handle) -> str:
+        return self._gpu(h)["uuid"]
+
+    def nvmlDeviceGetName(self, h: _Handle) -> str:
+        return self._gpu(h)["name"]
+
+    def nvmlDeviceGetSerial(self, h: _Handle) -> str:
+        return self._field(h, "serial")["serial"]
+
+    def nvmlDeviceGetPciInfo(self, h: _Handle) -> _PciInfo:
+        return _PciInfo(self._gpu(h)["pci_bus_id"])
+
+    def nvmlDeviceGetTotalEccErrors(self, h: _Handle, error_type: int, counter_type: int) -> int:
+        kind = "corrected" if error_type == pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED else "uncorrected"
+        scope = "volatile" if counter_type == pynvml.NVML_VOLATILE_ECC else "aggregate"
+        return int(self._field(h, f"ecc_{kind}_{scope}")["ecc"][f"{kind}_{scope}"])
+
+    def nvmlDeviceGetRetiredPages(self, h: _Handle, cause: int) -> list[int]:
+        key = "sbe" if cause == pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS else "dbe"
+        n = int(self._field(h, f"retired_pages_{key}")["retired_pages"][key])
+        return [0x1000 * (i + 1) for i in range(n)]
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, h: _Handle) -> int:
+        pending = self._field(h, "retired_pages_pending")["retired_pages"]["pending"]
+        return pynvml.NVML_FEATURE_ENABLED if pending else pynvml.NVML_FEATURE_DISABLED
+
+    def nvmlDeviceGetRemappedRows(self, h: _Handle) -> tuple[int, int, int, int]:
+        r = self._field(h, "remapped_rows_correctable")["remapped_rows"]
+        return (int(r["correctable"]), int(r["uncorrectable"]), int(bool(r["pending"])), int(bool(r["failure"])))
+
+    def nvmlDeviceGetRowRemapperHistogram(self, h: _Handle) -> _Histogram:
+        return _Histogram(**{k: int(v) for k, v in self._field(h, "remap_histogram_max")["remap_histogram"].items()})
+
+    def nvmlDeviceGetPcieReplayCounter(self, h: _Handle) -> int:
+        return int(self._field(h, "pcie_replay")["pcie"]["replay"])
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, h: _Handle) -> int:
+        return int(self._field(h, "pcie_link_gen")["pcie"]["gen"])
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, h: _Handle) -> int:
+        return int(self._field(h, "pcie_link_width")["pcie"]["width"])
+
+    def nvmlDeviceGetTemperature(self, h: _Handle, sensor: int) -> int:
+        return int(self._field(h, "temperature_celsius")["temperature_celsius"])
+
+    def nvmlDeviceGetTemperatureThreshold(self, h: _Handle, kind: int) -> int:
+        return int(self._field(h, "slowdown_temperature_celsius")["slowdown_temperature_celsius"])
+
+    def nvmlDeviceGetPowerUsage(self, h: _Handle) -> int:
+        return int(float(self._field(h, "power_watts")["power_watts"]) * 1000)
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, h: _Handle) -> int:
+        return int(self._field(h, "throttle_reasons")["throttle_reasons"])
+
+    def nvmlDeviceGetNvLinkState(self, h: _Handle, link: int) -> int:
+        links = self._field(h, "nvlink")["nvlink"]
+        if link >= len(links):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return pynvml.NVML_FEATURE_ENABLED
+
+    def nvmlDeviceGetNvLinkErrorCounter(self, h: _Handle, link: int, counter: int) -> int:
+        kind = {
+            pynvml.NVML_NVLINK_ERROR_DL_REPLAY: "replay",
+            pynvml.NVML_NVLINK_ERROR_DL_RECOVERY: "recovery",
+            pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT: "crc_flit",
+            pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA: "crc_data",
+        }[counter]
+        return int(self._field(h, "nvlink")["nvlink"][link][kind])
+
+    def nvmlEventSetCreate(self) -> _EventSet:
+        gpus = self.load()["gpus"]
+        return _EventSet({i: len(g["xid_events"]) for i, g in enumerate(gpus)})
+
+    def nvmlDeviceRegisterEvents(self, h: _Handle, event_types: int, event_set: _EventSet) -> None:
+        self._gpu(h)
+        event_set.devices.add(h.index)
+
+    def nvmlEventSetWait_v2(self, event_set: _EventSet, timeout_ms: int) -> _EventData:
+        end = time.monotonic() + timeout_ms / 1000.0
+        while True:
+            try:
+                gpus = self.load()["gpus"]
+            except SimulatedStateError:
+                gpus = []
+            for index in sorted(event_set.devices):
+                events = gpus[index]["xid_events"] if index < len(gpus) else []
+                seen = event_set.delivered.get(index, 0)
+                if len(events) > seen:
+                    event_set.delivered[index] = seen + 1
+                    return _EventData(_Handle(index), pynvml.nvmlEventTypeXidCriticalError, int(events[seen]))
+                if len(events) < seen:  # state re-initialised
+                    event_set.delivered[index] = len(events)
+            if time.monotonic() >= end:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
+            time.sleep(min(0.02, max(0.0, end - time.monotonic())))
+
+    def nvmlEventSetFree(self, event_set: _EventSet) -> None:
+        return None
