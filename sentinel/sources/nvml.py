@@ -235,7 +235,7 @@ class NvmlSource:
         except _Hung:
             raise NvmlUnavailable(f"nvmlInit did not return within {self.deadline:g} s") from None
         except nvml.NVMLError as exc:
-            raise NvmlUnavailable(f"NVML was not found or cannot start ({exc})") from None
+            raise NvmlUnavailable(f"nvmlInit failed: {exc}") from None
         try:
             self.driver_version = _text(self._deadline_call(self._control, nvml.nvmlSystemGetDriverVersion))
             count = self._deadline_call(self._control, nvml.nvmlDeviceGetCount)

@@ -1,0 +1,5 @@
+import sys
+
+from sentinel.cli import main
+
+sys.exit(main())

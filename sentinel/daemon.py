@@ -1,0 +1,259 @@
+"""Wiring only: build sources, policy, actions and exporters from config; run the loop.
+
+Data flows one way: sources -> policy -> actions -> exporters. The loop never dies on a failed
+source or action: it logs, counts and goes on. The systemd watchdog is pinged only after a
+complete, successful iteration, so a hung loop gets the daemon restarted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from sentinel.actions import Executor
+from sentinel.config import Config
+from sentinel.log import event
+from sentinel.metrics import View, build_registry
+from sentinel.policy import Health, Policy, PolicyState
+from sentinel.readings import NodeReadings, SourceHealth, XidEvent
+from sentinel.sources.nvml import NvmlSource
+from sentinel.systemd import Notifier
+
+log = logging.getLogger("sentinel.daemon")
+
+
+class StartupError(RuntimeError):
+    """The daemon cannot start; the message is one clear sentence."""
+
+
+class EventSource(Protocol):
+    """A kernel-event source (eBPF probe or /dev/kmsg fallback)."""
+
+    name: str
+
+    def drain(self) -> list[XidEvent]: ...
+    def health(self) -> SourceHealth: ...
+    def counters(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]: ...
+    def close(self) -> None: ...
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, separators=(",", ":"), default=str)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@dataclass
+class LoopStats:
+    iterations: int = 0
+    last_ok: float = 0.0
+
+
+class Daemon:
+    def __init__(
+        self,
+        config: Config,
+        nvml_source: NvmlSource,
+        *,
+        event_sources: list[EventSource] | None = None,
+        executor: Executor | None = None,
+        notifier: Notifier | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.nvml = nvml_source
+        self.event_sources = list(event_sources or [])
+        self.executor = executor or Executor()
+        self.notifier = notifier or Notifier("")
+        self.clock = clock
+        self.wall = wall
+        self.policy = Policy(config.policy)
+        self.policy_state = PolicyState()
+        self.trips: Counter[tuple[str, str]] = Counter()
+        self.reloads: Counter[str] = Counter()
+        self.view = View()
+        self.stats = LoopStats()
+        self.node = config.daemon.node_name or socket.gethostname()
+        self.runtime_dir = Path(config.daemon.runtime_dir)
+        self.httpd: Any = None
+        self.metrics_port: int | None = None
+        self.extra_counters: list[Callable[[], dict]] = []
+        self.hooks: list[Callable[[NodeReadings, PolicyState], None]] = []
+        self._stop = threading.Event()
+        self._reload_requested: Callable[[], Config | None] | None = None
+
+    # -- start/stop ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Bind the metrics listener, start NVML, first poll; READY only after all of that."""
+        try:
+            self.runtime_dir.mkdir(parents=True, exist_ok=True)
+            probe = self.runtime_dir / ".write-test"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as exc:
+            raise StartupError(f"runtime directory {self.runtime_dir} is not writable: {exc.strerror}") from None
+        from prometheus_client import start_http_server
+
+        registry = build_registry(lambda: self.view)
+        m = self.config.metrics
+        try:
+            self.httpd, _thread = start_http_server(m.port, addr=m.listen_address, registry=registry)
+        except OSError as exc:
+            raise StartupError(f"cannot listen for metrics on {m.listen_address}:{m.port}: {exc.strerror}") from None
+        self.metrics_port = self.httpd.server_port
+        self.nvml.start()
+        self.poll_once()
+        summary = self.summary()
+        self.notifier.ready(summary)
+        event(log, "sentinel started", node=self.node, gpus=len(self.nvml.gpus), metrics_port=self.metrics_port,
+              sources=[self.nvml.name] + [s.name for s in self.event_sources])
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        self.notifier.stopping()
+        if self.httpd is not None:
+            self.httpd.shutdown()
+            self.httpd.server_close()
+        for src in self.event_sources:
+            src.close()
+        self.nvml.close()
+
+    # -- one iteration ------------------------------------------------------------------------
+    def poll_once(self) -> NodeReadings:
+        now = self.clock()
+        t0 = time.perf_counter()
+        sources: dict[str, SourceHealth] = {}
+        gpus = tuple(self.nvml.poll())
+        nvml_seconds = time.perf_counter() - t0
+        sources[self.nvml.name] = SourceHealth(up=bool(gpus) and not all(g.hung for g in gpus), poll_seconds=nvml_seconds)
+        xids: list[XidEvent] = self.nvml.drain_xid_events()
+        counters: dict = {}
+        for src in self.event_sources:
+            t1 = time.perf_counter()
+            try:
+                xids.extend(src.drain())
+                sources[src.name] = src.health()
+                counters.update(src.counters())
+            except OSError as exc:
+                sources[src.name] = SourceHealth(up=False, poll_seconds=time.perf_counter() - t1, detail=str(exc))
+        # Kernel-log Xids count per GPU alongside NVML's event set.
+        readings = NodeReadings(
+            time=now,
+            driver_version=self.nvml.driver_version,
+            gpus=gpus,
+            xid_events=tuple(xids),
+            sources=sources,
+            nvml_errors=dict(self.nvml.errors),
+        )
+        self.policy_state, trips = self.policy.decide(self.policy_state, readings, now)
+        for t in trips:
+            self.trips[(t.rule, t.action)] += 1
+        self.executor.execute(trips)
+        for hook in self.hooks:
+            hook(readings, self.policy_state)
+        self.publish(readings, counters)
+        return readings
+
+    def publish(self, readings: NodeReadings, counters: dict) -> None:
+        health = {i: int(s.health) for i, s in self.policy_state.gpus.items()}
+        forecasts = {i: s.forecast_seconds for i, s in self.policy_state.gpus.items() if s.forecast_seconds is not None}
+        rule_active: dict = {}
+        for g in readings.gpus:
+            rule_active.update(self.policy.rule_active(g))
+        for kind_outcome, n in self.executor.counts.items():
+            counters[("sentinel_actions", (("action", kind_outcome[0]), ("outcome", kind_outcome[1])))] = float(n)
+        for outcome, n in self.reloads.items():
+            counters[("sentinel_config_reloads", (("outcome", outcome),))] = float(n)
+        for extra in self.extra_counters:
+            counters.update(extra())
+        self.view = View(readings, health, forecasts, dict(self.trips), rule_active, counters, {}, self.node)
+        self.write_status(readings, health)
+
+    def write_status(self, readings: NodeReadings, health: dict[int, int]) -> None:
+        status = {
+            "node": self.node,
+            "pid": os.getpid(),
+            "time": self.wall(),
+            "metrics_port": self.metrics_port,
+            "driver_version": readings.driver_version,
+            "gpus": [
+                {
+                    "index": g.index,
+                    "uuid": g.uuid,
+                    "pci_bus_id": g.pci_bus_id,
+                    "health": Health(health.get(g.index, 0)).name.lower(),
+                    "lost": g.lost,
+                    "hung": g.hung,
+                    "values": dict(g.values),
+                    "errors": dict(g.errors),
+                    "xid_counts": {str(k): v for k, v in g.xid_counts.items()},
+                    "forecast_seconds": self.policy_state.gpus[g.index].forecast_seconds
+                    if g.index in self.policy_state.gpus else None,
+                }
+                for g in readings.gpus
+            ],
+            "trips": {f"{r}/{a}": n for (r, a), n in self.trips.items()},
+        }
+        try:
+            write_json_atomic(self.runtime_dir / "status.json", status)
+        except OSError as exc:
+            event(log, "cannot write status", logging.ERROR, error=str(exc))
+
+    def summary(self) -> str:
+        counts = Counter(Health(s.health).name.lower() for s in self.policy_state.gpus.values())
+        return ", ".join(f"{n} {h}" for h, n in sorted(counts.items())) or "no GPUs"
+
+    # -- loop ---------------------------------------------------------------------------------
+    def run(self, reload: Callable[[], Config | None] | None = None) -> None:
+        interval = self.config.daemon.poll_interval_seconds
+        next_at = self.clock()
+        last_summary = ""
+        while not self._stop.is_set():
+            next_at += interval
+            if reload is not None:
+                new = reload()
+                if new is not None:
+                    self.apply_config(new)
+                    interval = self.config.daemon.poll_interval_seconds
+            try:
+                self.poll_once()
+                self.stats.iterations += 1
+                self.stats.last_ok = self.clock()
+                summary = self.summary()
+                if summary != last_summary:
+                    self.notifier.status(summary)
+                    last_summary = summary
+                self.notifier.watchdog()
+            except Exception:  # noqa: BLE001 - the watchdog loop never dies; no ping this round
+                log.exception("poll iteration failed")
+            delay = next_at - self.clock()
+            if delay < 0:
+                next_at = self.clock()
+                delay = 0
+            self._stop.wait(delay)
+
+    def apply_config(self, new: Config) -> None:
+        """Reload: policy thresholds and intervals change; listeners and sources stay."""
+        self.config = new
+        self.policy = Policy(new.policy)
+        self.nvml.deadline = new.daemon.nvml_deadline_seconds
+        self.reloads["ok"] += 1
+        event(log, "config reloaded")

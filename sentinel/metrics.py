@@ -1,0 +1,143 @@
+"""One Prometheus collector that renders the daemon's latest snapshot.
+
+A scrape never calls NVML: it only reads the immutable :class:`View` the daemon published after
+its last poll. Nothing is registered at import time; the daemon builds its own registry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Mapping
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from sentinel.readings import NodeReadings
+
+# field -> (metric name, help, extra labels, counter?)
+_FIELD_METRICS: dict[str, tuple[str, str, dict[str, str], bool]] = {
+    "ecc_corrected_volatile": ("sentinel_gpu_ecc_errors", "ECC errors reported by NVML", {"type": "corrected", "scope": "volatile"}, True),
+    "ecc_uncorrected_volatile": ("sentinel_gpu_ecc_errors", "", {"type": "uncorrected", "scope": "volatile"}, True),
+    "ecc_corrected_aggregate": ("sentinel_gpu_ecc_errors", "", {"type": "corrected", "scope": "aggregate"}, True),
+    "ecc_uncorrected_aggregate": ("sentinel_gpu_ecc_errors", "", {"type": "uncorrected", "scope": "aggregate"}, True),
+    "retired_pages_sbe": ("sentinel_gpu_retired_pages", "Retired framebuffer pages by cause", {"cause": "sbe"}, False),
+    "retired_pages_dbe": ("sentinel_gpu_retired_pages", "", {"cause": "dbe"}, False),
+    "retired_pages_pending": ("sentinel_gpu_retired_pages_pending", "1 when a page retirement awaits a reset", {}, False),
+    "remapped_rows_correctable": ("sentinel_gpu_remapped_rows", "Remapped memory rows by kind (pending/failure are 0/1)", {"kind": "correctable"}, False),
+    "remapped_rows_uncorrectable": ("sentinel_gpu_remapped_rows", "", {"kind": "uncorrectable"}, False),
+    "remapped_rows_pending": ("sentinel_gpu_remapped_rows", "", {"kind": "pending"}, False),
+    "remapped_rows_failure": ("sentinel_gpu_remapped_rows", "", {"kind": "failure"}, False),
+    "remap_histogram_max": ("sentinel_gpu_row_remapper_banks", "Memory banks by remaining remap availability", {"availability": "max"}, False),
+    "remap_histogram_high": ("sentinel_gpu_row_remapper_banks", "", {"availability": "high"}, False),
+    "remap_histogram_partial": ("sentinel_gpu_row_remapper_banks", "", {"availability": "partial"}, False),
+    "remap_histogram_low": ("sentinel_gpu_row_remapper_banks", "", {"availability": "low"}, False),
+    "remap_histogram_none": ("sentinel_gpu_row_remapper_banks", "", {"availability": "none"}, False),
+    "pcie_replay": ("sentinel_gpu_pcie_replay", "PCIe replay counter", {}, True),
+    "pcie_link_gen": ("sentinel_gpu_pcie_link_generation", "Current PCIe link generation", {}, False),
+    "pcie_link_width": ("sentinel_gpu_pcie_link_width_lanes", "Current PCIe link width", {}, False),
+    "temperature_celsius": ("sentinel_gpu_temperature_celsius", "GPU core temperature", {}, False),
+    "slowdown_temperature_celsius": ("sentinel_gpu_slowdown_temperature_celsius", "Temperature at which the GPU slows down", {}, False),
+    "power_watts": ("sentinel_gpu_power_watts", "Power draw", {}, False),
+    "throttle_reasons": ("sentinel_gpu_clock_event_reasons", "NVML clock event (throttle) reasons bitmask", {}, False),
+}
+
+
+@dataclass(frozen=True)
+class View:
+    """Everything a scrape shows; replaced whole after each poll."""
+
+    readings: NodeReadings | None = None
+    health: Mapping[int, int] = field(default_factory=dict)  # gpu -> Health code
+    predicted_failure_seconds: Mapping[int, float] = field(default_factory=dict)
+    trips: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (rule, action) -> count
+    rule_active: Mapping[tuple[str, int], bool] = field(default_factory=dict)
+    counters: Mapping[tuple[str, tuple[tuple[str, str], ...]], float] = field(default_factory=dict)
+    gauges: Mapping[tuple[str, tuple[tuple[str, str], ...]], float] = field(default_factory=dict)
+    node: str = ""
+
+
+COUNTER_HELP = {
+    "sentinel_policy_trips": "Policy trips by rule and action",
+    "sentinel_actions": "Actions carried out, by kind and outcome",
+    "sentinel_channel_messages": "Control-channel messages by kind and outcome",
+    "sentinel_ebpf_events_lost": "Events the kernel dropped before user space read them",
+    "sentinel_kernel_events": "Kernel events seen, by source and kind",
+    "sentinel_kmsg_malformed_lines": "Kernel log lines that looked like Xid reports but did not parse",
+    "sentinel_config_reloads": "Config reloads by outcome",
+}
+
+
+class SentinelCollector(Collector):
+    def __init__(self, view: Callable[[], View]) -> None:
+        self._view = view
+
+    def collect(self) -> Iterator[Metric]:
+        view = self._view()
+        r = view.readings
+        families: dict[str, Metric] = {}
+
+        def family(name: str, help_: str, labels: list[str], counter: bool) -> Metric:
+            if name not in families:
+                cls = CounterMetricFamily if counter else GaugeMetricFamily
+                families[name] = cls(name, help_, labels=labels)
+            return families[name]
+
+        base = ["gpu", "uuid"]
+        up = family("sentinel_up", "1 while the daemon runs", [], False)
+        up.add_metric([], 1.0)
+        if r is not None:
+            info = family("sentinel_gpu_info", "GPU identity", base + ["pci_bus_id", "name", "serial", "driver_version"], False)
+            supported = family("sentinel_gpu_field_supported", "0 when NVML reports the field not supported on this GPU", base + ["field"], False)
+            lost = family("sentinel_gpu_lost", "1 when NVML reports the GPU lost (fallen off the bus)", base, False)
+            hung = family("sentinel_gpu_nvml_hung", "1 when an NVML call on this GPU passed its deadline", base, False)
+            for g in r.gpus:
+                ids = [str(g.index), g.uuid]
+                info.add_metric(ids + [g.pci_bus_id, g.name, g.serial, r.driver_version], 1.0)
+                lost.add_metric(ids, float(g.lost))
+                hung.add_metric(ids, float(g.hung))
+                for fname in _FIELD_METRICS:
+                    supported.add_metric(ids + [fname], 0.0 if fname in g.unsupported else 1.0)
+                for fname, value in g.values.items():
+                    mname, help_, extra, counter = _FIELD_METRICS[fname]
+                    help_ = help_ or next(h for n, h, _, _ in _FIELD_METRICS.values() if n == mname and h)
+                    m = family(mname, help_, base + list(extra), counter)
+                    m.add_metric(ids + list(extra.values()), value)
+                if g.nvlink:
+                    nv = family("sentinel_gpu_nvlink_errors", "NVLink data-link error counters per link", base + ["link", "kind"], True)
+                    for (link, kind), value in sorted(g.nvlink.items()):
+                        nv.add_metric(ids + [str(link), kind], float(value))
+                xid = family("sentinel_gpu_xid_errors", "Xid errors per Xid code since the daemon started", base + ["xid"], True)
+                for code, count in sorted(g.xid_counts.items()):
+                    xid.add_metric(ids + [str(code)], float(count))
+                health = family("sentinel_gpu_health", "0 healthy, 1 watch, 2 predicted failure, 3 failed", base, False)
+                if g.index in view.health:
+                    health.add_metric(ids, float(view.health[g.index]))
+                pred = family("sentinel_gpu_predicted_failure_seconds", "Forecast seconds until a counter crosses its failure threshold", base, False)
+                if g.index in view.predicted_failure_seconds:
+                    pred.add_metric(ids, view.predicted_failure_seconds[g.index])
+            src_up = family("sentinel_source_up", "1 when the source's last poll succeeded", ["source"], False)
+            src_dur = family("sentinel_source_poll_duration_seconds", "Duration of the source's last poll", ["source"], False)
+            for name, health in sorted(r.sources.items()):
+                src_up.add_metric([name], float(health.up))
+                src_dur.add_metric([name], health.poll_seconds)
+            errs = family("sentinel_nvml_errors", "NVML call failures by field and NVML return code", ["field", "code"], True)
+            for (fname, code), count in sorted(r.nvml_errors.items()):
+                errs.add_metric([fname, str(code)], float(count))
+        trips = family("sentinel_policy_trips", COUNTER_HELP["sentinel_policy_trips"], ["rule", "action"], True)
+        for (rule, action), count in sorted(view.trips.items()):
+            trips.add_metric([rule, action], float(count))
+        if view.rule_active:
+            act = family("sentinel_policy_rule_active", "0 when a rule cannot run on this GPU (its inputs are unsupported)", ["rule", "gpu"], False)
+            for (rule, gpu), active in sorted(view.rule_active.items()):
+                act.add_metric([rule, str(gpu)], float(active))
+        for store, counter in ((view.counters, True), (view.gauges, False)):
+            for (name, labels), value in sorted(store.items()):
+                m = family(name, COUNTER_HELP.get(name, name.replace("_", " ")), [k for k, _ in labels], counter)
+                m.add_metric([v for _, v in labels], value)
+        yield from families.values()
+
+
+def build_registry(view: Callable[[], View]) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SentinelCollector(view))
+    return registry

@@ -1,0 +1,154 @@
+"""The real pynvml path, against a fake of the pynvml API (functions + pynvml's error classes)."""
+
+from __future__ import annotations
+
+import time
+
+import pynvml
+import pytest
+
+from fake_pynvml import Err, FakePynvml
+from sentinel.sources.nvml import NvmlSource, NvmlUnavailable, normalize_bus_id
+
+
+def started(fake: FakePynvml, **kw) -> NvmlSource:
+    src = NvmlSource(fake, deadline_seconds=kw.pop("deadline", 0.3), event_wait_ms=20, **kw)
+    src.start()
+    return src
+
+
+def test_identity_and_values_read_through_pynvml_api():
+    fake = FakePynvml(2)
+    fake.behaviour[("ecc11", 1)] = 3  # uncorrected aggregate on GPU 1
+    fake.behaviour[("retired0", 1)] = [0x1000, 0x2000]
+    fake.behaviour[("remapped", 1)] = (5, 2, 1, 0)
+    src = started(fake)
+    try:
+        r = src.poll()
+        assert [g.index for g in r] == [0, 1]
+        g1 = r[1]
+        assert g1.uuid == "GPU-fake-1" and g1.name == "NVIDIA A100-SXM4-80GB"
+        assert g1.pci_bus_id == "0000:08:00.0"
+        assert g1.values["ecc_uncorrected_aggregate"] == 3
+        assert g1.values["retired_pages_sbe"] == 2
+        assert (g1.values["remapped_rows_correctable"], g1.values["remapped_rows_uncorrectable"],
+                g1.values["remapped_rows_pending"], g1.values["remapped_rows_failure"]) == (5, 2, 1, 0)
+        assert g1.values["power_watts"] == pytest.approx(250.5)
+        assert sorted({link for link, _ in g1.nvlink}) == [0, 1]  # only active links
+        assert src.driver_version == "550.54.15"
+        assert fake.init_calls == 1
+    finally:
+        src.close()
+    assert fake.shutdown_calls == 1
+
+
+def test_init_once_across_many_polls():
+    fake = FakePynvml(1)
+    src = started(fake)
+    for _ in range(5):
+        src.poll()
+    src.close()
+    assert fake.init_calls == 1
+
+
+def test_not_supported_is_remembered_and_left_out():
+    fake = FakePynvml(1)
+    fake.behaviour[("pcie_replay", 0)] = Err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+    fake.behaviour[("histogram", 0)] = Err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+    src = started(fake)
+    try:
+        g = src.poll()[0]
+        assert "pcie_replay" in g.unsupported and "pcie_replay" not in g.values
+        assert "remap_histogram_low" in g.unsupported
+        assert not any(field == "pcie_replay" for field, _ in src.errors)  # not an error
+        fake.behaviour[("pcie_replay", 0)] = 7  # never asked again after the probe
+        assert "pcie_replay" not in src.poll()[0].values
+    finally:
+        src.close()
+
+
+def test_error_is_counted_per_field_and_code_and_retried():
+    fake = FakePynvml(1)
+    fake.behaviour[("temperature", 0)] = Err(pynvml.NVML_ERROR_UNKNOWN)
+    src = started(fake)
+    try:
+        g = src.poll()[0]
+        assert "temperature_celsius" not in g.values
+        assert g.errors["temperature_celsius"] == pynvml.NVML_ERROR_UNKNOWN
+        assert src.errors[("temperature_celsius", pynvml.NVML_ERROR_UNKNOWN)] == 2  # probe + poll
+        fake.behaviour[("temperature", 0)] = 55
+        assert src.poll()[0].values["temperature_celsius"] == 55
+    finally:
+        src.close()
+
+
+def test_gpu_lost():
+    fake = FakePynvml(2)
+    src = started(fake)
+    try:
+        fake.behaviour[("ecc00", 1)] = Err(pynvml.NVML_ERROR_GPU_IS_LOST)
+        r = src.poll()
+        assert r[1].lost and not r[0].lost
+        assert src.errors[("ecc_corrected_volatile", pynvml.NVML_ERROR_GPU_IS_LOST)] == 1
+    finally:
+        src.close()
+
+
+def test_hung_call_hits_deadline_and_never_stalls_poll():
+    fake = FakePynvml(2)
+    src = started(fake, deadline=0.3)
+    try:
+        fake.behaviour[("temperature", 1)] = "hang"
+        t0 = time.monotonic()
+        r = src.poll()
+        elapsed = time.monotonic() - t0
+        assert r[1].hung and not r[0].hung
+        assert r[0].values["temperature_celsius"] == 40
+        assert elapsed < 0.3 + 0.25
+        # still stuck: the next poll skips GPU 1 at once instead of waiting again
+        t0 = time.monotonic()
+        r = src.poll()
+        assert r[1].hung and time.monotonic() - t0 < 0.2
+        fake.behaviour.pop(("temperature", 1))
+        fake.release.set()
+        deadline = time.monotonic() + 3
+        while src.poll()[1].hung and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not src.poll()[1].hung
+    finally:
+        fake.release.set()
+        src.close()
+
+
+def test_missing_library_is_unavailable():
+    fake = FakePynvml(1)
+    fake.init_error = pynvml.NVML_ERROR_LIBRARY_NOT_FOUND
+    with pytest.raises(NvmlUnavailable, match="nvmlInit failed"):
+        NvmlSource(fake).start()
+
+
+def test_xid_events_counted_per_gpu_and_xid():
+    fake = FakePynvml(2)
+    src = started(fake)
+    try:
+        fake.xid_queue += [(1, 79), (1, 79), (0, 13)]
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline and src.poll()[1].xid_counts.get(79) != 2:
+            time.sleep(0.02)
+        r = src.poll()
+        assert r[1].xid_counts == {79: 2} and r[0].xid_counts == {13: 1}
+        events = src.drain_xid_events()
+        assert [(e.gpu, e.xid) for e in events] == [(1, 79), (1, 79), (0, 13)]
+        assert events[0].pci_bus_id == "0000:08:00.0"
+    finally:
+        src.close()
+
+
+@pytest.mark.parametrize("raw,norm", [
+    ("00000000:3B:00.0", "0000:3b:00.0"),
+    ("0000:3b:00", "0000:3b:00.0"),
+    ("3b:00.0", "0000:3b:00.0"),
+    ("0001:c1:00.0", "0001:c1:00.0"),
+])
+def test_bus_id_normalisation(raw, norm):
+    assert normalize_bus_id(raw) == norm
