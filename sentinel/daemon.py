@@ -50,7 +50,7 @@ def write_json_atomic(path: Path, data: Any) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f, separators=(",", ":"), default=str)
+            f.write(json.dumps(data, separators=(",", ":"), default=str))
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:

@@ -169,6 +169,7 @@ class Policy:
 
     def __init__(self, config: PolicyConfig) -> None:
         self.cfg = config
+        self._active_cache: dict[tuple[int, frozenset[str]], dict[tuple[str, int], bool]] = {}
         self.xid_action: dict[int, str] = {}
         for xid in XID_MIGRATE:
             self.xid_action[xid] = "migrate"
@@ -180,10 +181,15 @@ class Policy:
             self.xid_action[xid] = "ignore"
 
     def rule_active(self, gpu: GpuReading) -> dict[tuple[str, int], bool]:
-        return {
-            (rule, gpu.index): rule not in self.cfg.disabled_rules and rule_fields_supported(rule, gpu)
-            for rule in RULES
-        }
+        key = (gpu.index, gpu.unsupported)
+        cached = self._active_cache.get(key)
+        if cached is None:
+            cached = {
+                (rule, gpu.index): rule not in self.cfg.disabled_rules and rule_fields_supported(rule, gpu)
+                for rule in RULES
+            }
+            self._active_cache[key] = cached
+        return cached
 
     # ------------------------------------------------------------------------------------------
     def decide(self, state: PolicyState, readings: NodeReadings, now: float) -> tuple[PolicyState, list[Trip]]:

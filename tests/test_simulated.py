@@ -67,7 +67,7 @@ def test_concurrent_injectors_lose_nothing(tmp_path):
 def test_corrupt_file_while_running_is_an_error_reading_not_a_crash(tmp_path):
     state = tmp_path / "s.json"
     simulated.write_state(state, simulated.healthy_state(1))
-    src = NvmlSource(simulated.SimulatedNvml(state), deadline_seconds=0.5, event_wait_ms=20)
+    src = NvmlSource(simulated.SimulatedNvml(state, recheck_seconds=0), deadline_seconds=0.5, event_wait_ms=20)
     src.start()
     try:
         state.write_text("{not json")

@@ -258,7 +258,8 @@ class SimulatedNvml:
 
     NVMLError = pynvml.NVMLError
 
-    def __init__(self, state_path: str | Path, *, hang_poll_seconds: float = 0.05, hang_max_seconds: float = 3600.0):
+    def __init__(self, state_path: str | Path, *, hang_poll_seconds: float = 0.05, hang_max_seconds: float = 3600.0,
+                 recheck_seconds: float = 0.01, event_poll_seconds: float = 0.1):
         self.path = Path(state_path)
         self._hang_poll = hang_poll_seconds
         self._hang_max = hang_max_seconds
@@ -266,6 +267,10 @@ class SimulatedNvml:
         self._stamp: tuple[int, int, int] | None = None
         self._state: dict[str, Any] | None = None
         self._initialized = False
+        self._checked_at = -1.0
+        # A changed file is noticed within recheck_seconds (one stat per window, not one per call).
+        self._recheck = recheck_seconds
+        self._event_poll = event_poll_seconds
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(pynvml, name)  # AttributeError for unknown names, as pynvml would
@@ -276,7 +281,14 @@ class SimulatedNvml:
     # -- state --------------------------------------------------------------------------------
     def load(self) -> dict[str, Any]:
         """The current state; raises SimulatedStateError when the file is bad."""
+        state = self._state
+        if state is not None and time.monotonic() - self._checked_at < self._recheck:
+            return state  # fast path, no lock: reading two attributes is atomic under the GIL
         with self._lock:
+            now = time.monotonic()
+            if self._state is not None and now - self._checked_at < self._recheck:
+                return self._state
+            self._checked_at = now
             try:
                 st = os.stat(self.path)
             except FileNotFoundError:
@@ -436,7 +448,7 @@ class SimulatedNvml:
                     event_set.delivered[index] = len(events)
             if time.monotonic() >= end:
                 raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
-            time.sleep(min(0.02, max(0.0, end - time.monotonic())))
+            time.sleep(min(self._event_poll, max(0.0, end - time.monotonic())))
 
     def nvmlEventSetFree(self, event_set: _EventSet) -> None:
         return None
