@@ -1,0 +1,161 @@
+"""Reference job: a small transformer under FSDP2, launched by torchrun, with SnapshotGuard.
+
+Deterministic: seeded init, and the data of global step s is a function of (seed, s) alone, so a
+resumed run is bitwise equal to an uninterrupted one at the same world size. gloo on CPU, NCCL
+on GPU.
+
+    torchrun --nproc-per-node 2 -m trainer.train --steps 50 --snapshot-dir /tmp/snap
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import fully_shard
+
+from trainer.guard import ModelOptimState, SnapshotGuard
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(dim, heads, dim_feedforward=4 * dim, dropout=0.0, batch_first=True)
+            for _ in range(layers)
+        )
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def batch_for(step: int, seed: int, global_batch: int, seq: int, vocab: int, rank: int, world: int):
+    """The global batch of ``step`` depends on (seed, step) only; each rank takes its slice."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    tokens = torch.randint(0, vocab, (global_batch, seq + 1), generator=g)
+    per = global_batch // world
+    part = tokens[rank * per:(rank + 1) * per]
+    return part[:, :-1], part[:, 1:]
+
+
+def _flatten(prefix: str, obj, out: dict) -> None:
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _flatten(f"{prefix}.{k}", v, out)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _flatten(f"{prefix}.{i}", v, out)
+    else:
+        out[prefix] = obj
+
+
+def state_digests(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, str]:
+    """SHA-256 of the full (unsharded) parameters and of the full optimizer state (collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    out = {}
+    for label, sd in (("params", msd), ("optim", osd)):
+        flat: dict = {}
+        _flatten("", sd, flat)
+        h = hashlib.sha256()
+        for name in sorted(flat):
+            h.update(name.encode())
+            v = flat[name]
+            h.update(v.detach().contiguous().cpu().numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode())
+        out[label] = h.hexdigest()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--snapshot-dir", required=True)
+    ap.add_argument("--interval-steps", type=int, default=0, help="periodic snapshots every N steps (0: only on request)")
+    ap.add_argument("--keep", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--global-batch", type=int, default=8)
+    ap.add_argument("--step-seconds", type=float, default=0.0, help="pad each step to this duration (drills)")
+    ap.add_argument("--migrate-hold-seconds", type=float, default=60.0)
+    ap.add_argument("--progress", help="append one JSON line per computed step (rank 0)")
+    ap.add_argument("--final", help="write the final parameters' digest here (rank 0)")
+    ap.add_argument("--pg-timeout", type=float, default=120.0, help="process-group timeout (s): a hung peer is noticed only then")
+    args = ap.parse_args(argv)
+
+    cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.pg_timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    device = torch.device("cuda") if cuda else torch.device("cpu")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.manual_seed(args.seed)
+    model = TinyTransformer(args.vocab, args.dim, args.layers, args.heads).to(device)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = SnapshotGuard(args.snapshot_dir, {"app": ModelOptimState(model, optim)},
+                          interval_steps=args.interval_steps, keep=args.keep,
+                          migrate_hold_seconds=args.migrate_hold_seconds)
+    start = guard.resume()
+    progress = open(args.progress, "a") if args.progress and rank == 0 else None
+    if progress:
+        progress.write(json.dumps({"event": "resume", "start": start, "world": world, "host": socket.gethostname(),
+                                   "node": os.environ.get("SENTINEL_NODE", ""), "time": time.time(),
+                                   "from": str(guard.resumed_from or "")}) + "\n")
+        progress.flush()
+    loss_fn = nn.CrossEntropyLoss()
+    for step in range(start, args.steps):
+        t0 = time.perf_counter()
+        x, y = batch_for(step, args.seed, args.global_batch, args.seq, args.vocab, rank, world)
+        x, y = x.to(device), y.to(device)
+        logits = model(x)
+        loss = loss_fn(logits.reshape(-1, args.vocab), y.reshape(-1))
+        loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        if progress:
+            progress.write(json.dumps({"event": "step", "step": step, "loss": round(loss.item(), 6), "world": world,
+                                       "node": os.environ.get("SENTINEL_NODE", ""), "time": time.time()}) + "\n")
+            progress.flush()
+        guard.step(step)
+        pad = args.step_seconds - (time.perf_counter() - t0)
+        if pad > 0:
+            time.sleep(pad)
+    guard.close()
+    digests = state_digests(model, optim)
+    if rank == 0:
+        if args.final:
+            Path(args.final).write_text(json.dumps({**digests, "steps": args.steps, "world": world,
+                                                    "resumed_at": start}))
+        if progress:
+            progress.write(json.dumps({"event": "finished", "time": time.time(), **digests}) + "\n")
+            progress.close()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
