@@ -242,12 +242,13 @@ class DaemonEndpoint:
                 pids.append(int(stem))
         return sorted(pids)
 
-    def request(self, kind: str, request_id: str, reason: str) -> int:
-        """Send to every local rank; returns how many received it. Stale sockets are removed."""
+    def request(self, kind: str, request_id: str, reason: str, pids: list[int] | None = None) -> int:
+        """Send to every local rank (or only ``pids``); returns how many received it.
+        Sockets of ranks that exited are removed."""
         req = Request(type=kind, id=request_id, reason=reason)
         state = self.requests.setdefault(request_id, RequestState(req))
         data = req.encode()
-        for pid in self.rank_pids():
+        for pid in self.rank_pids() if pids is None else pids:
             path = self.ranks_dir / f"{pid}.sock"
             try:
                 self.sock.sendto(data, str(path))

@@ -36,6 +36,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -157,7 +158,7 @@ class SnapshotGuard:
         for step, path in complete_snapshots(self.directory):
             try:
                 dcp.load(self.state, checkpoint_id=str(path), process_group=self.group)
-            except Exception as exc:  # noqa: BLE001 - DCP raises CheckpointException, RuntimeError, OSError...
+            except (CheckpointException, Exception) as exc:  # noqa: BLE001 - CheckpointException is a BaseException
                 log.warning("snapshot %s could not be loaded (%s); trying the previous one", path, exc)
                 continue
             self.resumed_from = path
@@ -214,7 +215,7 @@ class SnapshotGuard:
             try:
                 dcp.save(self.state, checkpoint_id=str(path), process_group=self.group)
                 upload.set_result(None)
-            except Exception as exc:  # noqa: BLE001 - recorded and acknowledged as a failure
+            except (CheckpointException, Exception) as exc:  # noqa: BLE001 - recorded and acknowledged as a failure
                 upload.set_exception(exc)
         blocked = time.perf_counter() - t0
         self._inflight = _Inflight(step, path, upload, requests, blocked, kind, t0)
@@ -223,7 +224,7 @@ class SnapshotGuard:
         if self._inflight is not None:
             try:
                 self._inflight.upload.result()
-            except Exception:  # noqa: BLE001 - _reap records it
+            except (CheckpointException, Exception):  # noqa: BLE001 - _reap records it
                 pass
             self._reap()
 
@@ -234,7 +235,7 @@ class SnapshotGuard:
         error = ""
         try:
             inflight.upload.result()
-        except Exception as exc:  # noqa: BLE001 - a failed snapshot is reported, never committed
+        except (CheckpointException, Exception) as exc:  # noqa: BLE001 - a failed snapshot is reported, never committed
             error = f"{type(exc).__name__}: {exc}"
             log.error("snapshot at step %d failed: %s", inflight.step, error)
         if not error and self.rank == 0:
