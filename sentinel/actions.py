@@ -35,7 +35,6 @@ class Executor:
         self.migrator = migrator
         self.new_id = new_id
         self.counts: Counter[tuple[str, str]] = Counter()  # (kind, outcome)
-        self.migrating = False
 
     def execute(self, trips: list[Trip]) -> None:
         if not trips:
@@ -47,16 +46,12 @@ class Executor:
         if kind == "alert":
             self.counts[("alert", "ok")] += 1
             return
-        if kind == "migrate" and self.migrating:
-            self.counts[("migrate", "already_migrating")] += 1
-            return
         reason = f"{strongest.rule}: {strongest.message} (GPU {strongest.gpu})"
         request_id = self.new_id()
         try:
             if kind == "migrate" and self.migrator is not None:
-                self.migrating = True
-                self.migrator.begin(request_id, strongest)
-                self.counts[("migrate", "started")] += 1
+                self.migrator.begin(request_id, strongest)  # idempotent: one migration per node
+                self.counts[("migrate", "requested")] += 1
             elif self.trainer is not None:
                 reached = self.trainer.request(kind, request_id, reason)
                 self.counts[(kind, "sent" if reached else "no_trainer")] += 1

@@ -19,4 +19,36 @@ def build_daemon(cfg: Config, *, simulate: str | None = None, no_ebpf: bool = Fa
         except ImportError as exc:  # the dependency is declared; a broken install still gets one sentence
             raise NvmlUnavailable(f"the nvidia-ml-py package cannot be imported: {exc}") from None
         source = NvmlSource(pynvml, deadline_seconds=cfg.daemon.nvml_deadline_seconds)
-    return Daemon(cfg, source, notifier=Notifier())
+    daemon = Daemon(cfg, source, notifier=Notifier())
+    attach_actions(daemon)
+    return daemon
+
+
+def attach_actions(daemon: Daemon) -> None:
+    """The control channel to this node's ranks and the migration sequence."""
+    import socket
+    from pathlib import Path
+
+    from sentinel.actions import Executor
+    from sentinel.channel import DaemonEndpoint
+    from sentinel.daemon import StartupError
+    from sentinel.migration import Migrator
+
+    cfg = daemon.config
+    runtime = Path(cfg.daemon.runtime_dir)
+    state = Path(cfg.daemon.state_dir)
+    try:
+        runtime.mkdir(parents=True, exist_ok=True)
+        endpoint = DaemonEndpoint(runtime)
+    except OSError as exc:
+        raise StartupError(f"runtime directory {runtime} is not writable: {exc.strerror}") from None
+    try:
+        migrator = Migrator(cfg.actions, endpoint, state_dir=state, runtime_dir=runtime,
+                            node=cfg.daemon.node_name or socket.gethostname())
+    except OSError as exc:
+        raise StartupError(f"state directory {state} is not writable: {exc.strerror}") from None
+    daemon.endpoint = endpoint
+    daemon.migrator = migrator
+    daemon.executor = Executor(trainer=endpoint, migrator=migrator)
+    daemon.extra_counters += [endpoint.metric_counters, migrator.metric_counters]
+    daemon.extra_gauges.append(migrator.gauges)

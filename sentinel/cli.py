@@ -175,6 +175,35 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 1 if unhealthy else 0
 
 
+def cmd_uncordon(args: argparse.Namespace) -> int:
+    from sentinel.migration import uncordon
+
+    state = Path(args.state_dir)
+    if uncordon(state):
+        print(f"{state}: cordon cleared; the agent may start again")
+        return 0
+    print(f"{state}: not cordoned")
+    return 0
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    """Exec the torchrun agent under a pidfile the daemon can find; refuse on a cordoned node."""
+    cordon = Path(args.state_dir) / "cordon.json"
+    if cordon.exists():
+        return fail(f"node is cordoned ({cordon}); clear it with `sentinel uncordon --state-dir {args.state_dir}`", 3)
+    if not args.command:
+        return fail("launch needs a command after --, e.g. sentinel launch -- torchrun ...")
+    command = args.command[1:] if args.command[0] == "--" else args.command
+    pidfile = Path(args.pidfile)
+    pidfile.parent.mkdir(parents=True, exist_ok=True)
+    pidfile.write_text(f"{os.getpid()}\n")
+    try:
+        os.execvp(command[0], command)  # same pid: the pidfile names the agent itself
+    except OSError as exc:
+        return fail(f"cannot run {command[0]}: {exc.strerror}", 127)
+    return 0  # not reached
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sentinel", description="GPU failure prediction, snapshot and spare migration daemon")
     sub = p.add_subparsers(dest="command", required=True)
@@ -212,6 +241,16 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--runtime-dir", default=os.environ.get("SENTINEL_RUNTIME_DIR", "/run/sentinel"))
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)
+
+    un = sub.add_parser("uncordon", help="operator: clear this node's cordon marker")
+    un.add_argument("--state-dir", default="/var/lib/sentinel")
+    un.set_defaults(func=cmd_uncordon)
+
+    la = sub.add_parser("launch", help="run the torchrun agent under a pidfile the daemon drains (refuses on a cordoned node)")
+    la.add_argument("--pidfile", default=os.path.join(os.environ.get("SENTINEL_RUNTIME_DIR", "/run/sentinel"), "agent.pid"))
+    la.add_argument("--state-dir", default="/var/lib/sentinel")
+    la.add_argument("command", nargs=argparse.REMAINDER)
+    la.set_defaults(func=cmd_launch)
     return p
 
 

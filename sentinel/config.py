@@ -97,6 +97,10 @@ class ActionsConfig:
     cordon_command: tuple[str, ...] = ()
     # How the node's torchrun agent is found: a pidfile the launcher writes ("" = <runtime_dir>/agent.pid).
     agent_pidfile: str = ""
+    # Alternatively a command that stops the agent, e.g. ["systemctl", "stop", "sentinel-agent@train.service"].
+    agent_stop_command: tuple[str, ...] = ()
+    # Command run when a migration begins, to bring a cold spare's agent up, e.g. a Slurm or Kubernetes call.
+    spare_command: tuple[str, ...] = ()
     drain: bool = True
 
     def validate(self, prefix: str) -> None:

@@ -94,6 +94,9 @@ class Daemon:
         self.httpd: Any = None
         self.metrics_port: int | None = None
         self.extra_counters: list[Callable[[], dict]] = []
+        self.extra_gauges: list[Callable[[], dict]] = []
+        self.endpoint: Any = None  # sentinel.channel.DaemonEndpoint
+        self.migrator: Any = None  # sentinel.migration.Migrator
         self.hooks: list[Callable[[NodeReadings, PolicyState], None]] = []
         self._stop = threading.Event()
         self._reload_requested: Callable[[], Config | None] | None = None
@@ -134,6 +137,8 @@ class Daemon:
             self.httpd.server_close()
         for src in self.event_sources:
             src.close()
+        if self.endpoint is not None:
+            self.endpoint.close()
         self.nvml.close()
 
     # -- one iteration ------------------------------------------------------------------------
@@ -167,6 +172,12 @@ class Daemon:
         for t in trips:
             self.trips[(t.rule, t.action)] += 1
         self.executor.execute(trips)
+        acks = self.endpoint.poll_acks() if self.endpoint is not None else []
+        for ack in acks:
+            event(log, "trainer acknowledged", id=ack.id, rank=ack.rank, pid=ack.pid, step=ack.step, ok=ack.ok,
+                  path=ack.path, blocked_seconds=ack.blocked_seconds, error=ack.error)
+        if self.migrator is not None:
+            self.migrator.tick(acks)
         for hook in self.hooks:
             hook(readings, self.policy_state)
         self.publish(readings, counters)
@@ -184,7 +195,10 @@ class Daemon:
             counters[("sentinel_config_reloads", (("outcome", outcome),))] = float(n)
         for extra in self.extra_counters:
             counters.update(extra())
-        self.view = View(readings, health, forecasts, dict(self.trips), rule_active, counters, {}, self.node)
+        gauges: dict = {}
+        for extra in self.extra_gauges:
+            gauges.update(extra())
+        self.view = View(readings, health, forecasts, dict(self.trips), rule_active, counters, gauges, self.node)
         self.write_status(readings, health)
 
     def write_status(self, readings: NodeReadings, health: dict[int, int]) -> None:
@@ -211,6 +225,8 @@ class Daemon:
                 for g in readings.gpus
             ],
             "trips": {f"{r}/{a}": n for (r, a), n in self.trips.items()},
+            "cordoned": bool(self.migrator and self.migrator.cordoned),
+            "migration": self.migrator.record.__dict__ if self.migrator and self.migrator.record else None,
         }
         try:
             write_json_atomic(self.runtime_dir / "status.json", status)
