@@ -242,6 +242,13 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)
 
+    from sentinel import drill
+
+    dr = sub.add_parser("drill", help="end-to-end drill on this machine: N nodes + spares, a fault, a migration",
+                        epilog="faults: " + "; ".join(f"{k}: {v}" for k, v in drill.FAULTS.items()))
+    drill.add_arguments(dr)
+    dr.set_defaults(func=drill.run_drill)
+
     un = sub.add_parser("uncordon", help="operator: clear this node's cordon marker")
     un.add_argument("--state-dir", default="/var/lib/sentinel")
     un.set_defaults(func=cmd_uncordon)

@@ -106,6 +106,15 @@ def main(argv: list[str] | None = None) -> int:
     backend = "nccl" if cuda else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=args.pg_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
+    node = os.environ.get("SENTINEL_NODE", socket.gethostname())
+
+    def record(event: str, **fields) -> None:
+        if args.progress:
+            with open(args.progress, "a") as f:  # O_APPEND: whole lines from many ranks
+                f.write(json.dumps({"event": event, "rank": rank, "world": world, "node": node,
+                                    "time": time.time(), **fields}) + "\n")
+
+    record("admitted")
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     device = torch.device("cuda") if cuda else torch.device("cpu")
@@ -120,12 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                           interval_steps=args.interval_steps, keep=args.keep,
                           migrate_hold_seconds=args.migrate_hold_seconds)
     start = guard.resume()
-    progress = open(args.progress, "a") if args.progress and rank == 0 else None
-    if progress:
-        progress.write(json.dumps({"event": "resume", "start": start, "world": world, "host": socket.gethostname(),
-                                   "node": os.environ.get("SENTINEL_NODE", ""), "time": time.time(),
-                                   "from": str(guard.resumed_from or "")}) + "\n")
-        progress.flush()
+    record("resumed", start=start, source=str(guard.resumed_from or ""))
     loss_fn = nn.CrossEntropyLoss()
     for step in range(start, args.steps):
         t0 = time.perf_counter()
@@ -136,10 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         loss.backward()
         optim.step()
         optim.zero_grad(set_to_none=True)
-        if progress:
-            progress.write(json.dumps({"event": "step", "step": step, "loss": round(loss.item(), 6), "world": world,
-                                       "node": os.environ.get("SENTINEL_NODE", ""), "time": time.time()}) + "\n")
-            progress.flush()
+        if rank == 0:
+            record("step", step=step, loss=round(loss.item(), 6))
         guard.step(step)
         pad = args.step_seconds - (time.perf_counter() - t0)
         if pad > 0:
@@ -150,9 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.final:
             Path(args.final).write_text(json.dumps({**digests, "steps": args.steps, "world": world,
                                                     "resumed_at": start}))
-        if progress:
-            progress.write(json.dumps({"event": "finished", "time": time.time(), **digests}) + "\n")
-            progress.close()
+        record("finished", **digests)
     dist.destroy_process_group()
     return 0
 

@@ -1,0 +1,453 @@
+"""`sentinel drill`: the whole path on one machine, no GPU.
+
+A rendezvous store, N "nodes" — each a Sentinel daemon with its own simulated GPUs, runtime and
+state directories and metrics port, plus a torchrun agent running ``trainer/train.py`` — and S
+cold spare nodes (daemon running, agent started only when a migration begins: a running spare
+plus any rank crash starts an endless 3-nodes-for-2-slots re-rendezvous loop). A fault is
+injected at step K into one node's simulated GPU; the timeline of every stage is printed; the
+exit status is 0 only when the job finished with a spare in place of the failed node and no
+step was lost (``--verify`` also compares the final parameters bitwise with an uninterrupted
+run).
+
+This module never imports torch: the job runs in torchrun subprocesses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sentinel.sources import simulated
+
+FAULTS = {
+    "xid79": "Xid 79 (GPU fell off the bus) on one GPU",
+    "dbe": "a double-bit (uncorrectable) ECC error",
+    "sbe-ramp": "single-bit errors retiring pages at a rate only the trend predictor catches",
+    "kill": "sudden failure: kill -9 of the node's agent and workers, no warning",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Node:
+    name: str
+    root: Path
+    spare: bool
+    daemon: subprocess.Popen | None = None
+    agent: subprocess.Popen | None = None
+    metrics_port: int | None = None
+
+    @property
+    def runtime(self) -> Path:
+        return self.root / "run"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.root / "state"
+
+    @property
+    def gpus(self) -> Path:
+        return self.root / "gpus.json"
+
+    @property
+    def pidfile(self) -> Path:
+        return self.runtime / "agent.pid"
+
+
+@dataclass
+class Timeline:
+    t0: float
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, stage: str, at: float | None, **info: Any) -> None:
+        if at is not None:
+            self.events.append({"stage": stage, "time": at, "t": round(at - self.t0, 3), **info})
+
+
+class Drill:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.own_workdir = args.workdir is None
+        self.work = Path(args.workdir or tempfile.mkdtemp(prefix="sentinel-drill-"))
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.progress = self.work / "progress.jsonl"
+        self.snapshots = self.work / "snapshots"
+        self.pool = self.work / "spare-pool"
+        self.procs: list[subprocess.Popen] = []
+        self.nodes: list[Node] = []
+        self.store_port = free_port()
+        self.run_id = f"drill-{os.getpid()}"
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                    "PYTHONUNBUFFERED": "1", "PYTHONPATH": _pythonpath()}
+
+    # -- processes -------------------------------------------------------------------------------
+    def spawn(self, argv: list[str], log: Path, env: dict[str, str] | None = None, session: bool = True) -> subprocess.Popen:
+        with open(log, "a") as out:
+            p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env or self.env,
+                                 start_new_session=session, cwd=str(_repo_root()))
+        self.procs.append(p)
+        return p
+
+    def start_store(self) -> None:
+        self.spawn([sys.executable, "-m", "trainer.store", "--port", str(self.store_port)], self.work / "store.log")
+        _wait(lambda: _port_open(self.store_port), 30, "rendezvous store")
+
+    def agent_argv(self, node: Node) -> list[str]:
+        a = self.args
+        nnodes = f"{a.min_nodes or a.nodes}:{a.nodes}"
+        rdzv_conf = "is_host=false,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=" + str(int(a.timeout))
+        return [
+            sys.executable, "-m", "sentinel", "launch", "--pidfile", str(node.pidfile), "--state-dir", str(node.state_dir), "--",
+            sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={a.procs_per_node}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.store_port}", f"--rdzv-id={self.run_id}",
+            f"--rdzv-conf={rdzv_conf}", f"--max-restarts={a.max_restarts}", "--monitor-interval=0.1",
+            "-m", "trainer.train", "--steps", str(a.steps), "--snapshot-dir", str(self.snapshots),
+            "--interval-steps", str(a.interval_steps), "--step-seconds", str(a.step_seconds),
+            "--progress", str(self.progress), "--final", str(self.work / "final.json"),
+            "--migrate-hold-seconds", "30", "--pg-timeout", "30",
+        ]
+
+    def node_env(self, node: Node) -> dict[str, str]:
+        return {**self.env, "SENTINEL_RUNTIME_DIR": str(node.runtime), "SENTINEL_NODE": node.name}
+
+    def make_node(self, index: int, spare: bool) -> Node:
+        name = f"spare{index}" if spare else f"node{index}"
+        node = Node(name, self.work / name, spare)
+        node.runtime.mkdir(parents=True)
+        node.runtime.chmod(0o755)
+        simulated.write_state(node.gpus, simulated.healthy_state(self.args.gpus_per_node))
+        spare_cmd = json.dumps([sys.executable, "-m", "sentinel.drill", "claim-spare", "--pool", str(self.pool)])
+        (node.root / "sentinel.toml").write_text(
+            "[daemon]\npoll_interval_seconds = 0.2\nnvml_deadline_seconds = 1.0\n"
+            f'runtime_dir = "{node.runtime}"\nstate_dir = "{node.state_dir}"\nnode_name = "{name}"\n'
+            'log_level = "info"\n'
+            '[metrics]\nlisten_address = "127.0.0.1"\nport = 0\n'
+            "[policy]\nlead_time_seconds = 600.0\ndebounce_samples = 3\n"
+            f"[actions]\nack_timeout_seconds = 30.0\nspare_command = {spare_cmd}\n"
+            "[ebpf]\nenabled = false\n"
+        )
+        if spare:
+            self.pool.mkdir(exist_ok=True)
+            (self.pool / f"{name}.json").write_text(json.dumps({
+                "name": name, "argv": self.agent_argv(node), "env": self.node_env(node),
+                "log": str(node.root / "agent.log"), "cwd": str(_repo_root()),
+            }))
+            (self.pool / f"{name}.free").write_text("")
+        return node
+
+    def start_daemon(self, node: Node) -> None:
+        node.daemon = self.spawn([sys.executable, "-m", "sentinel", "run", "--config", str(node.root / "sentinel.toml"),
+                                  "--simulate", str(node.gpus), "--no-ebpf"], node.root / "daemon.log")
+
+    def wait_daemon(self, node: Node) -> None:
+        status = node.runtime / "status.json"
+        _wait(lambda: status.exists() or (node.daemon and node.daemon.poll() is not None), 60, f"{node.name} daemon")
+        if node.daemon and node.daemon.poll() is not None:
+            raise DrillError(f"{node.name}'s daemon exited: {(node.root / 'daemon.log').read_text()[-1500:]}")
+        node.metrics_port = json.loads(status.read_text())["metrics_port"]
+
+    def start_agent(self, node: Node) -> None:
+        node.agent = self.spawn(self.agent_argv(node), node.root / "agent.log", env=self.node_env(node))
+
+    # -- the drill -------------------------------------------------------------------------------
+    def events(self) -> list[dict[str, Any]]:
+        if not self.progress.exists():
+            return []
+        out = []
+        for line in self.progress.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line still being written
+        return out
+
+    def max_step(self) -> int:
+        return max((e["step"] for e in self.events() if e["event"] == "step"), default=-1)
+
+    def inject(self, victim: Node) -> float:
+        fault = self.args.fault
+        t = time.time()
+        if fault == "xid79":
+            simulated.inject(victim.gpus, 0, ["xid=79"])
+        elif fault == "dbe":
+            simulated.inject(victim.gpus, 0, ["ecc-dbe=+1"])
+        elif fault == "sbe-ramp":
+            simulated.inject(victim.gpus, 0, ["retired-sbe=+40"])
+        elif fault == "kill":
+            pgid = os.getpgid(victim.agent.pid) if victim.agent else None
+            if pgid:
+                os.killpg(pgid, signal.SIGKILL)  # agent and its workers, no warning
+        return t
+
+    def ramp(self, victim: Node, until: float) -> None:
+        """sbe-ramp: one more page retired every 0.3 s — a trend, not a jump."""
+        while time.time() < until and not (victim.state_dir / "cordon.json").exists():
+            simulated.inject(victim.gpus, 0, ["retired-sbe=+1"])
+            time.sleep(0.3)
+
+    def run(self) -> dict[str, Any]:
+        a = self.args
+        t_start = time.time()
+        self.start_store()
+        self.nodes = [self.make_node(i, False) for i in range(a.nodes)] + [self.make_node(i, True) for i in range(a.spares)]
+        for n in self.nodes:
+            self.start_daemon(n)
+        for n in self.nodes:
+            self.wait_daemon(n)
+        for n in self.nodes:
+            if not n.spare:
+                self.start_agent(n)
+        victim = self.nodes[min(1, a.nodes - 1)]
+        deadline = t_start + a.timeout
+        _wait(lambda: self.max_step() >= a.at_step or self._job_dead(), deadline - time.time(), f"step {a.at_step}")
+        tl = Timeline(time.time())
+        t_fault = self.inject(victim)
+        tl.add("fault injected", t_fault, node=victim.name, fault=a.fault)
+        if a.fault == "sbe-ramp":
+            self.ramp(victim, min(deadline, time.time() + 30))
+        if a.fault == "kill":
+            # The node died with its daemon's help unavailable: the scheduler replaces it.
+            subprocess.run([sys.executable, "-m", "sentinel.drill", "claim-spare", "--pool", str(self.pool)],
+                           env=self.env, check=False, timeout=30, capture_output=True)
+        _wait(lambda: any(e["event"] == "finished" for e in self.events()) or self._job_dead(),
+              max(1.0, deadline - time.time()), "the job to finish")
+        return self.report(tl, victim, t_fault)
+
+    def _job_dead(self) -> bool:
+        agents = [n.agent for n in self.nodes if n.agent is not None]
+        claimed = [n for n in self.nodes if n.spare and (self.pool / f"{n.name}.claimed").exists()]
+        return bool(agents) and all(p.poll() is not None for p in agents) and not claimed
+
+    def report(self, tl: Timeline, victim: Node, t_fault: float) -> dict[str, Any]:
+        events = self.events()
+        mig: dict[str, Any] = {}
+        try:
+            mig = json.loads((victim.state_dir / "migration.json").read_text())
+        except (OSError, ValueError):
+            pass
+        times = mig.get("times", {})
+        tl.add("detected", times.get("tripped"), rule=mig.get("rule"), reason=mig.get("reason"))
+        tl.add("snapshot requested", times.get("requested"))
+        tl.add("snapshot committed", times.get("acknowledged"), step=mig.get("snapshot_step"), ok=mig.get("snapshot_ok"))
+        tl.add("node cordoned", times.get("cordoned"))
+        tl.add("agent stopped", times.get("drained"))
+        spares = {n.name for n in self.nodes if n.spare}
+        admitted = [e for e in events if e["event"] == "admitted" and e["node"] in spares and e["time"] >= t_fault]
+        loaded = [e for e in events if e["event"] == "resumed" and e["node"] in spares and e["time"] >= t_fault]
+        t_admit = min((e["time"] for e in admitted), default=None)
+        tl.add("spare admitted", t_admit, node=admitted[0]["node"] if admitted else None)
+        t_loaded = min((e["time"] for e in loaded), default=None)
+        tl.add("snapshot loaded", t_loaded, start_step=loaded[0]["start"] if loaded else None,
+               source=loaded[0]["source"] if loaded else None)
+        steps = [e for e in events if e["event"] == "step"]
+        after = [e for e in steps if t_loaded is not None and e["time"] >= t_loaded]
+        t_first = after[0]["time"] if after else None
+        tl.add("first step on the spare", t_first, step=after[0]["step"] if after else None)
+        finished = next((e for e in events if e["event"] == "finished"), None)
+        tl.add("job finished", finished["time"] if finished else None)
+        seen: dict[int, int] = {}
+        for e in steps:
+            seen[e["step"]] = seen.get(e["step"], 0) + 1
+        lost = sorted(s for s, n in seen.items() if n > 1)
+        final_nodes = sorted({e["node"] for e in events if e["event"] == "resumed" and t_loaded and e["time"] >= t_fault})
+        tl.events.sort(key=lambda e: e["time"])
+        prev = tl.t0
+        for e in tl.events:
+            e["duration"] = round(e["time"] - prev, 3)
+            prev = e["time"]
+        result = {
+            "fault": self.args.fault,
+            "failed_node": victim.name,
+            "timeline": tl.events,
+            "finished": finished is not None,
+            "spare_in_place": bool(admitted) and victim.name not in final_nodes,
+            "final_nodes": final_nodes,
+            "lost_steps": lost,
+            "trip_to_first_step_seconds": round(t_first - times["tripped"], 3) if t_first and "tripped" in times else None,
+            "fault_to_first_step_seconds": round(t_first - t_fault, 3) if t_first else None,
+            "migration_notes": mig.get("notes", []),
+            "final": finished,
+            "workdir": str(self.work),
+        }
+        if self.args.verify and finished:
+            result["verify"] = self.verify(finished)
+        ok = result["finished"] and result["spare_in_place"]
+        if self.args.fault == "kill":
+            ok = ok and len(lost) <= max(1, self.args.interval_steps)
+        else:
+            ok = ok and not lost
+        if "verify" in result:
+            ok = ok and result["verify"]["bitwise_equal"]
+        result["ok"] = ok
+        return result
+
+    def verify(self, finished: dict[str, Any]) -> dict[str, Any]:
+        a = self.args
+        ref = self.work / "reference"
+        ref.mkdir(exist_ok=True)
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nodes * a.procs_per_node}",
+                "-m", "trainer.train", "--steps", str(a.steps), "--snapshot-dir", str(ref / "snapshots"),
+                "--final", str(ref / "final.json")]
+        r = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=600, cwd=str(_repo_root()))
+        if r.returncode != 0:
+            return {"bitwise_equal": False, "error": r.stderr[-2000:]}
+        want = json.loads((ref / "final.json").read_text())
+        return {"bitwise_equal": want["params"] == finished["params"] and want["optim"] == finished["optim"],
+                "reference_params_sha256": want["params"], "drill_params_sha256": finished["params"]}
+
+    def cleanup(self) -> None:
+        pids = set()
+        for n in self.nodes:
+            try:
+                pids.add(int(n.pidfile.read_text().split()[0]))
+            except (OSError, ValueError, IndexError):
+                pass
+        for p in self.procs:
+            pids.add(p.pid)
+        for pid in pids:
+            try:
+                os.killpg(pid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
+        end = time.time() + 5
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, end - time.time()))
+            except subprocess.TimeoutExpired:
+                pass
+        for pid in pids:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self.own_workdir and not self.args.keep:
+            shutil.rmtree(self.work, ignore_errors=True)
+
+
+class DrillError(RuntimeError):
+    pass
+
+
+def _wait(predicate, timeout: float, what: str) -> None:
+    end = time.time() + timeout
+    while time.time() < end:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise DrillError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _repo_root() -> Path:
+    return Path(__file__).resolve().parents[1]
+
+
+def _pythonpath() -> str:
+    parts = [str(_repo_root())] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.pathsep.join(parts)
+
+
+def claim_spare(pool: Path) -> int:
+    """The drill's spare_command: claim one free spare atomically and start its agent, detached."""
+    for free in sorted(pool.glob("*.free")):
+        claimed = free.with_suffix(".claimed")
+        try:
+            os.rename(free, claimed)
+        except FileNotFoundError:
+            continue  # another node claimed it first
+        spec = json.loads(free.with_suffix(".json").read_text())
+        with open(spec["log"], "a") as out:
+            subprocess.Popen(spec["argv"], env=spec["env"], stdout=out, stderr=subprocess.STDOUT, cwd=spec["cwd"],
+                             start_new_session=True)
+        print(f"started spare {spec['name']}")
+        return 0
+    print("no free spare in the pool", file=sys.stderr)
+    return 1
+
+
+def print_timeline(result: dict[str, Any]) -> None:
+    print(f"drill: fault {result['fault']} on {result['failed_node']}   workdir {result['workdir']}")
+    print(f"{'stage':<26} {'t (s)':>8} {'+ (s)':>8}  detail")
+    for e in result["timeline"]:
+        detail = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("stage", "time", "t", "duration") and v is not None)
+        print(f"{e['stage']:<26} {e['t']:>8.2f} {e['duration']:>8.2f}  {detail}")
+    print(f"trip -> first step on the spare: {result['trip_to_first_step_seconds']} s;"
+          f" fault -> first step: {result['fault_to_first_step_seconds']} s")
+    print(f"lost steps: {len(result['lost_steps'])} {result['lost_steps'] or ''}")
+    for note in result["migration_notes"]:
+        print(f"note: {note}")
+    if "verify" in result:
+        print(f"verify: final parameters bitwise equal to an uninterrupted run: {result['verify']['bitwise_equal']}")
+    print("drill: OK" if result["ok"] else "drill: FAILED")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--spares", type=int, default=1)
+    p.add_argument("--procs-per-node", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=2, help="simulated GPUs per node")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--step-seconds", type=float, default=0.1)
+    p.add_argument("--interval-steps", type=int, default=10, help="periodic snapshots (the sudden-failure fallback)")
+    p.add_argument("--fault", choices=sorted(FAULTS), default="xid79")
+    p.add_argument("--at-step", type=int, default=20)
+    p.add_argument("--min-nodes", type=int, default=0, help="--nnodes minimum (default: --nodes)")
+    p.add_argument("--max-restarts", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=180.0)
+    p.add_argument("--verify", action="store_true", help="also run uninterrupted and compare final parameters bitwise")
+    p.add_argument("--json", action="store_true", help="print the machine-readable result")
+    p.add_argument("--workdir", help="keep everything here (default: a temporary directory, removed)")
+    p.add_argument("--keep", action="store_true", help="keep the temporary work directory")
+
+
+def run_drill(args: argparse.Namespace) -> int:
+    if args.spares < 1 and not args.min_nodes:
+        print("sentinel drill: --spares 0 needs --min-nodes < --nodes (continue on fewer nodes)", file=sys.stderr)
+    drill = Drill(args)
+    try:
+        result = drill.run()
+    except DrillError as exc:
+        print(f"sentinel drill: {exc}; logs in {drill.work}", file=sys.stderr)
+        args.keep = True
+        return 1
+    finally:
+        drill.cleanup()
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print_timeline(result)
+    return 0 if result["ok"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sentinel.drill")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("claim-spare")
+    c.add_argument("--pool", required=True, type=Path)
+    args = ap.parse_args(argv)
+    return claim_spare(args.pool)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
