@@ -189,10 +189,12 @@ class Drill:
             simulated.inject(victim.gpus, 0, ["ecc-dbe=+1"])
         elif fault == "sbe-ramp":
             simulated.inject(victim.gpus, 0, ["retired-sbe=+40"])
-        elif fault == "kill":
-            pgid = os.getpgid(victim.agent.pid) if victim.agent else None
-            if pgid:
-                os.killpg(pgid, signal.SIGKILL)  # agent and its workers, no warning
+        elif fault == "kill" and victim.agent is not None:
+            for pid in [victim.agent.pid, *descendants(victim.agent.pid)]:  # agent and workers, no warning
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         return t
 
     def ramp(self, victim: Node, until: float) -> None:
@@ -351,6 +353,26 @@ def _wait(predicate, timeout: float, what: str) -> None:
             return
         time.sleep(0.05)
     raise DrillError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def descendants(pid: int) -> list[int]:
+    """All processes below ``pid`` (torchrun puts its workers in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def _port_open(port: int) -> bool:
