@@ -35,6 +35,7 @@ FAULTS = {
     "dbe": "a double-bit (uncorrectable) ECC error",
     "sbe-ramp": "single-bit errors retiring pages at a rate only the trend predictor catches",
     "kill": "sudden failure: kill -9 of the node's agent and workers, no warning",
+    "rank-crash": "kill -9 of one training rank, agent alive (the spare stays cold; workers restart in place)",
 }
 
 
@@ -195,6 +196,10 @@ class Drill:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+        elif fault == "rank-crash" and victim.agent is not None:
+            workers = [p for p in descendants(victim.agent.pid) if b"trainer.train" in _cmdline(p)]
+            if workers:
+                os.kill(workers[0], signal.SIGKILL)
         return t
 
     def ramp(self, victim: Node, until: float) -> None:
@@ -215,12 +220,15 @@ class Drill:
         for n in self.nodes:
             if not n.spare:
                 self.start_agent(n)
-        victim = self.nodes[min(1, a.nodes - 1)]
+        victims = self.nodes[1:1 + a.victims] if a.nodes > a.victims else self.nodes[:a.victims]
+        victim = victims[0]
         deadline = t_start + a.timeout
         _wait(lambda: self.max_step() >= a.at_step or self._job_dead(), deadline - time.time(), f"step {a.at_step}")
         tl = Timeline(time.time())
-        t_fault = self.inject(victim)
-        tl.add("fault injected", t_fault, node=victim.name, fault=a.fault)
+        for v in victims:  # several nodes at once: each daemon migrates its own node
+            t_fault = self.inject(v)
+            tl.add("fault injected", t_fault, node=v.name, fault=a.fault)
+        t_fault = tl.events[0]["time"]
         if a.fault == "sbe-ramp":
             self.ramp(victim, min(deadline, time.time() + 30))
         if a.fault == "kill":
@@ -229,7 +237,22 @@ class Drill:
                            env=self.env, check=False, timeout=30, capture_output=True)
         _wait(lambda: any(e["event"] == "finished" for e in self.events()) or self._job_dead(),
               max(1.0, deadline - time.time()), "the job to finish")
-        return self.report(tl, victim, t_fault)
+        result = self.report(tl, victim, t_fault)
+        if len(victims) > 1:
+            others = [self._migration(v) for v in victims[1:]]
+            result["other_failed_nodes"] = [v.name for v in victims[1:]]
+            result["other_migrations"] = [{"node": v.name, "phase": m.get("phase"), "snapshot_step": m.get("snapshot_step")}
+                                          for v, m in zip(victims[1:], others)]
+            drained = all(m.get("phase") == "drained" for m in others)
+            result["final_nodes_ok"] = not set(result["final_nodes"]) & {v.name for v in victims}
+            result["ok"] = result["ok"] and drained and result["final_nodes_ok"]
+        return result
+
+    def _migration(self, node: Node) -> dict[str, Any]:
+        try:
+            return json.loads((node.state_dir / "migration.json").read_text())
+        except (OSError, ValueError):
+            return {}
 
     def _job_dead(self) -> bool:
         agents = [n.agent for n in self.nodes if n.agent is not None]
@@ -238,11 +261,7 @@ class Drill:
 
     def report(self, tl: Timeline, victim: Node, t_fault: float) -> dict[str, Any]:
         events = self.events()
-        mig: dict[str, Any] = {}
-        try:
-            mig = json.loads((victim.state_dir / "migration.json").read_text())
-        except (OSError, ValueError):
-            pass
+        mig = self._migration(victim)
         times = mig.get("times", {})
         tl.add("detected", times.get("tripped"), rule=mig.get("rule"), reason=mig.get("reason"))
         tl.add("snapshot requested", times.get("requested"))
@@ -290,7 +309,13 @@ class Drill:
         if self.args.verify and finished:
             result["verify"] = self.verify(finished)
         ok = result["finished"] and result["spare_in_place"]
-        if self.args.fault == "kill":
+        if self.args.victims > self.args.spares and self.args.fault != "rank-crash":
+            result["notes"] = [f"{self.args.victims} failed nodes but {self.args.spares} spares: the job cannot regain its size"]
+        if self.args.fault == "rank-crash":  # no migration: the same nodes carry on from the periodic snapshot
+            result["spare_in_place"] = False
+            result["final_nodes"] = sorted({e["node"] for e in events if e["event"] == "resumed" and e["time"] >= t_fault})
+            ok = result["finished"] and victim.name in result["final_nodes"] and len(lost) <= max(1, self.args.interval_steps)
+        elif self.args.fault == "kill":
             ok = ok and len(lost) <= max(1, self.args.interval_steps)
         else:
             ok = ok and not lost
@@ -375,6 +400,13 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def _port_open(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
@@ -433,7 +465,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-seconds", type=float, default=0.1)
     p.add_argument("--interval-steps", type=int, default=10, help="periodic snapshots (the sudden-failure fallback)")
     p.add_argument("--fault", choices=sorted(FAULTS), default="xid79")
-    p.add_argument("--at-step", type=int, default=20)
+    p.add_argument("--at-step", type=int, default=25)
+    p.add_argument("--victims", type=int, default=1, help="fault this many nodes at the same moment")
     p.add_argument("--min-nodes", type=int, default=0, help="--nnodes minimum (default: --nodes)")
     p.add_argument("--max-restarts", type=int, default=3)
     p.add_argument("--timeout", type=float, default=180.0)

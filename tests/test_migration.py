@@ -1,0 +1,142 @@
+"""The migration sequence in the daemon: phases, persistence, cordon, agent stop, failures."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+
+from sentinel.channel import Ack, DaemonEndpoint, RankEndpoint
+from sentinel.config import ActionsConfig
+from sentinel.migration import Migrator, uncordon
+from sentinel.policy import Trip
+
+TRIP = Trip(rule="xid", action="migrate", gpu=3, cause="xid:79", message="Xid 79 on GPU 3", values={"xid": 79})
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def make(tmp_path, endpoint, clock=None, kills=None, runs=None, **actions):
+    kills = kills if kills is not None else []
+    runs = runs if runs is not None else []
+
+    def run(argv, **kw):
+        runs.append(argv)
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    (tmp_path / "run").mkdir(exist_ok=True)
+    (tmp_path / "run" / "agent.pid").write_text("4242\n")
+    return Migrator(ActionsConfig(**actions), endpoint, state_dir=tmp_path / "state", runtime_dir=tmp_path / "run",
+                    node="n1", wall=clock or Clock(), run=run, kill=lambda pid, sig: kills.append((pid, sig)))
+
+
+def test_full_sequence_with_acks(tmp_path):
+    ep = DaemonEndpoint(tmp_path / "run")
+    rank = RankEndpoint.open(tmp_path / "run")
+    kills, runs = [], []
+    m = make(tmp_path, ep, kills=kills, runs=runs, cordon_command=("scontrol", "drain", "{node}"),
+             spare_command=("start-spare", "{node}"))
+    try:
+        m.begin("r1", TRIP)
+        assert m.record.phase == "requested" and m.record.ranks == 1
+        assert runs == [["start-spare", "n1"]]
+        req = rank.poll()[0]
+        assert req.type == "migrate" and "Xid 79" in req.reason
+        m.tick([])
+        assert m.record.phase == "requested" and not m.cordoned  # waits for the ack
+        rank.ack(Ack(id="r1", rank=0, step=77, ok=True, path="/s/step-77"))
+        m.tick(ep.poll_acks())
+        assert m.record.phase == "drained" and m.cordoned and m.record.snapshot_step == 77
+        assert kills == [(4242, signal.SIGTERM)]
+        assert runs[-1] == ["scontrol", "drain", "n1"]
+        marker = json.loads((tmp_path / "state" / "cordon.json").read_text())
+        assert marker["node"] == "n1" and "Xid 79" in marker["reason"]
+        m.begin("r2", TRIP)  # a second trip never starts a second migration
+        assert m.record.request_id == "r1" and m.counts["already_migrating"] == 1
+    finally:
+        rank.close()
+        ep.close()
+
+
+def test_restart_mid_sequence_resumes_instead_of_starting_again(tmp_path):
+    ep = DaemonEndpoint(tmp_path / "run")
+    rank = RankEndpoint.open(tmp_path / "run")
+    try:
+        m = make(tmp_path, ep)
+        m.begin("r1", TRIP)
+        rank.poll()
+        # the daemon restarts: a new Migrator over the same state directory
+        kills = []
+        m2 = make(tmp_path, ep, kills=kills)
+        assert m2.active and m2.record.request_id == "r1" and "restarted" in m2.record.notes[0]
+        m2.begin("r9", TRIP)
+        assert m2.record.request_id == "r1" and rank.poll() == []  # no second request to the ranks
+        rank.ack(Ack(id="r1", rank=0, step=5, ok=True))
+        m2.tick(ep.poll_acks())
+        assert m2.record.phase == "drained" and kills
+    finally:
+        rank.close()
+        ep.close()
+
+
+def test_failed_snapshot_still_drains_and_says_so(tmp_path):
+    ep = DaemonEndpoint(tmp_path / "run")
+    rank = RankEndpoint.open(tmp_path / "run")
+    kills = []
+    try:
+        m = make(tmp_path, ep, kills=kills)
+        m.begin("r1", TRIP)
+        rank.ack(Ack(id="r1", rank=0, step=12, ok=False, error="OSError: [Errno 28] No space left on device"))
+        m.tick(ep.poll_acks())
+        assert m.record.phase == "drained" and m.record.snapshot_ok is False and kills
+        assert any("previous snapshot" in n for n in m.record.notes)
+    finally:
+        rank.close()
+        ep.close()
+
+
+def test_ack_timeout_and_no_ranks(tmp_path):
+    clock = Clock()
+    ep = DaemonEndpoint(tmp_path / "run")
+    rank = RankEndpoint.open(tmp_path / "run")
+    try:
+        m = make(tmp_path, ep, clock=clock, ack_timeout_seconds=30.0)
+        m.begin("r1", TRIP)
+        clock.t += 29
+        m.tick([])
+        assert m.record.phase == "requested"
+        clock.t += 2
+        m.tick([])
+        assert m.record.phase == "drained" and any("0/1 ranks" in n for n in m.record.notes)
+    finally:
+        rank.close()
+        ep.close()
+    uncordon(tmp_path / "state")
+    ep2 = DaemonEndpoint(tmp_path / "run2")
+    m = make(tmp_path, ep2)
+    m.begin("r2", TRIP)  # no ranks on this node
+    m.tick([])
+    assert m.record.phase == "drained" and any("no trainer rank" in n for n in m.record.notes)
+    ep2.close()
+
+
+def test_launch_refuses_on_a_cordoned_node(tmp_path):
+    import sys
+
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "cordon.json").write_text("{}")
+    r = subprocess.run([sys.executable, "-m", "sentinel", "launch", "--pidfile", str(tmp_path / "a.pid"),
+                        "--state-dir", str(tmp_path / "state"), "--", "true"], capture_output=True, text=True)
+    assert r.returncode == 3 and "cordoned" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "sentinel", "uncordon", "--state-dir", str(tmp_path / "state")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and not (tmp_path / "state" / "cordon.json").exists()
+    r = subprocess.run([sys.executable, "-m", "sentinel", "launch", "--pidfile", str(tmp_path / "a.pid"),
+                        "--state-dir", str(tmp_path / "state"), "--", "sh", "-c", "echo $$"], capture_output=True, text=True)
+    assert r.returncode == 0 and (tmp_path / "a.pid").read_text().strip() == r.stdout.strip()  # exec: same pid
