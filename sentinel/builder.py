@@ -19,9 +19,31 @@ def build_daemon(cfg: Config, *, simulate: str | None = None, no_ebpf: bool = Fa
         except ImportError as exc:  # the dependency is declared; a broken install still gets one sentence
             raise NvmlUnavailable(f"the nvidia-ml-py package cannot be imported: {exc}") from None
         source = NvmlSource(pynvml, deadline_seconds=cfg.daemon.nvml_deadline_seconds)
-    daemon = Daemon(cfg, source, notifier=Notifier())
+    daemon = Daemon(cfg, source, notifier=Notifier(), event_sources=kernel_sources(cfg, no_ebpf=no_ebpf))
     attach_actions(daemon)
     return daemon
+
+
+def kernel_sources(cfg: Config, *, no_ebpf: bool = False) -> list:
+    """Xid (eBPF or /dev/kmsg), rank signals, host memory errors, PCIe AER. None of them can
+    stop the daemon from starting: each reports itself down instead."""
+    from pathlib import Path
+
+    from sentinel.sources.mem_errors import MemErrorSource
+    from sentinel.sources.pcie_aer import PcieAerSource
+    from sentinel.sources.rank_signals import RankSignalSource
+    from sentinel.sources.xid import XidSource
+
+    use_ebpf = cfg.ebpf.enabled and not no_ebpf
+    sources: list = []
+    if use_ebpf or cfg.ebpf.kmsg_fallback:
+        sources.append(XidSource(use_ebpf=use_ebpf, kmsg_fallback=cfg.ebpf.kmsg_fallback))
+    if use_ebpf and cfg.ebpf.rank_signals:
+        sources.append(RankSignalSource(Path(cfg.daemon.runtime_dir) / "ranks"))
+    if use_ebpf:
+        sources.append(MemErrorSource())
+    sources.append(PcieAerSource(use_ebpf=use_ebpf))
+    return sources
 
 
 def attach_actions(daemon: Daemon) -> None:

@@ -23,8 +23,10 @@ from sentinel.actions import Executor
 from sentinel.config import Config
 from sentinel.log import event
 from sentinel.metrics import View, build_registry
-from sentinel.policy import Health, Policy, PolicyState
-from sentinel.readings import NodeReadings, SourceHealth, XidEvent
+from sentinel.policy import Health, Policy, PolicyState, dedupe_xids
+import dataclasses
+
+from sentinel.readings import KernelEvent, NodeReadings, SourceHealth, XidEvent
 from sentinel.sources.nvml import NvmlSource
 from sentinel.systemd import Notifier
 
@@ -36,12 +38,15 @@ class StartupError(RuntimeError):
 
 
 class EventSource(Protocol):
-    """A kernel-event source (eBPF probe or /dev/kmsg fallback)."""
+    """A kernel-event source (eBPF probe or /dev/kmsg fallback); see sentinel.sources.kernel."""
 
     name: str
+    wake: Callable[[], None]
 
-    def drain(self) -> list[XidEvent]: ...
-    def health(self) -> SourceHealth: ...
+    def set_gpus(self, bus_to_gpu: dict[str, int]) -> None: ...
+    def start(self) -> None: ...
+    def drain(self) -> tuple[list[XidEvent], list[KernelEvent]]: ...
+    def health(self) -> dict[str, SourceHealth]: ...
     def counters(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]: ...
     def close(self) -> None: ...
 
@@ -99,7 +104,12 @@ class Daemon:
         self.migrator: Any = None  # sentinel.migration.Migrator
         self.hooks: list[Callable[[NodeReadings, PolicyState], None]] = []
         self._stop = threading.Event()
-        self._reload_requested: Callable[[], Config | None] | None = None
+        self._wake = threading.Event()
+        self.xid_counts: dict[int, Counter[int]] = {}
+        self.last_gpus: tuple = ()
+        self._recent_xids: tuple = ()
+        self.last_trip_time = 0.0
+        self.event_polls = 0
 
     # -- start/stop ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -121,6 +131,14 @@ class Daemon:
             raise StartupError(f"cannot listen for metrics on {m.listen_address}:{m.port}: {exc.strerror}") from None
         self.metrics_port = self.httpd.server_port
         self.nvml.start()
+        bus_map = {g.pci_bus_id: g.index for g in self.nvml.gpus if g.pci_bus_id}
+        for src in self.event_sources:
+            src.set_gpus(bus_map)
+            src.wake = self._wake.set
+            try:
+                src.start()
+            except OSError as exc:  # a source that cannot start is a reading (up 0), never a failed start
+                event(log, "event source failed to start", logging.ERROR, source=src.name, error=str(exc))
         self.poll_once()
         summary = self.summary()
         self.notifier.ready(summary)
@@ -129,6 +147,7 @@ class Daemon:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
 
     def close(self) -> None:
         self.notifier.stopping()
@@ -149,17 +168,10 @@ class Daemon:
         gpus = tuple(self.nvml.poll())
         nvml_seconds = time.perf_counter() - t0
         sources[self.nvml.name] = SourceHealth(up=bool(gpus) and not all(g.hung for g in gpus), poll_seconds=nvml_seconds)
-        xids: list[XidEvent] = self.nvml.drain_xid_events()
-        counters: dict = {}
-        for src in self.event_sources:
-            t1 = time.perf_counter()
-            try:
-                xids.extend(src.drain())
-                sources[src.name] = src.health()
-                counters.update(src.counters())
-            except OSError as exc:
-                sources[src.name] = SourceHealth(up=False, poll_seconds=time.perf_counter() - t1, detail=str(exc))
-        # Kernel-log Xids count per GPU alongside NVML's event set.
+        xids, kernel_events, counters = self.drain_sources(sources)
+        xids = self.nvml.drain_xid_events() + xids
+        gpus = self.count_xids(gpus, xids)
+        self.last_gpus = gpus
         readings = NodeReadings(
             time=now,
             driver_version=self.nvml.driver_version,
@@ -167,10 +179,56 @@ class Daemon:
             xid_events=tuple(xids),
             sources=sources,
             nvml_errors=dict(self.nvml.errors),
+            kernel_events=tuple(kernel_events),
         )
+        return self.decide_and_act(readings, counters, now)
+
+    def drain_sources(self, sources: dict[str, SourceHealth]) -> tuple[list[XidEvent], list[KernelEvent], dict]:
+        xids: list[XidEvent] = []
+        kernel_events: list[KernelEvent] = []
+        counters: dict = {}
+        for src in self.event_sources:
+            t1 = time.perf_counter()
+            try:
+                x, k = src.drain()
+                xids.extend(x)
+                kernel_events.extend(k)
+                elapsed = time.perf_counter() - t1
+                for name, h in src.health().items():
+                    sources[name] = dataclasses.replace(h, poll_seconds=elapsed)
+                counters.update(src.counters())
+            except OSError as exc:
+                sources[src.name] = SourceHealth(up=False, poll_seconds=time.perf_counter() - t1, detail=str(exc))
+        return xids, kernel_events, counters
+
+    def count_xids(self, gpus: tuple, xids: list[XidEvent]) -> tuple:
+        """Per-GPU, per-Xid counters over every source; the same Xid seen by NVML's event set and
+        by the kernel log within a few seconds counts once."""
+        self._recent_xids, accepted = dedupe_xids(self._recent_xids, xids, self.clock())
+        for x in accepted:
+            self.xid_counts.setdefault(x.gpu, Counter())[x.xid] += 1
+        return tuple(dataclasses.replace(g, xid_counts=dict(self.xid_counts.get(g.index, {}))) for g in gpus)
+
+    def poll_events(self) -> NodeReadings:
+        """Woken between polls by a kernel event: decide on the events now, with the last GPU readings."""
+        now = self.clock()
+        sources = dict(self.view.readings.sources) if self.view.readings else {}
+        xids, kernel_events, counters = self.drain_sources(sources)
+        xids = self.nvml.drain_xid_events() + xids
+        gpus = self.count_xids(self.last_gpus, xids)
+        self.last_gpus = gpus
+        readings = NodeReadings(time=now, driver_version=self.nvml.driver_version, gpus=gpus, xid_events=tuple(xids),
+                                sources=sources, nvml_errors=dict(self.nvml.errors),
+                                kernel_events=tuple(kernel_events), events_only=True)
+        self.event_polls += 1
+        return self.decide_and_act(readings, counters, now)
+
+    def decide_and_act(self, readings: NodeReadings, counters: dict, now: float) -> NodeReadings:
         self.policy_state, trips = self.policy.decide(self.policy_state, readings, now)
         for t in trips:
             self.trips[(t.rule, t.action)] += 1
+        if trips:
+            self.last_trip_time = self.wall()
         self.executor.execute(trips)
         acks = self.endpoint.poll_acks() if self.endpoint is not None else []
         for ack in acks:
@@ -260,11 +318,18 @@ class Daemon:
                 self.notifier.watchdog()
             except Exception:  # noqa: BLE001 - the watchdog loop never dies; no ping this round
                 log.exception("poll iteration failed")
-            delay = next_at - self.clock()
-            if delay < 0:
-                next_at = self.clock()
-                delay = 0
-            self._stop.wait(delay)
+            while not self._stop.is_set():
+                delay = next_at - self.clock()
+                if delay <= 0:
+                    if delay < -interval:
+                        next_at = self.clock()
+                    break
+                if self._wake.wait(delay):  # a kernel event: act now, not at the next poll
+                    self._wake.clear()
+                    try:
+                        self.poll_events()
+                    except Exception:  # noqa: BLE001 - the loop never dies
+                        log.exception("event-driven iteration failed")
 
     def apply_config(self, new: Config) -> None:
         """Reload: policy thresholds and intervals change; listeners and sources stay."""

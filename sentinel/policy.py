@@ -66,6 +66,9 @@ RULES: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "nvml_hung": (),
     "thermal": ("temperature_celsius", "slowdown_temperature_celsius"),
     "trend": (),  # per target, see TREND_TARGETS
+    "rank_signal": (),  # node level: fatal signals to training ranks (eBPF)
+    "host_memory": (),  # node level: host memory-controller errors (eBPF ras:mc_event)
+    "pcie_aer": (),  # PCIe AER errors on a GPU's device
 })
 
 # NVIDIA Xid catalog resolution buckets (docs/policy.md).
@@ -140,6 +143,7 @@ class GpuState:
 class PolicyState:
     gpus: Mapping[int, GpuState] = field(default_factory=dict)
     recent_xids: tuple[tuple[float, int, int, str], ...] = ()  # (time, gpu, xid, source) for dedup
+    node_cooldown: Mapping[str, float] = field(default_factory=dict)
 
 
 def theil_sen(points: Iterable[tuple[float, float]]) -> float:
@@ -157,6 +161,22 @@ def theil_sen(points: Iterable[tuple[float, float]]) -> float:
     slopes.sort()
     mid = len(slopes) // 2
     return slopes[mid] if len(slopes) % 2 else (slopes[mid - 1] + slopes[mid]) / 2
+
+
+def dedupe_xids(recent: tuple[tuple[float, int, int, str], ...], events: Iterable[XidEvent], now: float
+                ) -> tuple[tuple[tuple[float, int, int, str], ...], list[XidEvent]]:
+    """Drop an Xid already reported for the same GPU by another source (NVML's event set and the
+    kernel log both report every Xid) within XID_DEDUP_SECONDS. Returns (new recent, accepted)."""
+    recent = tuple(x for x in recent if now - x[0] < XID_DEDUP_SECONDS)
+    accepted = []
+    for ev in events:
+        if ev.gpu is None:
+            continue
+        if any(g == ev.gpu and x == ev.xid and src != ev.source for _, g, x, src in recent):
+            continue
+        recent += ((now, ev.gpu, ev.xid, ev.source),)
+        accepted.append(ev)
+    return recent, accepted
 
 
 def rule_fields_supported(rule: str, gpu: GpuReading) -> bool:
@@ -195,21 +215,60 @@ class Policy:
     def decide(self, state: PolicyState, readings: NodeReadings, now: float) -> tuple[PolicyState, list[Trip]]:
         trips: list[Trip] = []
         gpus = dict(state.gpus)
-        recent = tuple(x for x in state.recent_xids if now - x[0] < XID_DEDUP_SECONDS)
+        recent, accepted = dedupe_xids(state.recent_xids, readings.xid_events, now)
         events_by_gpu: dict[int, list[XidEvent]] = {}
-        for ev in readings.xid_events:
-            if ev.gpu is None:
-                continue
-            if any(g == ev.gpu and x == ev.xid and src != ev.source for _, g, x, src in recent):
-                continue  # the same Xid reported by a second source (NVML event set and kernel log)
-            recent += ((now, ev.gpu, ev.xid, ev.source),)
+        for ev in accepted:
             events_by_gpu.setdefault(ev.gpu, []).append(ev)
         for reading in readings.gpus:
             prev = gpus.get(reading.index, GpuState())
-            new, gpu_trips = self._decide_gpu(prev, reading, events_by_gpu.get(reading.index, []), now)
+            gpu_events = events_by_gpu.get(reading.index, [])
+            if readings.events_only:
+                if not gpu_events:
+                    continue
+                new, gpu_trips = self._decide_events_only(prev, reading, gpu_events, now)
+            else:
+                new, gpu_trips = self._decide_gpu(prev, reading, gpu_events, now)
             gpus[reading.index] = new
             trips.extend(gpu_trips)
-        return PolicyState(MappingProxyType(gpus), recent), trips
+        node_trips, cooldown = self._decide_node(readings, dict(state.node_cooldown), now)
+        trips.extend(node_trips)
+        return PolicyState(MappingProxyType(gpus), recent, MappingProxyType(cooldown)), trips
+
+    def _decide_node(self, readings: NodeReadings, cooldown: dict[str, float], now: float) -> tuple[list[Trip], dict[str, float]]:
+        """Kernel events that concern the node (or a GPU's PCIe device) rather than a counter."""
+        trips = []
+        for ev in readings.kernel_events:
+            d = ev.detail
+            gpu = ev.gpu if ev.gpu is not None else -1
+            if ev.kind == "rank_signal":
+                rule, cause = "rank_signal", f"rank_signal:{d.get('signal')}"
+                # SIGBUS is how the kernel reports an uncorrectable memory error to a process.
+                action = "migrate" if d.get("signal") == "SIGBUS" else "alert"
+                msg = f"{d.get('signal')} sent to training rank pid {d.get('pid')} ({d.get('comm')})"
+            elif ev.kind == "mc_error" and d.get("type") in ("uncorrected", "fatal"):
+                rule, cause, action = "host_memory", f"host_memory:{d.get('type')}", "snapshot"
+                msg = f"{d.get('count')} {d.get('type')} host memory error(s) on memory controller {d.get('mc')}"
+            elif ev.kind == "aer" and d.get("severity") in ("nonfatal", "fatal") and ev.gpu is not None:
+                rule, cause, action = "pcie_aer", f"pcie_aer:{gpu}:{d.get('severity')}", "snapshot"
+                msg = f"PCIe AER {d.get('severity')} error on {d.get('device')} (GPU {gpu})"
+            else:
+                continue
+            if rule in self.cfg.disabled_rules or cooldown.get(cause, -math.inf) > now:
+                continue
+            if action != "alert":
+                cooldown[cause] = now + self.cfg.cooldown_seconds
+            trips.append(Trip(rule, action, gpu, cause, msg, {k: v for k, v in d.items() if isinstance(v, (int, float))}))
+        return trips, cooldown
+
+    def _decide_events_only(self, st: GpuState, g: GpuReading, xids: list[XidEvent], now: float) -> tuple[GpuState, list[Trip]]:
+        """Between polls: act on Xid events at once; counters wait for the next poll."""
+        events_reading = GpuReading(index=g.index, uuid=g.uuid, pci_bus_id=g.pci_bus_id, unsupported=g.unsupported,
+                                    errors={"events_only": 0})
+        new, trips = self._decide_gpu(
+            dataclasses.replace(st, streaks=MappingProxyType({**st.streaks})), events_reading, xids, now)
+        # keep every counter-based memory of the last full poll; take the Xid outcome only
+        return dataclasses.replace(st, health=max(st.health, new.health), cooldown_until=new.cooldown_until,
+                                   app_xids=new.app_xids, clean_polls=0), trips
 
     # ------------------------------------------------------------------------------------------
     def _decide_gpu(self, st: GpuState, g: GpuReading, xids: list[XidEvent], now: float) -> tuple[GpuState, list[Trip]]:

@@ -49,6 +49,17 @@ class XidEvent:
 
 
 @dataclass(frozen=True)
+class KernelEvent:
+    """A node-level kernel event other than an Xid: a fatal signal to a rank, a host memory
+    error, a PCIe AER error."""
+
+    kind: str  # "rank_signal", "mc_error", "aer"
+    source: str
+    detail: Mapping[str, object] = field(default_factory=dict)
+    gpu: int | None = None
+
+
+@dataclass(frozen=True)
 class GpuReading:
     """One GPU at one poll.
 
@@ -88,6 +99,5 @@ class NodeReadings:
     xid_events: tuple[XidEvent, ...] = ()  # new since the previous poll, all sources
     sources: Mapping[str, SourceHealth] = field(default_factory=dict)
     nvml_errors: Mapping[tuple[str, int], int] = field(default_factory=dict)  # (field, code) -> count
-    kernel_events: Mapping[str, int] = field(default_factory=dict)  # cumulative non-Xid kernel events by kind
-    ebpf_lost: Mapping[str, int] = field(default_factory=dict)
-    malformed_lines: int = 0
+    kernel_events: tuple[KernelEvent, ...] = ()  # new since the previous poll
+    events_only: bool = False  # a kernel event arrived between polls: decide on events, not counters

@@ -1,0 +1,119 @@
+"""PCIe Advanced Error Reporting: ``ras:aer_event`` through eBPF when the tracepoint exists (real
+nodes), else the sysfs counters ``/sys/bus/pci/devices/<dev>/aer_dev_{correctable,nonfatal,fatal}``
+read at each drain. Both are mapped to GPUs by PCI bus id.
+
+    python -m sentinel.sources.pcie_aer -v
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+from sentinel.readings import KernelEvent
+from sentinel.sources.ebpf import EbpfUnavailable, RingProbe
+from sentinel.sources.kernel import KernelSource
+
+log = logging.getLogger("sentinel.pcie_aer")
+SEVERITY = {0: "nonfatal", 1: "fatal", 2: "correctable"}
+
+
+def read_sysfs_aer(root: Path, bus_id: str) -> dict[str, int]:
+    """TOTAL_ERR_* lines of the aer_dev_* files of one device; {} when the device has none."""
+    out = {}
+    for kind in ("correctable", "nonfatal", "fatal"):
+        try:
+            text = (root / bus_id / f"aer_dev_{kind}").read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            name, _, value = line.rpartition(" ")
+            if name.startswith("TOTAL_ERR") and value.isdigit():
+                out[kind] = int(value)
+    return out
+
+
+class PcieAerSource(KernelSource):
+    name = "pcie_aer"
+
+    def __init__(self, *, use_ebpf: bool = True, sysfs_root: Path = Path("/sys/bus/pci/devices")) -> None:
+        super().__init__()
+        self.use_ebpf = use_ebpf
+        self.sysfs_root = sysfs_root
+        self.probe: RingProbe | None = None
+        self.last: dict[tuple[str, str], int] = {}
+
+    def start(self) -> None:
+        self.up = {"ebpf_pcie_aer": False}
+        if self.use_ebpf:
+            self.probe = RingProbe("pcie_aer", "pcie_aer.bpf.c", ("ras", "aer_event"),
+                                   cflags={"RINGBUF_PAGES": 16}, on_event=self._on_event)
+            try:
+                self.probe.start()
+                self.up["ebpf_pcie_aer"] = True
+                return
+            except EbpfUnavailable as exc:
+                self.probe = None
+                self.detail["ebpf_pcie_aer"] = str(exc)
+                log.info("AER tracepoint unavailable, reading sysfs aer_dev_* counters: %s", exc)
+        self.up["sysfs_aer"] = self.sysfs_root.is_dir()
+
+    def _on_event(self, e) -> None:
+        dev = bytes(e.dev_name).split(b"\0", 1)[0].decode("utf-8", "replace")
+        sev = SEVERITY.get(e.severity, str(e.severity))
+        self._count(dev, sev, 1)
+
+    def _count(self, dev: str, severity: str, n: int) -> None:
+        gpu = self.bus_to_gpu.get(dev)
+        self.counts[("sentinel_pcie_aer_errors", (("device", dev), ("severity", severity)))] += n
+        self.push(event=KernelEvent(kind="aer", source="pcie_aer", gpu=gpu,
+                                    detail={"device": dev, "severity": severity, "count": n}))
+
+    def drain(self):
+        if self.probe is None and self.up.get("sysfs_aer"):
+            for bus in self.bus_to_gpu:
+                for kind, total in read_sysfs_aer(self.sysfs_root, bus).items():
+                    prev = self.last.get((bus, kind))
+                    self.last[(bus, kind)] = total
+                    if prev is not None and total > prev:
+                        self._count(bus, kind, total - prev)
+        return super().drain()
+
+    def counters(self):
+        out = super().counters()
+        if self.probe is not None:
+            out[("sentinel_ebpf_events_lost", (("probe", "pcie_aer"),))] = float(self.probe.lost())
+        return out
+
+    def close(self) -> None:
+        if self.probe is not None:
+            self.probe.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sentinel.sources.pcie_aer")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    ap.add_argument("--seconds", type=float, default=0)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO)
+    src = PcieAerSource()
+    src.start()
+    print(f"pcie_aer: up={src.up} {src.detail}", flush=True)
+    end = time.time() + args.seconds if args.seconds else float("inf")
+    try:
+        while time.time() < end:
+            for e in src.drain()[1]:
+                print(f"AER {e.detail['severity']} on {e.detail['device']} (+{e.detail['count']})", flush=True)
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        src.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

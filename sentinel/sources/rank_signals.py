@@ -1,0 +1,129 @@
+"""Fatal signals to the node's training ranks, seen in the kernel (``signal:signal_generate``)
+the moment they are generated — not at torchrun's next monitor tick. The ranks are the pids
+with a socket in the control channel's ``ranks/`` directory; the BPF map of watched pids is kept
+in sync on every drain.
+
+    python -m sentinel.sources.rank_signals -v --pid 1234
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from sentinel.readings import KernelEvent
+from sentinel.sources.ebpf import EbpfUnavailable, RingProbe
+from sentinel.sources.kernel import KernelSource
+
+log = logging.getLogger("sentinel.rank_signals")
+SIGNALS = {7: "SIGBUS", 11: "SIGSEGV", 9: "SIGKILL", 6: "SIGABRT"}
+
+
+class RankSignalSource(KernelSource):
+    name = "rank_signals"
+
+    def __init__(self, ranks_dir: Path | None = None, *, max_ranks: int = 1024) -> None:
+        super().__init__()
+        self.ranks_dir = ranks_dir
+        self.max_ranks = max_ranks
+        self.probe: RingProbe | None = None
+        self.watched: set[int] = set()
+        self.extra: set[int] = set()
+
+    def start(self) -> None:
+        self.probe = RingProbe("rank_signals", "rank_signals.bpf.c", ("signal", "signal_generate"),
+                               cflags={"MAX_RANKS": self.max_ranks, "RINGBUF_PAGES": 16}, on_event=self._on_event)
+        try:
+            self.probe.start()
+            self.up = {"ebpf_rank_signals": True}
+        except EbpfUnavailable as exc:
+            self.probe = None
+            self.up = {"ebpf_rank_signals": False}
+            self.detail["ebpf_rank_signals"] = str(exc)
+            log.warning("rank signal probe unavailable: %s", exc)
+        self.sync()
+
+    def watch(self, pid: int) -> None:
+        self.extra.add(pid)
+        self.sync()
+
+    def current_ranks(self) -> set[int]:
+        pids = set(self.extra)
+        if self.ranks_dir is not None:
+            try:
+                pids |= {int(n.split(".")[0]) for n in os.listdir(self.ranks_dir) if n.split(".")[0].isdigit()}
+            except OSError:
+                pass
+        return pids
+
+    def sync(self) -> None:
+        if self.probe is None:
+            return
+        want = self.current_ranks()
+        table = self.probe.table("ranks")
+        for pid in want - self.watched:
+            table[ctypes.c_uint32(pid)] = ctypes.c_uint8(1)
+        for pid in self.watched - want:
+            try:
+                del table[ctypes.c_uint32(pid)]
+            except KeyError:
+                pass
+        self.watched = want
+
+    def _on_event(self, e) -> None:
+        sig = SIGNALS.get(e.sig, str(e.sig))
+        self.counts[("sentinel_kernel_events", (("source", "ebpf_rank_signals"), ("kind", sig)))] += 1
+        self.push(event=KernelEvent(kind="rank_signal", source="ebpf_rank_signals",
+                                    detail={"pid": e.pid, "signal": sig, "sender_pid": e.sender_pid,
+                                            "comm": bytes(e.comm).split(b"\0", 1)[0].decode("utf-8", "replace"),
+                                            "ts_ns": e.ts_ns}))
+
+    def drain(self):
+        self.sync()
+        return super().drain()
+
+    def counters(self):
+        out = super().counters()
+        if self.probe is not None:
+            out[("sentinel_ebpf_events_lost", (("probe", "rank_signals"),))] = float(self.probe.lost())
+        return out
+
+    def close(self) -> None:
+        if self.probe is not None:
+            self.probe.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sentinel.sources.rank_signals")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    ap.add_argument("--pid", type=int, action="append", default=[], help="watch this pid (repeatable)")
+    ap.add_argument("--ranks-dir", type=Path, help="watch the ranks of this runtime directory")
+    ap.add_argument("--seconds", type=float, default=0)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO)
+    src = RankSignalSource(args.ranks_dir)
+    src.start()
+    for pid in args.pid:
+        src.watch(pid)
+    print(f"rank_signals: up={src.up} {src.detail} watching {sorted(src.watched)}", flush=True)
+    end = time.time() + args.seconds if args.seconds else float("inf")
+    try:
+        while time.time() < end:
+            for e in src.drain()[1]:
+                print(f"{e.detail['signal']} -> pid {e.detail['pid']} ({e.detail['comm']}) from pid {e.detail['sender_pid']}",
+                      flush=True)
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        src.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+import string
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sentinel.sources.xidparse import XidReport, format_line, parse
+
+LINES = [
+    ("[ 1234.567890] NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python3, GPU has fallen off the bus.",
+     XidReport("0000:3b:00.0", 79, 1234, "python3", "GPU has fallen off the bus")),
+    ("[Mon Nov 30 05:02:27 2026] NVRM: Xid (PCI:0001:c1:00): 13, pid='<unknown>', name=<unknown>, Graphics Exception: ESR 0x1",
+     XidReport("0001:c1:00.0", 13, None, "<unknown>", "Graphics Exception: ESR 0x1")),
+    ("Nov 30 05:02:27 gpu-node-17 kernel: NVRM: Xid (0000:01:00): 13, 0000 00000000 0000a1c0 00000004",
+     XidReport("0000:01:00.0", 13, None, "", "0000 00000000 0000a1c0 00000004")),
+    ("2026-11-30T05:02:27.123456+00:00 gpu-node-17 kernel: NVRM: Xid (PCI:0000:5d:00): 48, pid=77, name=train, "
+     "An uncorrectable double bit error (DBE) has been detected on GPU in the framebuffer at partition 0, subpartition 0.",
+     XidReport("0000:5d:00.0", 48, 77, "train", "An uncorrectable double bit error (DBE) has been detected on GPU in the "
+               "framebuffer at partition 0, subpartition 0")),
+    ("NVRM: Xid (PCI:0000:18:00): 94, pid=9, name=a.out, Contained: CE User Channel (0x9). RST: No, D-RST: No",
+     XidReport("0000:18:00.0", 94, 9, "a.out", "Contained: CE User Channel (0x9). RST: No, D-RST: No")),
+    ("<4>NVRM: Xid (PCI:0000:9a:00): 119, pid=2, name=kworker, Timeout after 6s of waiting for RPC response;",
+     XidReport("0000:9a:00.0", 119, 2, "kworker", "Timeout after 6s of waiting for RPC response")),
+    ("NVRM: Xid (PCI:0000:ab:00): 64", XidReport("0000:ab:00.0", 64, None, "", "")),
+]
+
+
+@pytest.mark.parametrize("line,want", LINES)
+def test_real_log_shapes(line, want):
+    assert parse(line) == want
+
+
+@pytest.mark.parametrize("line", ["", "NVRM: GPU at PCI:0000:3b:00: GPU-abc", "NVRM: Xid (PCI:zz): 79",
+                                  "NVRM: Xid (PCI:0000:3b:00): notanumber", "kernel: usb 1-1: new device"])
+def test_non_xid_lines(line):
+    assert parse(line) is None
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.text())
+def test_never_raises_on_arbitrary_input(text):
+    parse(text)
+    parse("NVRM: Xid (" + text)
+
+
+reports = st.builds(
+    XidReport,
+    pci_bus_id=st.builds(lambda d, b: f"{d:04x}:{b:02x}:00.0", st.integers(0, 0xFFFF), st.integers(0, 255)),
+    xid=st.integers(1, 99999),
+    pid=st.one_of(st.none(), st.integers(0, 2**22)),
+    process=st.text(string.ascii_letters + string.digits + "_-./", min_size=1, max_size=15),
+    message=st.text(string.ascii_letters + string.digits + " :()_-", max_size=80).map(str.strip).filter(
+        lambda m: not m.startswith(("pid=", "name="))),
+)
+prefixes = st.sampled_from(["", "[ 8.123456] ", "[Mon Nov 30 05:02:27 2026] ", "Nov 30 05:02:27 host kernel: ",
+                            "2026-11-30T05:02:27.123456+00:00 host kernel: ", "<4>"])
+
+
+@settings(max_examples=400, deadline=None)
+@given(reports, prefixes, st.sampled_from(["", ".", ";"]))
+def test_round_trip(report, prefix, punct):
+    assert parse(prefix + format_line(report) + punct) == report
