@@ -118,6 +118,7 @@ class Drill:
             sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={a.procs_per_node}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.store_port}", f"--rdzv-id={self.run_id}",
             f"--rdzv-conf={rdzv_conf}", f"--max-restarts={a.max_restarts}", "--monitor-interval=0.1",
+            f"--start-method={a.start_method}",
             "-m", "trainer.train", "--steps", str(a.steps), "--snapshot-dir", str(self.snapshots),
             "--interval-steps", str(a.interval_steps), "--step-seconds", str(a.step_seconds),
             "--progress", str(self.progress), "--final", str(self.work / "final.json"),
@@ -469,6 +470,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--victims", type=int, default=1, help="fault this many nodes at the same moment")
     p.add_argument("--min-nodes", type=int, default=0, help="--nnodes minimum (default: --nodes)")
     p.add_argument("--max-restarts", type=int, default=3)
+    p.add_argument("--start-method", choices=["spawn", "fork", "forkserver"], default="spawn",
+                   help="torchrun worker start method")
     p.add_argument("--timeout", type=float, default=180.0)
     p.add_argument("--verify", action="store_true", help="also run uninterrupted and compare final parameters bitwise")
     p.add_argument("--json", action="store_true", help="print the machine-readable result")

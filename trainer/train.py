@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 
-from trainer.guard import ModelOptimState, SnapshotGuard
+from trainer.guard import ModelOptimState, NodeDrained, SnapshotGuard
 
 
 class TinyTransformer(nn.Module):
@@ -142,7 +142,15 @@ def main(argv: list[str] | None = None) -> int:
         optim.zero_grad(set_to_none=True)
         if rank == 0:
             record("step", step=step, loss=round(loss.item(), 6))
-        guard.step(step)
+        try:
+            guard.step(step)
+        except NodeDrained as exc:
+            # A peer was drained during the migrate hold: leave at once so torchrun restarts this
+            # worker group with the spare; a clean interpreter teardown only delays the takeover.
+            record("drained", step=step, reason=str(exc)[:200])
+            sys.stderr.write(f"sentinel: {exc}\n")
+            sys.stderr.flush()
+            os._exit(75)
         pad = args.step_seconds - (time.perf_counter() - t0)
         if pad > 0:
             time.sleep(pad)
