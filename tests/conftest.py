@@ -87,11 +87,14 @@ def sim_state(tmp_path):
 def start_daemon(tmp_path):
     started: list[DaemonProcess] = []
 
-    def start(*args: str, runtime_dir: Path | None = None, env: dict | None = None, wait: bool = True) -> DaemonProcess:
+    def start(*args: str, runtime_dir: Path | None = None, env: dict | None = None, wait: bool = True,
+              ebpf: bool = False) -> DaemonProcess:
         rd = runtime_dir or tmp_path / f"run{len(started)}"
         log_path = tmp_path / f"daemon{len(started)}.log"
         cmd = [sys.executable, "-m", "sentinel", "run", "--runtime-dir", str(rd), "--port", "0",
                "--listen-address", "127.0.0.1", "--state-dir", str(tmp_path / "state"), *args]
+        if not ebpf and "--no-ebpf" not in args:
+            cmd.append("--no-ebpf")  # eBPF tests ask for it; others skip the ~2 s compile
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with open(log_path, "w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)

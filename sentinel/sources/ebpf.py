@@ -84,8 +84,8 @@ class RingProbe:
             raise EbpfUnavailable(f"{path}: {exc.strerror}") from None
         flags = [f"-I{src_dir}"] + [f"-D{k}={v}" for k, v in self.cflags.items()]
         try:
-            self.bpf = bcc.BPF(text=text, cflags=flags)
-            self.bpf["events"].open_ring_buffer(self._callback)
+            self.bpf = bcc.BPF(text=text.encode(), cflags=flags)
+            self.bpf[b"events"].open_ring_buffer(self._callback)
         except Exception as exc:  # noqa: BLE001 - bcc raises bare Exception on compile/load failures
             raise EbpfUnavailable(f"{self.program} failed to load: {exc}") from None
         self._thread = threading.Thread(target=self._poll, name=f"sentinel-ebpf-{self.name}", daemon=True)
@@ -94,7 +94,7 @@ class RingProbe:
     def _callback(self, ctx: Any, data: Any, size: int) -> None:
         self.delivered += 1
         try:
-            self.on_event(self.bpf["events"].event(data))
+            self.on_event(self.bpf[b"events"].event(data))
         except Exception:  # noqa: BLE001 - one bad event never stops the probe
             log.exception("%s: event handler failed", self.name)
 
@@ -109,10 +109,10 @@ class RingProbe:
     def lost(self) -> int:
         if self.bpf is None:
             return 0
-        return int(sum(v.value for v in self.bpf["lost"].values()))
+        return int(sum(v.value for v in self.bpf[b"lost"].values()))
 
     def table(self, name: str) -> Any:
-        return self.bpf[name]
+        return self.bpf[name.encode()]
 
     def close(self) -> None:
         self._stop.set()
