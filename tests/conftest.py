@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-ENFORCED = ("needs_root", "needs_ebpf", "needs_prometheus", "needs_torch")
+ENFORCED = ("needs_root", "needs_ebpf", "needs_prometheus", "needs_torch", "needs_systemd")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
