@@ -229,6 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("state")
     init.add_argument("--gpus", type=int, default=8)
     init.set_defaults(func=cmd_simulate_init)
+    from sentinel.sim import goodput
+
+    gp = simsub.add_parser("goodput", help="Monte Carlo of ETTR at scale: periodic vs async vs Sentinel, spare pool sizing")
+    goodput.add_arguments(gp)
+    gp.set_defaults(func=goodput.main_args)
 
     inj = sub.add_parser("inject", help="inject faults into a simulated GPU",
                          epilog="faults: " + "; ".join(f"{k}: {v}" for k, v in simulated.FAULTS.items()))

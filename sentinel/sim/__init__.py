@@ -1,0 +1,1 @@
+"""Fleet-scale simulations (standard library only; matplotlib optional for plots)."""
