@@ -58,7 +58,7 @@ class RingProbe:
 
     def __init__(self, name: str, program: str, tracepoint: tuple[str, str], *,
                  cflags: dict[str, int | str] | None = None,
-                 on_event: Callable[[Any], None], poll_ms: int = 50) -> None:
+                 on_event: Callable[[Any], None], poll_ms: int = 250) -> None:
         self.name = name
         self.program = program
         self.tracepoint = tracepoint

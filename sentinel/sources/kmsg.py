@@ -21,7 +21,7 @@ class KmsgUnavailable(RuntimeError):
 
 
 class KmsgReader:
-    def __init__(self, on_line: Callable[[str], None], *, path: str = "/dev/kmsg", poll_ms: int = 50) -> None:
+    def __init__(self, on_line: Callable[[str], None], *, path: str = "/dev/kmsg", poll_ms: int = 250) -> None:
         self.on_line = on_line
         self.path = path
         self.poll_ms = poll_ms
