@@ -72,7 +72,7 @@ def run_path(use_ebpf: bool, lines: int, kmsg_fd: int) -> dict[str, float]:
 
     xid_src.push = timed_push
     daemon.start()
-    assert xid_src.path == ("ebpf" if use_ebpf else "kmsg"), xid_src.detail
+    assert xid_src.path == ("ebpf:printk:console" if use_ebpf else "kmsg"), xid_src.detail
     rank = RankEndpoint.open(work / "run")
     loop = threading.Thread(target=daemon.run, daemon=True)
     loop.start()

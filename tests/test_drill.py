@@ -65,3 +65,19 @@ def test_two_nodes_fail_at_once():
     assert r["ok"], r
     assert sorted(r["final_nodes"]) == ["node0", "spare0", "spare1"] and r["lost_steps"] == []
     assert r["other_migrations"][0]["phase"] == "drained"
+
+
+def test_no_spare_continues_on_fewer_nodes_when_nnodes_allows():
+    r = drill("--spares", "0", "--min-nodes", "1")
+    assert r["ok"], r
+    assert r["final_nodes"] == ["node0"] and r["world_after"] == 1 and r["lost_steps"] == []
+    loaded = next(e for e in r["timeline"] if e["stage"] == "snapshot loaded")
+    committed = next(e for e in r["timeline"] if e["stage"] == "snapshot committed")
+    assert loaded["start_step"] == committed["step"] + 1  # resharded 2 -> 1 from the migrate snapshot
+
+
+def test_no_spare_and_no_room_to_shrink_is_reported_not_hung():
+    r = subprocess.run([sys.executable, "-m", "sentinel", "drill", "--spares", "0", "--timeout", "60"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 1
+    assert "no spare left" in r.stderr and "waiting for a node" in r.stderr

@@ -139,7 +139,7 @@ def test_burst_of_10000_lines_loses_nothing_or_counts_exactly(kmsg):
     src.set_gpus({"0000:18:00.0": 0, "0000:2a:00.0": 1})
     src.start()
     try:
-        assert src.path == "ebpf"
+        assert src.path == "ebpf:printk:console"
         xids = 0
         for i in range(10_000):
             if i % 10 == 0:

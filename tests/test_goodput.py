@@ -10,7 +10,6 @@ import sys
 import time
 from dataclasses import replace
 
-import pytest
 
 from sentinel.sim.goodput import (Params, closed_form_ettr, draw_failures, min_spares, run, simulate, young_daly)
 

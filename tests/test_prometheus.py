@@ -6,7 +6,6 @@ import json
 import shutil
 import socket
 import subprocess
-import sys
 import urllib.parse
 import urllib.request
 

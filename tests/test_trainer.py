@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest

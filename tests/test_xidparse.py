@@ -62,3 +62,19 @@ prefixes = st.sampled_from(["", "[ 8.123456] ", "[Mon Nov 30 05:02:27 2026] ", "
 @given(reports, prefixes, st.sampled_from(["", ".", ";"]))
 def test_round_trip(report, prefix, punct):
     assert parse(prefix + format_line(report) + punct) == report
+
+
+def test_driver_tracepoint_event_goes_through_the_same_parser():
+    """nvidia:nvidia_dev_xid (absent on this VM) hands (dev, error_code, msg); the loader rebuilds the
+    driver's line and parses it like the printk path."""
+    from types import SimpleNamespace
+
+    from sentinel.sources.xid import XidSource
+
+    src = XidSource(use_ebpf=False, kmsg_fallback=False)
+    src.set_gpus({"0000:3b:00.0": 2})
+    src._on_driver_tracepoint(SimpleNamespace(dev=b"0000:3b:00.0\0junk", error_code=79,
+                                              msg=b"pid=77, name=train, GPU has fallen off the bus.\0"))
+    (event,), _ = src.drain()
+    assert (event.gpu, event.xid, event.pid, event.process, event.message) == (2, 79, 77, "train",
+                                                                               "GPU has fallen off the bus")

@@ -22,7 +22,6 @@ sqrt(2 w / (N_nodes r_f)) (tests/test_goodput.py).
 from __future__ import annotations
 
 import argparse
-import bisect
 import heapq
 import math
 import random

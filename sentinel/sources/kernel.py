@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
+import logging
 import threading
 import time
 from collections import Counter
-from typing import Callable
+from typing import Any, Callable
 
 from sentinel.readings import KernelEvent, SourceHealth, XidEvent
 
@@ -28,6 +30,7 @@ class KernelSource:
         self.up: dict[str, bool] = {}
         self.detail: dict[str, str] = {}
         self.last_event_time = 0.0
+        self.probes: list[Any] = []  # loaded RingProbes, for their lost counters and cleanup
 
     def set_gpus(self, bus_to_gpu: dict[str, int]) -> None:
         self.bus_to_gpu = dict(bus_to_gpu)
@@ -51,7 +54,38 @@ class KernelSource:
         return {name: SourceHealth(up=up, detail=self.detail.get(name, "")) for name, up in self.up.items()}
 
     def counters(self) -> dict[LabelKey, float]:
-        return {k: float(v) for k, v in self.counts.items()}
+        out = {k: float(v) for k, v in self.counts.items()}
+        for probe in self.probes:
+            out[("sentinel_ebpf_events_lost", (("probe", probe.name),))] = float(probe.lost())
+        return out
 
     def close(self) -> None:
-        return None
+        for probe in self.probes:
+            probe.close()
+
+
+def run_alone(prog: str, make: Callable[[argparse.Namespace], KernelSource], describe: Callable[[Any], str],
+              add_args: Callable[[argparse.ArgumentParser], None] | None = None, argv: list[str] | None = None) -> int:
+    """`python -m sentinel.sources.<probe> -v`: run one source alone and print what it sees."""
+    ap = argparse.ArgumentParser(prog=prog)
+    ap.add_argument("-v", "--verbose", action="store_true")
+    ap.add_argument("--seconds", type=float, default=0, help="stop after this long (0: until Ctrl-C)")
+    if add_args:
+        add_args(ap)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO)
+    src = make(args)
+    src.start()
+    print(f"{src.name}: up={src.up} {src.detail}", flush=True)
+    end = time.time() + args.seconds if args.seconds else float("inf")
+    try:
+        while time.time() < end:
+            xids, events = src.drain()
+            for item in [*xids, *events]:
+                print(describe(item), flush=True)
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        src.close()
+    return 0

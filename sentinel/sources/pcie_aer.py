@@ -7,15 +7,13 @@ read at each drain. Both are mapped to GPUs by PCI bus id.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
-import time
 from pathlib import Path
 
 from sentinel.readings import KernelEvent
 from sentinel.sources.ebpf import EbpfUnavailable, RingProbe
-from sentinel.sources.kernel import KernelSource
+from sentinel.sources.kernel import KernelSource, run_alone
 
 log = logging.getLogger("sentinel.pcie_aer")
 SEVERITY = {0: "nonfatal", 1: "fatal", 2: "correctable"}
@@ -53,6 +51,7 @@ class PcieAerSource(KernelSource):
                                    cflags={"RINGBUF_PAGES": 16}, on_event=self._on_event)
             try:
                 self.probe.start()
+                self.probes.append(self.probe)
                 self.up["ebpf_pcie_aer"] = True
                 return
             except EbpfUnavailable as exc:
@@ -82,37 +81,11 @@ class PcieAerSource(KernelSource):
                         self._count(bus, kind, total - prev)
         return super().drain()
 
-    def counters(self):
-        out = super().counters()
-        if self.probe is not None:
-            out[("sentinel_ebpf_events_lost", (("probe", "pcie_aer"),))] = float(self.probe.lost())
-        return out
-
-    def close(self) -> None:
-        if self.probe is not None:
-            self.probe.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sentinel.sources.pcie_aer")
-    ap.add_argument("-v", "--verbose", action="store_true")
-    ap.add_argument("--seconds", type=float, default=0)
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO)
-    src = PcieAerSource()
-    src.start()
-    print(f"pcie_aer: up={src.up} {src.detail}", flush=True)
-    end = time.time() + args.seconds if args.seconds else float("inf")
-    try:
-        while time.time() < end:
-            for e in src.drain()[1]:
-                print(f"AER {e.detail['severity']} on {e.detail['device']} (+{e.detail['count']})", flush=True)
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        src.close()
-    return 0
+    return run_alone("python -m sentinel.sources.pcie_aer", lambda a: PcieAerSource(),
+                     lambda e: f"AER {e.detail['severity']} on {e.detail['device']} (+{e.detail['count']})", argv=argv)
 
 
 if __name__ == "__main__":

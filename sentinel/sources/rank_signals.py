@@ -8,17 +8,15 @@ in sync on every drain.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 
 from sentinel.readings import KernelEvent
 from sentinel.sources.ebpf import EbpfUnavailable, RingProbe
-from sentinel.sources.kernel import KernelSource
+from sentinel.sources.kernel import KernelSource, run_alone
 
 log = logging.getLogger("sentinel.rank_signals")
 SIGNALS = {7: "SIGBUS", 11: "SIGSEGV", 9: "SIGKILL", 6: "SIGABRT"}
@@ -40,6 +38,7 @@ class RankSignalSource(KernelSource):
                                cflags={"MAX_RANKS": self.max_ranks, "RINGBUF_PAGES": 16}, on_event=self._on_event)
         try:
             self.probe.start()
+            self.probes.append(self.probe)
             self.up = {"ebpf_rank_signals": True}
         except EbpfUnavailable as exc:
             self.probe = None
@@ -87,42 +86,21 @@ class RankSignalSource(KernelSource):
         self.sync()
         return super().drain()
 
-    def counters(self):
-        out = super().counters()
-        if self.probe is not None:
-            out[("sentinel_ebpf_events_lost", (("probe", "rank_signals"),))] = float(self.probe.lost())
-        return out
-
-    def close(self) -> None:
-        if self.probe is not None:
-            self.probe.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sentinel.sources.rank_signals")
-    ap.add_argument("-v", "--verbose", action="store_true")
-    ap.add_argument("--pid", type=int, action="append", default=[], help="watch this pid (repeatable)")
-    ap.add_argument("--ranks-dir", type=Path, help="watch the ranks of this runtime directory")
-    ap.add_argument("--seconds", type=float, default=0)
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO)
-    src = RankSignalSource(args.ranks_dir)
-    src.start()
-    for pid in args.pid:
-        src.watch(pid)
-    print(f"rank_signals: up={src.up} {src.detail} watching {sorted(src.watched)}", flush=True)
-    end = time.time() + args.seconds if args.seconds else float("inf")
-    try:
-        while time.time() < end:
-            for e in src.drain()[1]:
-                print(f"{e.detail['signal']} -> pid {e.detail['pid']} ({e.detail['comm']}) from pid {e.detail['sender_pid']}",
-                      flush=True)
-            time.sleep(0.05)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        src.close()
-    return 0
+    def make(a):
+        src = RankSignalSource(a.ranks_dir)
+        src.extra.update(a.pid)
+        return src
+
+    def add(ap):
+        ap.add_argument("--pid", type=int, action="append", default=[], help="watch this pid (repeatable)")
+        ap.add_argument("--ranks-dir", type=Path, help="watch the ranks of this runtime directory")
+
+    return run_alone("python -m sentinel.sources.rank_signals", make,
+                     lambda e: f"{e.detail['signal']} -> pid {e.detail['pid']} ({e.detail['comm']}) from pid {e.detail['sender_pid']}",
+                     add, argv)
 
 
 if __name__ == "__main__":

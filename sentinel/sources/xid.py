@@ -8,14 +8,12 @@ as ``sentinel_source_up{source="ebpf_xid"} 0``; the daemon never fails to start 
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
-import time
 
 from sentinel.readings import XidEvent
 from sentinel.sources.ebpf import EbpfUnavailable, RingProbe, tracepoint_exists
-from sentinel.sources.kernel import KernelSource
+from sentinel.sources.kernel import KernelSource, run_alone
 from sentinel.sources.kmsg import KmsgReader, KmsgUnavailable
 from sentinel.sources import xidparse
 
@@ -39,20 +37,27 @@ class XidSource(KernelSource):
     def start(self) -> None:
         self.up = {"ebpf_xid": False}
         if self.use_ebpf:
+            # The driver's own tracepoint when it has one, else its printk twin, filtered in the kernel.
+            candidates = []
             if tracepoint_exists("nvidia", "nvidia_dev_xid"):
-                log.info("the driver's nvidia:nvidia_dev_xid tracepoint exists; reading its printk twin, which carries "
-                         "the same report in the driver's own words")
-            try:
-                self.probe = RingProbe("xid", "xid.bpf.c", ("printk", "console"),
-                                       cflags={"MSG_LEN": MSG_LEN, "RINGBUF_PAGES": 64}, on_event=self._on_bpf)
-                self.probe.start()
+                candidates.append(("xid_tracepoint.bpf.c", ("nvidia", "nvidia_dev_xid"), self._on_driver_tracepoint))
+            candidates.append(("xid.bpf.c", ("printk", "console"), self._on_bpf))
+            errors = []
+            for program, tracepoint, handler in candidates:
+                try:
+                    probe = RingProbe("xid", program, tracepoint, cflags={"MSG_LEN": MSG_LEN, "RINGBUF_PAGES": 64},
+                                      on_event=handler)
+                    probe.start()
+                except EbpfUnavailable as exc:
+                    errors.append(str(exc))
+                    continue
+                self.probe = probe
+                self.probes.append(probe)
                 self.up["ebpf_xid"] = True
-                self.path = "ebpf"
+                self.path = "ebpf:" + ":".join(tracepoint)
                 return
-            except EbpfUnavailable as exc:
-                self.probe = None
-                self.detail["ebpf_xid"] = str(exc)
-                log.warning("eBPF Xid probe unavailable, falling back to /dev/kmsg: %s", exc)
+            self.detail["ebpf_xid"] = "; ".join(errors)
+            log.warning("eBPF Xid probe unavailable, falling back to /dev/kmsg: %s", self.detail["ebpf_xid"])
         else:
             self.detail["ebpf_xid"] = "disabled in config"
         if self.kmsg_fallback:
@@ -66,6 +71,13 @@ class XidSource(KernelSource):
                 self.up["kmsg"] = False
                 self.detail["kmsg"] = str(exc)
                 log.warning("no kernel Xid source at all: %s", exc)
+
+    def _on_driver_tracepoint(self, event) -> None:
+        """nvidia:nvidia_dev_xid carries (dev, error_code, msg): rebuild the driver's own line so
+        one parser serves every path."""
+        dev = bytes(event.dev).split(b"\0", 1)[0].decode("utf-8", "replace")
+        msg = bytes(event.msg).split(b"\0", 1)[0].decode("utf-8", "replace")
+        self._on_line(f"NVRM: Xid (PCI:{dev}): {int(event.error_code)}, {msg}", "ebpf_xid")
 
     def _on_bpf(self, event) -> None:
         self._on_line(bytes(event.msg).split(b"\0", 1)[0].decode("utf-8", "replace"), "ebpf_xid")
@@ -85,41 +97,24 @@ class XidSource(KernelSource):
 
     def counters(self):
         out = super().counters()
-        if self.probe is not None:
-            out[("sentinel_ebpf_events_lost", (("probe", "xid"),))] = float(self.probe.lost())
         if self.kmsg is not None:
             out[("sentinel_kmsg_records_lost", ())] = float(self.kmsg.lost)
         return out
 
     def close(self) -> None:
-        if self.probe is not None:
-            self.probe.close()
+        super().close()
         if self.kmsg is not None:
             self.kmsg.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sentinel.sources.xid")
-    ap.add_argument("-v", "--verbose", action="store_true")
-    ap.add_argument("--no-ebpf", action="store_true")
-    ap.add_argument("--seconds", type=float, default=0, help="stop after this long (0: until Ctrl-C)")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO)
-    src = XidSource(use_ebpf=not args.no_ebpf)
-    src.start()
-    print(f"xid source: {src.path} ({src.detail})", flush=True)
-    end = time.time() + args.seconds if args.seconds else float("inf")
-    try:
-        while time.time() < end:
-            xids, _ = src.drain()
-            for x in xids:
-                print(f"Xid {x.xid} bus={x.pci_bus_id} pid={x.pid} name={x.process} via {x.source}: {x.message}", flush=True)
-            time.sleep(0.05)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        src.close()
-    return 0
+    return run_alone(
+        "python -m sentinel.sources.xid",
+        lambda a: XidSource(use_ebpf=not a.no_ebpf),
+        lambda x: f"Xid {x.xid} bus={x.pci_bus_id} pid={x.pid} name={x.process} via {x.source}: {x.message}",
+        lambda ap: ap.add_argument("--no-ebpf", action="store_true", help="read /dev/kmsg instead"),
+        argv,
+    )
 
 
 if __name__ == "__main__":
