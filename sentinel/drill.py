@@ -93,6 +93,8 @@ class Drill:
         self.procs: list[subprocess.Popen] = []
         self.nodes: list[Node] = []
         self.store_port = free_port()
+        self.spare_notes: list[str] = []
+        self.spare_killed = False
         self.run_id = f"drill-{os.getpid()}"
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
                     "PYTHONUNBUFFERED": "1", "PYTHONPATH": _pythonpath()}
@@ -242,9 +244,14 @@ class Drill:
         if short and (a.min_nodes or a.nodes) >= a.nodes:
             what += (f" (no spare left for {a.victims} failed node(s) and --nnodes {a.nodes}:{a.nodes} does not allow"
                      " fewer: the job is waiting for a node; allow it with --min-nodes)")
-        _wait(lambda: any(e["event"] == "finished" for e in self.events()) or self._job_dead(),
-              max(1.0, deadline - time.time()), what)
+        def done() -> bool:
+            self._watch_spares(t_fault)
+            return any(e["event"] == "finished" for e in self.events()) or self._job_dead()
+
+        _wait(done, max(1.0, deadline - time.time()), what)
         result = self.report(tl, victim, t_fault)
+        if self.spare_notes:
+            result.setdefault("notes", []).extend(self.spare_notes)
         if len(victims) > 1:
             others = [self._migration(v) for v in victims[1:]]
             result["other_failed_nodes"] = [v.name for v in victims[1:]]
@@ -261,9 +268,35 @@ class Drill:
         except (OSError, ValueError):
             return {}
 
+    def _watch_spares(self, t_fault: float) -> None:
+        """The scheduler's part: a claimed spare whose agent died before it was admitted is
+        replaced by the next free one. With --kill-spare, the first claimed spare is killed."""
+        admitted = {e["node"] for e in self.events() if e["event"] == "admitted" and e["time"] >= t_fault}
+        for n in self.nodes:
+            if not n.spare or not (self.pool / f"{n.name}.claimed").exists() or n.name in admitted:
+                continue
+            try:
+                pid = int(n.pidfile.read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue  # still starting
+            if self.args.kill_spare and not self.spare_killed:
+                self.spare_killed = True
+                for victim_pid in [pid, *descendants(pid)]:
+                    try:
+                        os.kill(victim_pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            if not Path(f"/proc/{pid}").exists() and not (self.pool / f"{n.name}.dead").exists():
+                (self.pool / f"{n.name}.dead").write_text("")
+                r = subprocess.run([sys.executable, "-m", "sentinel.drill", "claim-spare", "--pool", str(self.pool)],
+                                   env=self.env, check=False, timeout=30, capture_output=True, text=True)
+                self.spare_notes.append(f"spare {n.name} died during the migration; "
+                                        + (r.stdout.strip() or r.stderr.strip() or "no replacement"))
+
     def _job_dead(self) -> bool:
         agents = [n.agent for n in self.nodes if n.agent is not None]
-        claimed = [n for n in self.nodes if n.spare and (self.pool / f"{n.name}.claimed").exists()]
+        claimed = [n for n in self.nodes if n.spare and (self.pool / f"{n.name}.claimed").exists()
+                   and not (self.pool / f"{n.name}.dead").exists()]
         return bool(agents) and all(p.poll() is not None for p in agents) and not claimed
 
     def report(self, tl: Timeline, victim: Node, t_fault: float) -> dict[str, Any]:
@@ -483,6 +516,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fault", choices=sorted(FAULTS), default="xid79")
     p.add_argument("--at-step", type=int, default=25)
     p.add_argument("--victims", type=int, default=1, help="fault this many nodes at the same moment")
+    p.add_argument("--kill-spare", action="store_true", help="also kill the first spare as it starts (it dies mid-migration)")
     p.add_argument("--min-nodes", type=int, default=0, help="--nnodes minimum (default: --nodes)")
     p.add_argument("--max-restarts", type=int, default=3)
     p.add_argument("--start-method", choices=["spawn", "fork", "forkserver"], default="spawn",

@@ -81,3 +81,10 @@ def test_no_spare_and_no_room_to_shrink_is_reported_not_hung():
                        capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode == 1
     assert "no spare left" in r.stderr and "waiting for a node" in r.stderr
+
+
+def test_spare_dying_during_the_migration_is_replaced_by_the_next():
+    r = drill("--spares", "2", "--kill-spare")
+    assert r["ok"], r
+    assert r["final_nodes"] == ["node0", "spare1"] and r["lost_steps"] == []
+    assert any("spare0 died during the migration" in n for n in r["notes"])
