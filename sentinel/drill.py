@@ -95,6 +95,8 @@ class Drill:
         self.store_port = free_port()
         self.spare_notes: list[str] = []
         self.spare_killed = False
+        self.filler: Path | None = None
+        self.mounted = False
         self.run_id = f"drill-{os.getpid()}"
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
                     "PYTHONUNBUFFERED": "1", "PYTHONPATH": _pythonpath()}
@@ -212,9 +214,30 @@ class Drill:
             simulated.inject(victim.gpus, 0, ["retired-sbe=+1"])
             time.sleep(0.3)
 
+    def fill_disk(self) -> None:
+        """--fail-snapshot: fill the snapshot filesystem so the migrate snapshot hits ENOSPC."""
+        filler = self.snapshots / "filler"
+        with open(filler, "wb") as f:
+            chunk = b"\0" * (1 << 20)
+            try:
+                while True:
+                    f.write(chunk)
+                    f.flush()
+            except OSError:
+                pass
+        self.filler = filler
+
     def run(self) -> dict[str, Any]:
         a = self.args
         t_start = time.time()
+        if a.fail_snapshot:
+            # A small filesystem of its own, so "disk full" is real and hurts nothing else.
+            self.snapshots.mkdir(parents=True, exist_ok=True)
+            r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96m", "sentinel-drill", str(self.snapshots)],
+                               capture_output=True, text=True)
+            if r.returncode != 0:
+                raise DrillError(f"--fail-snapshot needs root to mount a small tmpfs: {r.stderr.strip()}")
+            self.mounted = True
         self.start_store()
         self.nodes = [self.make_node(i, False) for i in range(a.nodes)] + [self.make_node(i, True) for i in range(a.spares)]
         for n in self.nodes:
@@ -229,6 +252,8 @@ class Drill:
         deadline = t_start + a.timeout
         _wait(lambda: self.max_step() >= a.at_step or self._job_dead(), deadline - time.time(), f"step {a.at_step}")
         tl = Timeline(time.time())
+        if a.fail_snapshot:
+            self.fill_disk()
         for v in victims:  # several nodes at once: each daemon migrates its own node
             t_fault = self.inject(v)
             tl.add("fault injected", t_fault, node=v.name, fault=a.fault)
@@ -246,6 +271,9 @@ class Drill:
                      " fewer: the job is waiting for a node; allow it with --min-nodes)")
         def done() -> bool:
             self._watch_spares(t_fault)
+            if self.filler is not None and self._migration(victim).get("phase") == "drained":
+                self.filler.unlink(missing_ok=True)  # the operator frees space; later snapshots succeed
+                self.filler = None
             return any(e["event"] == "finished" for e in self.events()) or self._job_dead()
 
         _wait(done, max(1.0, deadline - time.time()), what)
@@ -364,7 +392,7 @@ class Drill:
         if self.args.fault == "rank-crash":  # no migration: the same nodes carry on from the periodic snapshot
             result["spare_in_place"] = False
             ok = result["finished"] and victim.name in final_nodes and len(lost) <= max(1, self.args.interval_steps)
-        elif self.args.fault == "kill":
+        elif self.args.fault == "kill" or self.args.fail_snapshot:
             ok = ok and len(lost) <= max(1, self.args.interval_steps)
         else:
             ok = ok and not lost
@@ -412,6 +440,8 @@ class Drill:
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+        if self.mounted:
+            subprocess.run(["umount", "-l", str(self.snapshots)], capture_output=True)
         if self.own_workdir and not self.args.keep:
             shutil.rmtree(self.work, ignore_errors=True)
 
@@ -517,6 +547,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--at-step", type=int, default=25)
     p.add_argument("--victims", type=int, default=1, help="fault this many nodes at the same moment")
     p.add_argument("--kill-spare", action="store_true", help="also kill the first spare as it starts (it dies mid-migration)")
+    p.add_argument("--fail-snapshot", action="store_true",
+                   help="the disk is full when the migrate snapshot is written (root: a small tmpfs is filled)")
     p.add_argument("--min-nodes", type=int, default=0, help="--nnodes minimum (default: --nodes)")
     p.add_argument("--max-restarts", type=int, default=3)
     p.add_argument("--start-method", choices=["spawn", "fork", "forkserver"], default="spawn",

@@ -88,3 +88,18 @@ def test_spare_dying_during_the_migration_is_replaced_by_the_next():
     assert r["ok"], r
     assert r["final_nodes"] == ["node0", "spare1"] and r["lost_steps"] == []
     assert any("spare0 died during the migration" in n for n in r["notes"])
+
+
+@pytest.mark.needs_root
+def test_failed_migrate_snapshot_still_drains_and_resumes_from_the_older_one():
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("filling a real filesystem needs root to mount a small tmpfs")
+    r = drill("--fail-snapshot", "--interval-steps", "10")
+    assert r["ok"], r
+    committed = next(e for e in r["timeline"] if e["stage"] == "snapshot committed")
+    loaded = next(e for e in r["timeline"] if e["stage"] == "snapshot loaded")
+    assert committed["ok"] is False and loaded["start_step"] <= committed["step"]
+    assert any("previous snapshot" in n for n in r["migration_notes"])
+    assert r["spare_in_place"] and 0 < len(r["lost_steps"]) <= 10
