@@ -10,6 +10,9 @@ from collections import Counter
 from typing import Any, Callable
 
 from sentinel.readings import KernelEvent, SourceHealth, XidEvent
+from sentinel.sources.ebpf import EbpfUnavailable, RingProbe
+
+log = logging.getLogger("sentinel.kernel")
 
 LabelKey = tuple[str, tuple[tuple[str, str], ...]]
 
@@ -31,6 +34,19 @@ class KernelSource:
         self.detail: dict[str, str] = {}
         self.last_event_time = 0.0
         self.probes: list[Any] = []  # loaded RingProbes, for their lost counters and cleanup
+
+    def load_probe(self, up_name: str, probe: RingProbe) -> RingProbe | None:
+        """Start ``probe``; on failure report ``up_name`` down (logged once), never raise."""
+        try:
+            probe.start()
+        except EbpfUnavailable as exc:
+            self.up[up_name] = False
+            self.detail[up_name] = str(exc)
+            log.warning("%s unavailable: %s", up_name, exc)
+            return None
+        self.probes.append(probe)
+        self.up[up_name] = True
+        return probe
 
     def set_gpus(self, bus_to_gpu: dict[str, int]) -> None:
         self.bus_to_gpu = dict(bus_to_gpu)

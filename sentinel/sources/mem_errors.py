@@ -9,7 +9,7 @@ import logging
 import sys
 
 from sentinel.readings import KernelEvent
-from sentinel.sources.ebpf import EbpfUnavailable, RingProbe
+from sentinel.sources.ebpf import RingProbe
 from sentinel.sources.kernel import KernelSource, run_alone
 
 log = logging.getLogger("sentinel.mem_errors")
@@ -24,17 +24,8 @@ class MemErrorSource(KernelSource):
         self.probe: RingProbe | None = None
 
     def start(self) -> None:
-        self.probe = RingProbe("mem_errors", "mem_errors.bpf.c", ("ras", "mc_event"),
-                               cflags={"RINGBUF_PAGES": 16}, on_event=self._on_event)
-        try:
-            self.probe.start()
-            self.probes.append(self.probe)
-            self.up = {"ebpf_mem_errors": True}
-        except EbpfUnavailable as exc:
-            self.probe = None
-            self.up = {"ebpf_mem_errors": False}
-            self.detail["ebpf_mem_errors"] = str(exc)
-            log.warning("memory-controller probe unavailable: %s", exc)
+        self.probe = self.load_probe("ebpf_mem_errors", RingProbe(
+            "mem_errors", "mem_errors.bpf.c", ("ras", "mc_event"), cflags={"RINGBUF_PAGES": 16}, on_event=self._on_event))
 
     def _on_event(self, e) -> None:
         kind = TYPES.get(e.error_type, str(e.error_type))

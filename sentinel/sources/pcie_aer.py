@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from sentinel.readings import KernelEvent
-from sentinel.sources.ebpf import EbpfUnavailable, RingProbe
+from sentinel.sources.ebpf import RingProbe
 from sentinel.sources.kernel import KernelSource, run_alone
 
 log = logging.getLogger("sentinel.pcie_aer")
@@ -47,18 +47,11 @@ class PcieAerSource(KernelSource):
     def start(self) -> None:
         self.up = {"ebpf_pcie_aer": False}
         if self.use_ebpf:
-            self.probe = RingProbe("pcie_aer", "pcie_aer.bpf.c", ("ras", "aer_event"),
-                                   cflags={"RINGBUF_PAGES": 16}, on_event=self._on_event)
-            try:
-                self.probe.start()
-                self.probes.append(self.probe)
-                self.up["ebpf_pcie_aer"] = True
+            self.probe = self.load_probe("ebpf_pcie_aer", RingProbe(
+                "pcie_aer", "pcie_aer.bpf.c", ("ras", "aer_event"), cflags={"RINGBUF_PAGES": 16}, on_event=self._on_event))
+            if self.probe is not None:
                 return
-            except EbpfUnavailable as exc:
-                self.probe = None
-                self.detail["ebpf_pcie_aer"] = str(exc)
-                log.info("AER tracepoint unavailable, reading sysfs aer_dev_* counters: %s", exc)
-        self.up["sysfs_aer"] = self.sysfs_root.is_dir()
+        self.up["sysfs_aer"] = self.sysfs_root.is_dir()  # fallback: the aer_dev_* counters
 
     def _on_event(self, e) -> None:
         dev = bytes(e.dev_name).split(b"\0", 1)[0].decode("utf-8", "replace")

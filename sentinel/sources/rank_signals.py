@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from sentinel.readings import KernelEvent
-from sentinel.sources.ebpf import EbpfUnavailable, RingProbe
+from sentinel.sources.ebpf import RingProbe
 from sentinel.sources.kernel import KernelSource, run_alone
 
 log = logging.getLogger("sentinel.rank_signals")
@@ -34,17 +34,9 @@ class RankSignalSource(KernelSource):
         self.extra: set[int] = set()
 
     def start(self) -> None:
-        self.probe = RingProbe("rank_signals", "rank_signals.bpf.c", ("signal", "signal_generate"),
-                               cflags={"MAX_RANKS": self.max_ranks, "RINGBUF_PAGES": 16}, on_event=self._on_event)
-        try:
-            self.probe.start()
-            self.probes.append(self.probe)
-            self.up = {"ebpf_rank_signals": True}
-        except EbpfUnavailable as exc:
-            self.probe = None
-            self.up = {"ebpf_rank_signals": False}
-            self.detail["ebpf_rank_signals"] = str(exc)
-            log.warning("rank signal probe unavailable: %s", exc)
+        self.probe = self.load_probe("ebpf_rank_signals", RingProbe(
+            "rank_signals", "rank_signals.bpf.c", ("signal", "signal_generate"),
+            cflags={"MAX_RANKS": self.max_ranks, "RINGBUF_PAGES": 16}, on_event=self._on_event))
         self.sync()
 
     def watch(self, pid: int) -> None:
