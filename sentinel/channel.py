@@ -28,7 +28,6 @@ import struct
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 VERSION = 1
 REQUEST_TYPES = ("snapshot", "migrate")
@@ -300,6 +299,3 @@ def send_raw(path: Path, data: bytes) -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
         s.sendto(data, str(path))
 
-
-def describe(msg: Any) -> dict[str, Any]:
-    return asdict(msg)

@@ -102,14 +102,11 @@ class Daemon:
         self.extra_gauges: list[Callable[[], dict]] = []
         self.endpoint: Any = None  # sentinel.channel.DaemonEndpoint
         self.migrator: Any = None  # sentinel.migration.Migrator
-        self.hooks: list[Callable[[NodeReadings, PolicyState], None]] = []
         self._stop = threading.Event()
         self._wake = threading.Event()
         self.xid_counts: dict[int, Counter[int]] = {}
         self.last_gpus: tuple = ()
         self._recent_xids: tuple = ()
-        self.last_trip_time = 0.0
-        self.event_polls = 0
 
     # -- start/stop ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -220,15 +217,12 @@ class Daemon:
         readings = NodeReadings(time=now, driver_version=self.nvml.driver_version, gpus=gpus, xid_events=tuple(xids),
                                 sources=sources, nvml_errors=dict(self.nvml.errors),
                                 kernel_events=tuple(kernel_events), events_only=True)
-        self.event_polls += 1
         return self.decide_and_act(readings, counters, now)
 
     def decide_and_act(self, readings: NodeReadings, counters: dict, now: float) -> NodeReadings:
         self.policy_state, trips = self.policy.decide(self.policy_state, readings, now)
         for t in trips:
             self.trips[(t.rule, t.action)] += 1
-        if trips:
-            self.last_trip_time = self.wall()
         self.executor.execute(trips)
         acks = self.endpoint.poll_acks() if self.endpoint is not None else []
         for ack in acks:
@@ -236,8 +230,6 @@ class Daemon:
                   path=ack.path, blocked_seconds=ack.blocked_seconds, error=ack.error)
         if self.migrator is not None:
             self.migrator.tick(acks)
-        for hook in self.hooks:
-            hook(readings, self.policy_state)
         self.publish(readings, counters)
         return readings
 
