@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import socket
 import struct
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+log = logging.getLogger("sentinel.channel")
 
 VERSION = 1
 REQUEST_TYPES = ("snapshot", "migrate")
@@ -176,14 +179,19 @@ class RankEndpoint:
             got = _recv_with_creds(self.sock)
             if got is None:
                 return out
-            data, _pid, uid = got
+            data, pid, uid = got
             if uid not in self.allowed_uids:
                 self.counts["refused_sender"] += 1
+                if self.counts["refused_sender"] == 1 or self.counts["refused_sender"] % 1000 == 0:
+                    log.warning("refused %d control message(s) from a sender that is not the daemon (last: pid %d uid %d)",
+                                self.counts["refused_sender"], pid, uid)
                 continue
             try:
                 msg = decode(data)
-            except MalformedMessage:
+            except MalformedMessage as exc:
                 self.counts["malformed"] += 1
+                if self.counts["malformed"] == 1 or self.counts["malformed"] % 1000 == 0:
+                    log.warning("ignored %d malformed control message(s) (last: %s)", self.counts["malformed"], exc)
                 continue
             if not isinstance(msg, Request):
                 self.counts["malformed"] += 1
