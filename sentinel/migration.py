@@ -110,6 +110,16 @@ class Migrator:
         self._save()
         event(log, f"migration {phase}", request_id=self.record.request_id, node=self.node, phase=phase)
 
+    @staticmethod
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
     def _count(self, key: str) -> None:
         self.counts[key] = self.counts.get(key, 0) + 1
 
@@ -148,9 +158,15 @@ class Migrator:
                     rec.snapshot_ok = ack.ok if rec.snapshot_ok is None else (rec.snapshot_ok and ack.ok)
             state = self.endpoint.requests.get(rec.request_id)
             expected = len(state.sent_to) if state else rec.ranks
-            acked = len({a["pid"] for a in rec.acks})
+            acked_pids = {a["pid"] for a in rec.acks}
+            acked = len(acked_pids)
             waited = self.wall() - rec.times["requested"]
+            # ranks that exited without acknowledging (the job restarted under them) will never answer
+            gone = {pid for pid in (state.sent_to if state else set()) - acked_pids if not self.alive(pid)}
             if expected and acked >= expected:
+                self._mark("acknowledged")
+            elif expected and acked + len(gone) >= expected:
+                rec.notes.append(f"{len(gone)} rank(s) exited before acknowledging; draining without waiting")
                 self._mark("acknowledged")
             elif not expected:
                 rec.notes.append("no trainer rank reachable on this node; draining without a fresh snapshot")

@@ -140,3 +140,22 @@ def test_launch_refuses_on_a_cordoned_node(tmp_path):
     r = subprocess.run([sys.executable, "-m", "sentinel", "launch", "--pidfile", str(tmp_path / "a.pid"),
                         "--state-dir", str(tmp_path / "state"), "--", "sh", "-c", "echo $$"], capture_output=True, text=True)
     assert r.returncode == 0 and (tmp_path / "a.pid").read_text().strip() == r.stdout.strip()  # exec: same pid
+
+
+def test_ranks_that_exit_before_acknowledging_do_not_stall_the_drain(tmp_path):
+    ep = DaemonEndpoint(tmp_path / "run")
+    rank = RankEndpoint.open(tmp_path / "run")
+    kills = []
+    try:
+        m = make(tmp_path, ep, kills=kills)
+        m.begin("r1", TRIP)
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        ep.requests["r1"].sent_to.add(dead.pid)  # a rank the job restarted before it could answer
+        rank.ack(Ack(id="r1", rank=0, step=9, ok=True))
+        m.tick(ep.poll_acks())
+        assert m.record.phase == "drained" and kills
+        assert any("exited before acknowledging" in n for n in m.record.notes)
+    finally:
+        rank.close()
+        ep.close()

@@ -275,18 +275,28 @@ class SnapshotGuard:
         """Hold at this step until the node is drained (a peer vanishes) or the hold expires."""
         log.warning("migrate snapshot at step %d committed; holding up to %.0f s for the drain", step,
                     self.migrate_hold_seconds)
-        if not self.distributed or self.world == 1:
-            time.sleep(self.migrate_hold_seconds)
-            return
         beats = max(1, math.ceil(self.migrate_hold_seconds / HOLD_BEAT))  # the same count on every rank
         flag = torch.zeros(1, dtype=torch.int32)
         for _ in range(beats):
-            try:
-                dist.all_reduce(flag, group=self.control_group)
-            except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError/DistBackendError on a dead peer
-                raise NodeDrained(f"a peer left during the migrate hold at step {step}: {exc}") from exc
+            self._answer_while_holding()
+            if self.distributed and self.world > 1:
+                try:
+                    dist.all_reduce(flag, group=self.control_group)
+                except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError/DistBackendError on a dead peer
+                    raise NodeDrained(f"a peer left during the migrate hold at step {step}: {exc}") from exc
             time.sleep(HOLD_BEAT)
         log.warning("no drain within %.0f s; training continues", self.migrate_hold_seconds)
+
+    def _answer_while_holding(self) -> None:
+        """A request that arrives during the hold (another node's daemon tripped too) is answered
+        by the snapshot just committed: same step, already durable. Without this, that node's
+        daemon would wait for acks from ranks that are about to be restarted."""
+        if not self.endpoint.active or not self.records:
+            return
+        last = self.records[-1]
+        for req in self.endpoint.poll():
+            self.endpoint.ack(Ack(id=req.id, rank=self.rank, step=last.step, ok=last.ok, path=last.path,
+                                  blocked_seconds=0.0, error=last.error, pid=os.getpid(), request_type=req.type))
 
     def close(self) -> None:
         self._wait_inflight()
