@@ -270,11 +270,12 @@ class Drill:
             what += (f" (no spare left for {a.victims} failed node(s) and --nnodes {a.nodes}:{a.nodes} does not allow"
                      " fewer: the job is waiting for a node; allow it with --min-nodes)")
         def done() -> bool:
-            self._watch_spares(t_fault)
+            events = self.events()  # one read of the progress log per check
+            self._watch_spares(t_fault, events)
             if self.filler is not None and self._migration(victim).get("phase") == "drained":
                 self.filler.unlink(missing_ok=True)  # the operator frees space; later snapshots succeed
                 self.filler = None
-            return any(e["event"] == "finished" for e in self.events()) or self._job_dead()
+            return any(e["event"] == "finished" for e in events) or self._job_dead()
 
         _wait(done, max(1.0, deadline - time.time()), what)
         result = self.report(tl, victim, t_fault)
@@ -296,10 +297,10 @@ class Drill:
         except (OSError, ValueError):
             return {}
 
-    def _watch_spares(self, t_fault: float) -> None:
+    def _watch_spares(self, t_fault: float, events: list[dict[str, Any]]) -> None:
         """The scheduler's part: a claimed spare whose agent died before it was admitted is
         replaced by the next free one. With --kill-spare, the first claimed spare is killed."""
-        admitted = {e["node"] for e in self.events() if e["event"] == "admitted" and e["time"] >= t_fault}
+        admitted = {e["node"] for e in events if e["event"] == "admitted" and e["time"] >= t_fault}
         for n in self.nodes:
             if not n.spare or not (self.pool / f"{n.name}.claimed").exists() or n.name in admitted:
                 continue
