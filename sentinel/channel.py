@@ -51,6 +51,9 @@ class Request:
     type: str  # "snapshot" | "migrate"
     id: str
     reason: str = ""
+    # migrate only: how long the ranks must hold after committing, at least (the daemon's ack
+    # timeout plus its drain budget), so a hold never ends before the node is drained.
+    hold_seconds: float = 0.0
     version: int = VERSION
 
     def encode(self) -> bytes:
@@ -68,6 +71,11 @@ class Ack:
     error: str = ""
     pid: int = 0
     request_type: str = ""
+    # "staged": the state is in host memory and the write has begun (sent at once, so the daemon
+    # knows the rank is alive and how big the write is); "committed": the snapshot is durable
+    # (or failed, ok=False). Only "committed" completes a request.
+    phase: str = "committed"
+    bytes: int = 0
     type: str = "ack"
     version: int = VERSION
 
@@ -90,11 +98,16 @@ def decode(data: bytes) -> Request | Ack:
         if kind in REQUEST_TYPES:
             if not isinstance(msg.get("id"), str) or not isinstance(msg.get("reason", ""), str) or not msg["id"]:
                 raise MalformedMessage("request needs a string id and reason")
-            return Request(type=kind, id=msg["id"], reason=msg.get("reason", ""))
+            hold = msg.get("hold_seconds", 0.0)
+            if isinstance(hold, bool) or not isinstance(hold, (int, float)) or not 0 <= hold < 1e6:
+                raise MalformedMessage("hold_seconds must be a number of seconds")
+            return Request(type=kind, id=msg["id"], reason=msg.get("reason", ""), hold_seconds=float(hold))
         if kind == "ack":
             ack = Ack(**{k: v for k, v in msg.items()})
             if not isinstance(ack.id, str) or not isinstance(ack.step, int) or not isinstance(ack.ok, bool):
                 raise MalformedMessage("ack fields of the wrong type")
+            if ack.phase not in ("staged", "committed") or isinstance(ack.bytes, bool) or not isinstance(ack.bytes, int):
+                raise MalformedMessage("ack phase must be staged or committed, bytes an integer")
             return ack
     except TypeError as exc:
         raise MalformedMessage(f"unexpected fields: {exc}") from None
