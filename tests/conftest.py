@@ -123,3 +123,56 @@ def metric_value(text: str, name: str, **labels: str) -> float | None:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 return sample.value
     return None
+
+
+# -- an unprivileged local user, for attacks on a root daemon ---------------------------------------
+class Attacker:
+    """A throwaway unprivileged user (created for the session, removed after). ``run`` and
+    ``python`` execute as that user with no supplementary groups."""
+
+    def __init__(self, name: str, uid: int, gid: int) -> None:
+        self.name, self.uid, self.gid = name, uid, gid
+
+    def run(self, argv, **kw) -> subprocess.CompletedProcess:
+        kw.setdefault("capture_output", True)
+        kw.setdefault("text", True)
+        kw.setdefault("timeout", 60)
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", **kw.pop("env", {})}
+        return subprocess.run(argv, user=self.uid, group=self.gid, extra_groups=[], env=env, **kw)
+
+    def popen(self, argv, **kw) -> subprocess.Popen:
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", **kw.pop("env", {})}
+        return subprocess.Popen(argv, user=self.uid, group=self.gid, extra_groups=[], env=env, **kw)
+
+    def python(self, code: str, **kw) -> subprocess.CompletedProcess:
+        env = {"PYTHONPATH": str(REPO), **kw.pop("env", {})}
+        return self.run([sys.executable, "-c", code], env=env, **kw)
+
+
+@pytest.fixture(scope="session")
+def attacker():
+    if os.geteuid() != 0:
+        pytest.skip("creating an unprivileged user needs root")
+    import pwd
+
+    name = f"sntl-atk{os.getpid() % 100000}"
+    subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+                   check=True, capture_output=True)
+    try:
+        pw = pwd.getpwnam(name)
+        yield Attacker(name, pw.pw_uid, pw.pw_gid)
+    finally:
+        subprocess.run(["userdel", name], capture_output=True)
+
+
+@pytest.fixture
+def shared_tmp():
+    """A root-owned 0755 directory under /tmp that an unprivileged user can reach (pytest's
+    tmp_path lives under a 0700 directory)."""
+    import shutil
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="sentinel-test-", dir="/tmp"))
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
