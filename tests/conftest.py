@@ -126,6 +126,9 @@ def metric_value(text: str, name: str, **labels: str) -> float | None:
 
 
 # -- an unprivileged local user, for attacks on a root daemon ---------------------------------------
+SYSTEM_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+
+
 class Attacker:
     """A throwaway unprivileged user (created for the session, removed after). ``run`` and
     ``python`` execute as that user with no supplementary groups."""
@@ -146,7 +149,8 @@ class Attacker:
 
     def python(self, code: str, **kw) -> subprocess.CompletedProcess:
         env = {"PYTHONPATH": str(REPO), **kw.pop("env", {})}
-        return self.run([sys.executable, "-c", code], env=env, **kw)
+        # the system interpreter: the test runner's may live under /root (0700)
+        return self.run([SYSTEM_PYTHON, "-c", code], env=env, **kw)
 
 
 @pytest.fixture(scope="session")
