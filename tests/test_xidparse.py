@@ -6,7 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sentinel.sources.xidparse import XidReport, format_line, parse
+from sentinel.sources.xidparse import XidReport, format_line, parse, parse_message
+
+XID79 = "NVRM: Xid (PCI:0000:18:00): 79, pid=1, name=x, GPU has fallen off the bus."
 
 LINES = [
     ("[ 1234.567890] NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python3, GPU has fallen off the bus.",
@@ -78,3 +80,61 @@ def test_driver_tracepoint_event_goes_through_the_same_parser():
     (event,), _ = src.drain()
     assert (event.gpu, event.xid, event.pid, event.process, event.message) == (2, 79, 77, "train",
                                                                                "GPU has fallen off the bus")
+
+
+# The kernel's own message, echoing a file name a user chose (fs/exec.c, execve with NULL argv).
+SPOOF = ("process 'sh' launched '/tmp/NVRM: Xid (PCI:0000:18:00): 79, pid=1, name=x, GPU has fallen off the bus.' "
+         "with NULL argv: empty string added")
+
+
+@pytest.mark.parametrize("prefix", ["", "[ 8.123456] ", "[Mon Nov 30 05:02:27 2026] ", "Nov 30 05:02:27 host kernel: ",
+                                    "2026-11-30T05:02:27.123456+00:00 host kernel: ", "<4>", "6,1234,5678,-;"])
+def test_xid_text_echoed_inside_a_kernel_message_is_not_a_report(prefix):
+    assert parse(prefix + SPOOF) is None
+    assert parse_message(prefix + SPOOF) is None
+
+
+@pytest.mark.parametrize("junk", ["x ", "sh: ", "kernel: ", "[ 8.1] x ", "Nov 30 05:02:27 host sshd: ", "<4>x ",
+                                  "6,1,2,-;x ", "[drm] ", "host kernel: "])
+def test_only_the_documented_prefixes_may_stand_before_the_report(junk):
+    assert parse(junk + XID79) is None
+
+
+@pytest.mark.parametrize("prefix", ["Nov 30 05:02:27 host kernel: [ 1234.567890] ", "<4>[ 1234.567890] ",
+                                    "6,1234,5678,-,caller=T42;", "2026-11-30T05:02:27Z host kernel: "])
+def test_combined_and_extended_prefixes_still_parse(prefix):
+    assert parse(prefix + XID79) == XidReport("0000:18:00.0", 79, 1, "x", "GPU has fallen off the bus")
+
+
+def test_a_bare_kernel_message_takes_no_prefix_at_all():
+    """The kernel paths hand over the message text alone: nothing may precede the marker."""
+    assert parse_message(XID79) == XidReport("0000:18:00.0", 79, 1, "x", "GPU has fallen off the bus")
+    assert parse_message("[ 8.123456] " + XID79) is None
+    assert parse_message("<4>" + XID79) is None
+
+
+def test_the_kmsg_path_ignores_the_spoof_and_counts_it():
+    from sentinel.sources.xid import XidSource
+
+    src = XidSource(use_ebpf=False, kmsg_fallback=False)
+    src.set_gpus({"0000:18:00.0": 0})
+    src._on_line(SPOOF)
+    src._on_line(XID79)
+    xids, _ = src.drain()
+    assert [(x.gpu, x.xid) for x in xids] == [(0, 79)]
+    counters = src.counters()
+    assert counters[("sentinel_kernel_events", (("source", "kmsg"), ("kind", "xid_not_at_start")))] == 1
+    assert counters[("sentinel_kernel_events", (("source", "kmsg"), ("kind", "xid")))] == 1
+    assert ("sentinel_kmsg_malformed_lines", (("source", "kmsg"),)) not in counters
+
+
+@pytest.mark.parametrize("dev", ["0000:18:00.0): 79, x", "NVRM", "", "0000:18:00.0 "])
+def test_driver_tracepoint_with_a_device_name_that_is_not_a_pci_name_is_refused(dev):
+    from types import SimpleNamespace
+
+    from sentinel.sources.xid import XidSource
+
+    src = XidSource(use_ebpf=False, kmsg_fallback=False)
+    src._on_driver_tracepoint(SimpleNamespace(dev=dev.encode() + b"\0", error_code=13, msg=b"pid=1, name=x, m\0"))
+    assert src.drain() == ([], [])
+    assert src.counters()[("sentinel_kmsg_malformed_lines", (("source", "ebpf_xid"),))] == 1

@@ -74,21 +74,30 @@ class XidSource(KernelSource):
 
     def _on_driver_tracepoint(self, event) -> None:
         """nvidia:nvidia_dev_xid carries (dev, error_code, msg): rebuild the driver's own line so
-        one parser serves every path."""
+        one parser serves every path. The line is built here, so it starts with the marker by
+        construction; ``dev`` must be a bare PCI name, or the line is not built at all."""
         dev = bytes(event.dev).split(b"\0", 1)[0].decode("utf-8", "replace")
         msg = bytes(event.msg).split(b"\0", 1)[0].decode("utf-8", "replace")
-        self._on_line(f"NVRM: Xid (PCI:{dev}): {int(event.error_code)}, {msg}", "ebpf_xid")
+        if not xidparse.is_pci_name(dev):
+            self.counts[("sentinel_kmsg_malformed_lines", (("source", "ebpf_xid"),))] += 1
+            return
+        self._on_line(f"{xidparse.XID_MARKER}PCI:{dev}): {int(event.error_code)}, {msg}", "ebpf_xid")
 
     def _on_bpf(self, event) -> None:
         self._on_line(bytes(event.msg).split(b"\0", 1)[0].decode("utf-8", "replace"), "ebpf_xid")
 
-    def _on_line(self, line: str, source: str = "kmsg") -> None:
+    def _on_line(self, text: str, source: str = "kmsg") -> None:
+        """One kernel message text (no record header, no timestamp). A report counts only at the
+        start of the text: anywhere else it is user text the kernel echoed, and is ignored."""
         self.counts[("sentinel_kernel_events", (("source", source), ("kind", "line")))] += 1
-        if "NVRM: Xid" not in line:
+        if "NVRM: Xid" not in text:
             return
-        report = xidparse.parse(line)
+        report = xidparse.parse_message(text)
         if report is None:
-            self.counts[("sentinel_kmsg_malformed_lines", (("source", source),))] += 1
+            if text.lstrip().startswith("NVRM: Xid"):
+                self.counts[("sentinel_kmsg_malformed_lines", (("source", source),))] += 1
+            else:
+                self.counts[("sentinel_kernel_events", (("source", source), ("kind", "xid_not_at_start")))] += 1
             return
         self.counts[("sentinel_kernel_events", (("source", source), ("kind", "xid")))] += 1
         gpu = self.bus_to_gpu.get(report.pci_bus_id)

@@ -1,14 +1,23 @@
 """One parser for NVIDIA Xid reports, from eBPF (printk:console) and /dev/kmsg alike.
 
-Accepted, after any of these prefixes: ``[12345.678901]`` (dmesg), ``[Mon Nov 30 05:02:27 2026]``
-(``dmesg -T``), ``Nov 30 05:02:27 host kernel:`` (syslog), ``2026-11-30T05:02:27.123456+00:00 host
-kernel:`` (journal ISO), ``<4>`` / ``4,1234,5678,-;`` (kmsg record headers)::
+A report is recognised only at the START of the kernel message text. Kernel messages echo user
+text (``process 'sh' launched '/tmp/NVRM: Xid (PCI:0000:18:00): 79, ...' with NULL argv``), so
+``NVRM: Xid (`` anywhere else in a line is not a report.
+
+:func:`parse_message` takes a bare message text, as the kernel paths deliver it (printk:console,
+and /dev/kmsg once its record header is removed): it must begin with ``NVRM: Xid (``.
+
+:func:`parse` takes a log line: the message may follow these prefixes and nothing else,
+``[12345.678901]`` (dmesg), ``[Mon Nov 30 05:02:27 2026]`` (``dmesg -T``), ``Nov 30 05:02:27 host
+kernel:`` (syslog), ``2026-11-30T05:02:27.123456+00:00 host kernel:`` (journal ISO), both of the
+last two optionally followed by a dmesg timestamp, ``<4>`` (``dmesg -r``, optionally followed by a
+dmesg timestamp) and ``4,1234,5678,-;`` (a /dev/kmsg record header)::
 
     NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python3, GPU has fallen off the bus.
     NVRM: Xid (PCI:0001:c1:00): 13, pid='<unknown>', name=<unknown>, Graphics Exception ...
     NVRM: Xid (0000:01:00): 13, 0000 00000000 ...            (older drivers: no "PCI:")
 
-:func:`parse` never raises: anything else returns None.
+Neither function raises: anything else returns None.
 """
 
 from __future__ import annotations
@@ -16,9 +25,26 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+XID_MARKER = "NVRM: Xid ("
+
+_BUS = r"(?:[0-9a-fA-F]{4,8}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-7])?"
+_BUS_ONLY = re.compile(_BUS)
 _XID = re.compile(
-    r"NVRM: Xid \((?:PCI:)?(?P<bus>(?:[0-9a-fA-F]{4,8}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-7])?)\): "
+    rf"NVRM: Xid \((?:PCI:)?(?P<bus>{_BUS})\): "
     r"(?P<xid>\d{1,5})(?:,\s*(?P<rest>.*))?$"
+)
+_DMESG_TS = r"\[\s*\d{1,10}\.\d{1,9}\]"
+_DMESG_T_TS = r"\[[A-Z][a-z]{2} [A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \d{4}\]"
+_SYSLOG = r"[A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \S+ kernel:"
+_JOURNAL_ISO = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{1,9})?(?:Z|[+-]\d\d:?\d\d)? \S+ kernel:"
+_KMSG_HEADER = r"\d{1,3},\d{1,20},\d{1,20},[^;\s]*;"
+# Exactly the documented prefixes, each anchored at the start of the line; nothing else may
+# stand before "NVRM:".
+_PREFIX = re.compile(
+    rf"(?:{_KMSG_HEADER}"
+    rf"|<\d{{1,3}}>\s*(?:{_DMESG_TS}\s*)?"
+    rf"|(?:{_SYSLOG}|{_JOURNAL_ISO})\s*(?:{_DMESG_TS}\s*)?"
+    rf"|(?:{_DMESG_TS}|{_DMESG_T_TS})\s*)?"
 )
 _PID = re.compile(r"^pid=(?:'?(?P<pid>\d+|<unknown>)'?)(?:,\s*|$)")
 _NAME = re.compile(r"^name=(?P<name>[^,]*)(?:,\s*|$)")
@@ -45,13 +71,22 @@ def normalize_bus(bus: str) -> str:
 
 
 def parse(line: str) -> XidReport | None:
-    """The Xid report in one kernel-log line, or None. Never raises."""
+    """The Xid report in one log line (a documented prefix, then the message), or None. Never raises."""
     if not isinstance(line, str):
         return None
-    idx = line.find("NVRM: Xid (")
-    if idx < 0:
+    text = line.strip()
+    return parse_message(text[_PREFIX.match(text).end():])  # the prefix is optional: always matches
+
+
+def parse_message(text: str) -> XidReport | None:
+    """The Xid report in a bare kernel message text, which must begin with ``NVRM: Xid (``
+    (surrounding whitespace aside), or None. Never raises."""
+    if not isinstance(text, str):
         return None
-    m = _XID.match(line.strip()[line.strip().find("NVRM: Xid ("):])
+    text = text.strip()
+    if not text.startswith(XID_MARKER):
+        return None
+    m = _XID.match(text)
     if not m:
         return None
     try:
@@ -72,6 +107,11 @@ def parse(line: str) -> XidReport | None:
             rest = rest[nm.end():]
     message = rest.strip().rstrip(".;,").strip()
     return XidReport(bus, xid, pid, process, message)
+
+
+def is_pci_name(name: str) -> bool:
+    """True for a bare PCI device name such as ``0000:3b:00.0`` (what ``pci_name()`` returns)."""
+    return isinstance(name, str) and _BUS_ONLY.fullmatch(name) is not None
 
 
 def format_line(r: XidReport) -> str:
