@@ -1,16 +1,26 @@
 """The daemon <-> trainer control channel: one versioned message format over Unix datagrams.
 
-Layout under ``SENTINEL_RUNTIME_DIR`` (default ``/run/sentinel``)::
+Layout under ``SENTINEL_RUNTIME_DIR`` (default ``/run/sentinel``, root-owned, mode 0755)::
 
-    ranks/<pid>.sock   one per training rank, bound by the rank (directory mode 1733: anyone
-                       may create, nobody may list or delete another's socket)
-    daemon.sock        the daemon's, for acknowledgements
+    ranks/<pid>.sock          one per training rank, bound by the rank (directory mode 1733:
+    ranks/<pid>.<hex>.sock    anyone may create, nobody may list or delete another's socket);
+                              the second form when ``<pid>.sock`` was squatted by someone else
+    daemon.sock               the daemon's, for acknowledgements
+    agent.pid                 the torchrun agent's identity, written by ``sentinel launch``
 
-Security: every rank socket has ``SO_PASSCRED``, so each datagram carries kernel-verified
-credentials (``SCM_CREDENTIALS``). A rank acts on a request only when it comes from root or the
-daemon's configured uid; anything else is refused and counted. A malformed message is ignored
-and counted. The daemon, in turn, accepts an acknowledgement only from the pid that owns the
-rank socket it claims.
+Who counts as a rank (the daemon side): a file in ``ranks/`` is a rank only when it is a socket
+(not a symlink, not a plain file), owned by the uid that owns ``/proc/<pid>``, and that process
+descends from the agent recorded in ``agent.pid`` (see :mod:`sentinel.procs`). Anything else is
+ignored and counted once (``sentinel_channel_rejected_total{reason}``); at most ``max_entries``
+names are read from the directory per scan, so planted files cannot blind the daemon.
+Acknowledgements are accepted only from the very ranks a request was sent to (kernel-verified
+``SCM_CREDENTIALS`` pid, same start time); anyone else's are refused and counted.
+
+Security (the rank side): every rank socket has ``SO_PASSCRED``, so each datagram carries
+kernel-verified credentials (``SCM_CREDENTIALS``). A rank acts on a request only when it comes
+from root or the daemon's configured uid; anything else is refused and counted. A malformed
+message is ignored and counted. A rank whose socket name was squatted logs it once, binds the
+alternative name and reports it in ``RankEndpoint.error``.
 
 Cost: :meth:`RankEndpoint.poll` is one non-blocking ``recvmsg`` returning EAGAIN when idle
 (about a microsecond). With no runtime directory (no daemon installed) the rank gets a
@@ -24,11 +34,15 @@ import errno
 import json
 import logging
 import os
+import secrets
 import socket
 import struct
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
+
+from sentinel import procs
 
 log = logging.getLogger("sentinel.channel")
 
@@ -40,6 +54,20 @@ _UCRED = struct.Struct("3i")  # pid, uid, gid
 
 def runtime_dir() -> Path:
     return Path(os.environ.get("SENTINEL_RUNTIME_DIR", "/run/sentinel"))
+
+
+def parse_rank_name(name: str) -> int | None:
+    """The pid in a rank socket name (``<pid>.sock`` or ``<pid>.<hex>.sock``), else None."""
+    parts = name.split(".")
+    if parts[-1] != "sock" or len(parts) not in (2, 3):
+        return None
+    stem = parts[0]
+    if not (stem.isascii() and stem.isdigit()) or len(stem) > 7 or stem.startswith("0"):
+        return None
+    if len(parts) == 3 and not (1 <= len(parts[1]) <= 32 and all(c in "0123456789abcdef" for c in parts[1])):
+        return None
+    pid = int(stem)
+    return pid if pid > 1 else None
 
 
 class MalformedMessage(ValueError):
@@ -148,6 +176,9 @@ class NullEndpoint:
     active = False
     counts: Counter[str] = Counter()
 
+    def __init__(self, error: str = "") -> None:
+        self.error = error
+
     def poll(self) -> list[Request]:
         return []
 
@@ -167,8 +198,25 @@ class RankEndpoint:
         self.directory = directory
         self.allowed_uids = allowed_uids
         self.counts: Counter[str] = Counter()
-        self.path = directory / "ranks" / f"{os.getpid()}.sock"
-        self.sock = _bind_dgram(self.path, 0o622)  # the daemon (root) writes; others cannot read
+        self.error = ""
+        ranks = directory / "ranks"
+        self.path = ranks / f"{os.getpid()}.sock"
+        try:
+            self.sock = _bind_dgram(self.path, 0o622)  # the daemon (root) writes; others cannot read
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.EACCES, errno.EADDRINUSE):
+                raise
+            # Someone else owns our name (sticky directory: we cannot remove it). Bind a name
+            # nobody can predict; the daemon accepts both forms after verifying ownership.
+            try:
+                owner = os.lstat(self.path).st_uid
+            except OSError:
+                owner = -1
+            self.error = f"control socket {self.path} is squatted by uid {owner}; using an alternative name"
+            self.counts["squatted"] += 1
+            log.error("%s", self.error)
+            self.path = ranks / f"{os.getpid()}.{secrets.token_hex(8)}.sock"
+            self.sock = _bind_dgram(self.path, 0o622)
 
     @classmethod
     def open(cls, directory: Path | None = None) -> "RankEndpoint | NullEndpoint":
@@ -182,8 +230,10 @@ class RankEndpoint:
             uids.add(int(extra))
         try:
             return cls(directory, allowed_uids=frozenset(uids))
-        except OSError:
-            return NullEndpoint()
+        except OSError as exc:
+            error = f"cannot bind a control socket in {directory / 'ranks'}: {exc.strerror}; no daemon requests will reach this rank"
+            log.error("%s", error)
+            return NullEndpoint(error)
 
     def poll(self) -> list[Request]:
         """Non-blocking: the requests waiting now (usually none)."""
@@ -231,84 +281,191 @@ class RankEndpoint:
 # ---------------------------------------------------------------------------------------------
 # Daemon side
 # ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RankInfo:
+    pid: int
+    start_time: int
+    path: Path
+
+
 @dataclass
 class RequestState:
     request: Request
-    sent_to: set[int] = field(default_factory=set)  # rank pids
-    acks: dict[int, Ack] = field(default_factory=dict)  # pid -> ack
+    sent_to: dict[int, int] = field(default_factory=dict)  # rank pid -> its start time
+    staged: dict[int, Ack] = field(default_factory=dict)  # pid -> "staged" ack
+    acks: dict[int, Ack] = field(default_factory=dict)  # pid -> "committed" ack
 
 
 class DaemonEndpoint:
-    """The daemon's end: sends requests to every local rank, collects acknowledgements."""
+    """The daemon's end: sends requests to the node's verified ranks, collects their acknowledgements.
 
-    def __init__(self, directory: Path) -> None:
+    ``agent`` returns the recorded torchrun agent (:class:`sentinel.procs.AgentRecord`) or
+    raises (FileNotFoundError / :class:`sentinel.procs.NotTrusted`) when there is none to trust;
+    by default it reads ``<directory>/agent.pid``. Without a trusted agent no file counts as a rank.
+    """
+
+    def __init__(self, directory: Path, *, agent: Callable[[], procs.AgentRecord] | None = None,
+                 agent_pidfile: Path | None = None, max_ranks: int = 1024, proc: Path = procs.PROC) -> None:
         self.directory = directory
         self.ranks_dir = directory / "ranks"
         self.ranks_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.ranks_dir, 0o1733)
+        pidfile = agent_pidfile or directory / "agent.pid"
+        self.agent = agent or (lambda: procs.read_agent_record(pidfile, proc=proc))
+        self.max_ranks = max_ranks
+        self.max_entries = 4 * max_ranks
+        self.proc = proc
         self.sock = _bind_dgram(directory / "daemon.sock", 0o622)
         self.counts: Counter[tuple[str, str]] = Counter()
+        self.rejected: Counter[str] = Counter()
+        self._rejected_seen: set[tuple[str, int, str]] = set()
         self.requests: dict[str, RequestState] = {}
+        self.agent_error = ""
+
+    # -- who is a rank -------------------------------------------------------------------------
+    def _reject(self, name: str, ino: int, reason: str) -> None:
+        key = (name, ino, reason)
+        if key in self._rejected_seen:
+            return
+        if len(self._rejected_seen) > 65536:
+            self._rejected_seen.clear()
+        self._rejected_seen.add(key)
+        self.rejected[reason] += 1
+        if self.rejected[reason] == 1 or self.rejected[reason] % 1000 == 0:
+            log.warning("ignored %d file(s) in %s (%s; last: %s)", self.rejected[reason], self.ranks_dir, reason, name)
+
+    def ranks(self) -> dict[int, RankInfo]:
+        """The verified ranks now: pid -> RankInfo. Never raises; reads at most ``max_entries`` names."""
+        try:
+            agent = self.agent()
+            self.agent_error = ""
+        except (OSError, procs.NotTrusted) as exc:
+            error = "no agent pidfile" if isinstance(exc, FileNotFoundError) else str(exc)
+            if error != self.agent_error:
+                (log.info if isinstance(exc, FileNotFoundError) else log.warning)("no trusted agent: %s", error)
+            self.agent_error = error
+            agent = None
+        out: dict[int, RankInfo] = {}
+        try:
+            it = os.scandir(self.ranks_dir)
+        except OSError:
+            return out
+        with it:
+            for n, entry in enumerate(it):
+                if n >= self.max_entries or len(out) >= self.max_ranks:
+                    self._reject("*", 0, "too_many_entries")
+                    break
+                name = entry.name
+                try:
+                    ino = entry.inode()
+                except OSError:
+                    continue
+                pid = parse_rank_name(name)
+                if pid is None:
+                    self._reject(name, ino, "bad_name")
+                    continue
+                path = self.ranks_dir / name
+                ok, reason = procs.is_socket_owned_by_process(path, pid, self.proc)
+                if not ok:
+                    if reason == "no_process":  # a socket (checked first) whose process exited
+                        try:
+                            path.unlink()
+                            self.counts[("rank", "stale_removed")] += 1
+                            continue
+                        except OSError:
+                            pass
+                    if reason != "gone":
+                        self._reject(name, ino, reason)
+                    continue
+                if agent is None:
+                    self._reject(name, ino, "no_agent")
+                    continue
+                if not procs.descends_from(pid, agent.pid, agent.start_time, proc=self.proc):
+                    self._reject(name, ino, "not_in_job")
+                    continue
+                try:
+                    _, start = procs.proc_stat(pid, self.proc)
+                except (ProcessLookupError, OSError, ValueError, IndexError):
+                    continue
+                if pid in out:  # two verified sockets of one rank: keep the canonical name
+                    if name != f"{pid}.sock":
+                        continue
+                out[pid] = RankInfo(pid, start, path)
+        return out
 
     def rank_pids(self) -> list[int]:
-        pids = []
-        try:
-            names = os.listdir(self.ranks_dir)
-        except OSError:
-            return []
-        for name in names:
-            stem, _, ext = name.partition(".")
-            if ext == "sock" and stem.isdigit():
-                pids.append(int(stem))
-        return sorted(pids)
+        return sorted(self.ranks())
 
-    def request(self, kind: str, request_id: str, reason: str, pids: list[int] | None = None) -> int:
-        """Send to every local rank (or only ``pids``); returns how many received it.
-        Sockets of ranks that exited are removed."""
-        req = Request(type=kind, id=request_id, reason=reason)
+    # -- requests and acknowledgements ----------------------------------------------------------
+    def request(self, kind: str, request_id: str, reason: str, pids: list[int] | None = None,
+                hold_seconds: float = 0.0) -> int:
+        """Send to every verified local rank (or only those of ``pids``); returns how many
+        received it. Re-sending the same id reaches the ranks again (a holding rank answers at once)."""
+        req = Request(type=kind, id=request_id, reason=reason, hold_seconds=hold_seconds)
         state = self.requests.setdefault(request_id, RequestState(req))
         data = req.encode()
-        for pid in self.rank_pids() if pids is None else pids:
-            path = self.ranks_dir / f"{pid}.sock"
+        ranks = self.ranks()
+        targets = ranks.values() if pids is None else [ranks[p] for p in pids if p in ranks]
+        for info in targets:
             try:
-                self.sock.sendto(data, str(path))
-                state.sent_to.add(pid)
+                self.sock.sendto(data, str(info.path))
+                state.sent_to[info.pid] = info.start_time
                 self.counts[(kind, "sent")] += 1
             except (ConnectionRefusedError, FileNotFoundError):
                 self.counts[(kind, "stale_rank")] += 1
-                path.unlink(missing_ok=True)
+                info.path.unlink(missing_ok=True)
             except OSError as exc:
                 self.counts[(kind, "error_" + errno.errorcode.get(exc.errno or 0, "unknown").lower())] += 1
+        if len(self.requests) > 256:  # bounded: forget the oldest finished requests
+            for rid in list(self.requests)[:-256]:
+                del self.requests[rid]
         return len(state.sent_to)
 
     def poll_acks(self) -> list[Ack]:
+        """Acknowledgements received since the last call, from the ranks each request was sent to."""
         out = []
-        while True:
+        for _ in range(10000):  # bounded: a flood cannot keep the loop here
             got = _recv_with_creds(self.sock)
             if got is None:
-                return out
+                break
             data, pid, _uid = got
             try:
                 msg = decode(data)
             except MalformedMessage:
                 self.counts[("ack", "malformed")] += 1
                 continue
-            if not isinstance(msg, Ack) or not (self.ranks_dir / f"{pid}.sock").exists():
+            state = self.requests.get(msg.id) if isinstance(msg, Ack) else None
+            if state is None or pid not in state.sent_to:
                 self.counts[("ack", "refused")] += 1
+                self.rejected["ack_not_expected"] += 1
+                continue
+            try:
+                _, start = procs.proc_stat(pid, self.proc)
+            except (ProcessLookupError, OSError, ValueError, IndexError):
+                start = -1
+            if start != state.sent_to[pid]:
+                self.counts[("ack", "refused")] += 1
+                self.rejected["ack_pid_reused"] += 1
                 continue
             msg = Ack(**{**asdict(msg), "pid": pid})
-            state = self.requests.get(msg.id)
-            if state is not None:
+            if msg.phase == "staged":
+                state.staged[pid] = msg
+                self.counts[("ack", "staged")] += 1
+            else:
                 state.acks[pid] = msg
-            self.counts[("ack", "ok" if msg.ok else "error")] += 1
+                self.counts[("ack", "ok" if msg.ok else "error")] += 1
             out.append(msg)
+        return out
 
     def complete(self, request_id: str) -> bool:
         state = self.requests.get(request_id)
-        return bool(state and state.sent_to and state.sent_to <= set(state.acks))
+        return bool(state and state.sent_to and set(state.sent_to) <= set(state.acks))
 
     def metric_counters(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        return {("sentinel_channel_messages", (("kind", k), ("outcome", o))): float(n) for (k, o), n in self.counts.items()}
+        out = {("sentinel_channel_messages", (("kind", k), ("outcome", o))): float(n) for (k, o), n in self.counts.items()}
+        for reason, n in self.rejected.items():
+            out[("sentinel_channel_rejected", (("reason", reason),))] = float(n)
+        return out
 
     def close(self) -> None:
         self.sock.close()

@@ -187,21 +187,11 @@ def cmd_uncordon(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    """Exec the torchrun agent under a pidfile the daemon can find; refuse on a cordoned node."""
-    cordon = Path(args.state_dir) / "cordon.json"
-    if cordon.exists():
-        return fail(f"node is cordoned ({cordon}); clear it with `sentinel uncordon --state-dir {args.state_dir}`", 3)
-    if not args.command:
-        return fail("launch needs a command after --, e.g. sentinel launch -- torchrun ...")
-    command = args.command[1:] if args.command[0] == "--" else args.command
-    pidfile = Path(args.pidfile)
-    pidfile.parent.mkdir(parents=True, exist_ok=True)
-    pidfile.write_text(f"{os.getpid()}\n")
-    try:
-        os.execvp(command[0], command)  # same pid: the pidfile names the agent itself
-    except OSError as exc:
-        return fail(f"cannot run {command[0]}: {exc.strerror}", 127)
-    return 0  # not reached
+    """Run the torchrun agent under an identity record the daemon trusts (see sentinel.launch)."""
+    from sentinel.launch import launch
+
+    command = args.command[1:] if args.command and args.command[0] == "--" else args.command
+    return launch(command, Path(args.pidfile), Path(args.state_dir))
 
 
 def build_parser() -> argparse.ArgumentParser:

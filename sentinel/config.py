@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -22,6 +23,20 @@ class ConfigError(ValueError):
     """A configuration problem; the message names the offending key."""
 
 
+MINUTE, HOUR, DAY = 60.0, 3600.0, 86400.0
+
+# The policy rules a config may name in ``policy.disabled_rules``. sentinel.policy declares what
+# each rule needs (``policy.RULES``) and a test asserts both name the same rules; the names live
+# here so that validating a config never imports the policy (which imports this module).
+RULE_NAMES: frozenset[str] = frozenset({
+    "xid", "app_xid_rate", "ecc_uncorrected", "retired_pages", "retired_dbe", "retired_pending",
+    "remap_failure", "remap_pending", "remap_uncorrectable", "remap_availability", "pcie_replay_rate",
+    "nvlink_crc_rate", "gpu_lost", "nvml_hung", "thermal", "trend", "rank_signal", "host_memory", "pcie_aer",
+})
+XID_ACTIONS = ("migrate", "snapshot", "alert", "ignore")
+XID_MIN, XID_MAX = 1, 65535
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
     poll_interval_seconds: float = 1.0
@@ -32,8 +47,11 @@ class DaemonConfig:
     log_level: str = "info"
 
     def validate(self, prefix: str) -> None:
-        _positive(prefix, "poll_interval_seconds", self.poll_interval_seconds)
-        _positive(prefix, "nvml_deadline_seconds", self.nvml_deadline_seconds)
+        _number(prefix, "poll_interval_seconds", self.poll_interval_seconds, 0, DAY, low_open=True)
+        _number(prefix, "nvml_deadline_seconds", self.nvml_deadline_seconds, 0, HOUR, low_open=True)
+        _path(prefix, "runtime_dir", self.runtime_dir, required=True)
+        _path(prefix, "state_dir", self.state_dir, required=True)
+        _text(prefix, "node_name", self.node_name)
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"{prefix}.log_level: must be one of debug, info, warning, error (got {self.log_level!r})")
 
@@ -69,24 +87,32 @@ class PolicyConfig:
     disabled_rules: tuple[str, ...] = ()
 
     def validate(self, prefix: str) -> None:
-        _positive(prefix, "lead_time_seconds", self.lead_time_seconds)
-        _positive(prefix, "trend_window_seconds", self.trend_window_seconds)
-        if self.debounce_samples < 1:
-            raise ConfigError(f"{prefix}.debounce_samples: must be >= 1 (got {self.debounce_samples})")
-        if self.cooldown_seconds < 0:
-            raise ConfigError(f"{prefix}.cooldown_seconds: must be >= 0 (got {self.cooldown_seconds})")
+        _number(prefix, "lead_time_seconds", self.lead_time_seconds, 0, 7 * DAY, low_open=True)
+        _integer(prefix, "debounce_samples", self.debounce_samples, 1, 10_000)
+        _number(prefix, "trend_window_seconds", self.trend_window_seconds, 0, 30 * DAY, low_open=True)
+        _number(prefix, "cooldown_seconds", self.cooldown_seconds, 0, 30 * DAY)
         for key, action in self.xid_overrides.items():
-            if not key.isdigit():
-                raise ConfigError(f"{prefix}.xid_overrides.{key}: Xid keys are numbers, e.g. \"79\"")
-            if action not in ("migrate", "snapshot", "alert", "ignore"):
-                raise ConfigError(
-                    f"{prefix}.xid_overrides.{key}: action must be migrate, snapshot, alert or ignore (got {action!r})"
-                )
-        from sentinel.policy import RULES  # late: policy imports config for its types
-
+            where = f"{prefix}.xid_overrides.{_printable(key)}"
+            # str.isdigit() accepts "²" and "٣", which int() then rejects or misreads: ASCII only,
+            # and one spelling per Xid ("079" would silently duplicate "79").
+            if not (key.isascii() and key.isdigit() and key == str(int(key)) and XID_MIN <= int(key) <= XID_MAX):
+                raise ConfigError(f"{where}: Xid keys are numbers {XID_MIN}..{XID_MAX} in plain ASCII digits, e.g. \"79\"")
+            if action not in XID_ACTIONS:
+                raise ConfigError(f"{where}: action must be migrate, snapshot, alert or ignore (got {action!r})")
+        for i, xid in enumerate(self.xid_skip):
+            _integer(prefix, f"xid_skip[{i}]", xid, XID_MIN, XID_MAX)
+        _integer(prefix, "app_xid_max_per_hour", self.app_xid_max_per_hour, 0, 1_000_000)
+        # A limit of 0 on a ">=" rule would fail every healthy GPU at the first poll.
+        _integer(prefix, "retired_pages_limit", self.retired_pages_limit, 1, 1_000_000)
+        _integer(prefix, "retired_dbe_limit", self.retired_dbe_limit, 0, 1_000_000)
+        _integer(prefix, "remap_uncorrectable_limit", self.remap_uncorrectable_limit, 1, 1_000_000)
+        _number(prefix, "nvlink_crc_per_second_limit", self.nvlink_crc_per_second_limit, 0, 1e12, low_open=True)
+        _number(prefix, "pcie_replay_ber", self.pcie_replay_ber, 0, 1, low_open=True)
         for rule in self.disabled_rules:
-            if rule not in RULES:
-                raise ConfigError(f"{prefix}.disabled_rules: unknown rule {rule!r} (known: {', '.join(sorted(RULES))})")
+            if rule not in RULE_NAMES:
+                raise ConfigError(
+                    f"{prefix}.disabled_rules: unknown rule {_printable(rule)!r} (known: {', '.join(sorted(RULE_NAMES))})"
+                )
 
 
 @dataclass(frozen=True)
@@ -102,9 +128,20 @@ class ActionsConfig:
     # Command run when a migration begins, to bring a cold spare's agent up, e.g. a Slurm or Kubernetes call.
     spare_command: tuple[str, ...] = ()
     drain: bool = True
+    # Each cordon/drain/spare command runs off the daemon's loop and is killed after this long.
+    command_timeout_seconds: float = 30.0
+    # Once every rank has staged its snapshot, the ack deadline grows by staged bytes / this rate
+    # (the slowest per-node write bandwidth worth waiting for; 50 MB/s is a loaded shared filesystem).
+    snapshot_min_bytes_per_second: float = 50e6
 
     def validate(self, prefix: str) -> None:
-        _positive(prefix, "ack_timeout_seconds", self.ack_timeout_seconds)
+        _number(prefix, "ack_timeout_seconds", self.ack_timeout_seconds, 0, HOUR, low_open=True)
+        _number(prefix, "command_timeout_seconds", self.command_timeout_seconds, 0, HOUR, low_open=True)
+        _number(prefix, "snapshot_min_bytes_per_second", self.snapshot_min_bytes_per_second, 0, 1e13, low_open=True)
+        _command(prefix, "cordon_command", self.cordon_command)
+        _path(prefix, "agent_pidfile", self.agent_pidfile, required=False)
+        _command(prefix, "agent_stop_command", self.agent_stop_command)
+        _command(prefix, "spare_command", self.spare_command)
 
 
 @dataclass(frozen=True)
@@ -127,13 +164,101 @@ class Config:
     ebpf: EbpfConfig = field(default_factory=EbpfConfig)
 
     def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first bad key. A Config that validates can be
+        applied: nothing downstream (the policy, the actions, a reload) can fail on its values."""
         for f in dataclasses.fields(self):
-            getattr(self, f.name).validate(f.name)
+            section = getattr(self, f.name)
+            # a safety net for float keys added later without a range: never inf or NaN
+            for key in dataclasses.fields(section):
+                value = getattr(section, key.name)
+                if isinstance(value, float) and not math.isfinite(value):
+                    raise ConfigError(f"{f.name}.{key.name}: must be a finite number (got {value})")
+            section.validate(f.name)
 
 
-def _positive(prefix: str, key: str, value: float) -> None:
-    if not value > 0:
-        raise ConfigError(f"{prefix}.{key}: must be > 0 (got {value})")
+# Keys a running daemon applies on SIGHUP (a section name covers all its keys). Any other key
+# that changed needs a restart: listeners, directories and sources are set up once, at start.
+LIVE_ON_RELOAD = frozenset({
+    "policy", "actions", "daemon.poll_interval_seconds", "daemon.nvml_deadline_seconds", "daemon.log_level",
+})
+
+
+def _changed(old: Config, new: Config) -> list[tuple[str, bool]]:
+    """(name, applies live) for each changed section (when the whole section applies live) or key."""
+    out = []
+    for f in dataclasses.fields(Config):
+        before, after = getattr(old, f.name), getattr(new, f.name)
+        if before == after:
+            continue
+        if f.name in LIVE_ON_RELOAD:
+            out.append((f.name, True))
+            continue
+        for key in dataclasses.fields(before):
+            if getattr(before, key.name) != getattr(after, key.name):
+                name = f"{f.name}.{key.name}"
+                out.append((name, name in LIVE_ON_RELOAD))
+    return out
+
+
+def reload_plan(old: Config, new: Config) -> tuple[list[str], list[str]]:
+    """What a reload from ``old`` to ``new`` does: (applied live, needing a restart).
+
+    Each list names changed sections (``"policy"``, ``"actions"``, applied as a whole) or keys
+    (``"daemon.poll_interval_seconds"``, ``"metrics.port"``); both are empty when nothing changed.
+    """
+    changed = _changed(old, new)
+    return [name for name, live in changed if live], [name for name, live in changed if not live]
+
+
+def live_part(old: Config, new: Config) -> Config:
+    """``new`` with every key that needs a restart kept at its ``old`` value: the configuration a
+    running daemon actually has after reloading ``new``, so the next reload still reports them."""
+    sections = {}
+    for f in dataclasses.fields(Config):
+        before, after = getattr(old, f.name), getattr(new, f.name)
+        if f.name in LIVE_ON_RELOAD or before == after:
+            sections[f.name] = after
+            continue
+        keep = {k.name: getattr(after, k.name) for k in dataclasses.fields(after) if f"{f.name}.{k.name}" in LIVE_ON_RELOAD}
+        sections[f.name] = dataclasses.replace(before, **keep)
+    return Config(**sections)
+
+
+def _printable(text: str) -> str:
+    """A key or value as it can appear in a one-line message: non-ASCII and control characters escaped."""
+    return text if text.isascii() and text.isprintable() else ascii(text)[1:-1]
+
+
+def _number(prefix: str, key: str, value: float, low: float, high: float, *, low_open: bool = False) -> None:
+    """A finite float in [low, high] (or (low, high] when ``low_open``)."""
+    ok = math.isfinite(value) and (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        bounds = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise ConfigError(f"{prefix}.{key}: must be a finite number in {bounds} (got {value})")
+
+
+def _integer(prefix: str, key: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise ConfigError(f"{prefix}.{key}: must be an integer in {low}..{high} (got {value})")
+
+
+def _text(prefix: str, key: str, value: str) -> None:
+    if "\0" in value:
+        raise ConfigError(f"{prefix}.{key}: must not contain a NUL character")
+
+
+def _path(prefix: str, key: str, value: str, *, required: bool) -> None:
+    _text(prefix, key, value)
+    if required and not value:
+        raise ConfigError(f"{prefix}.{key}: must be a path, not empty")
+
+
+def _command(prefix: str, key: str, argv: tuple[str, ...]) -> None:
+    """An argv list: empty (no command) or a program name followed by its arguments."""
+    for i, arg in enumerate(argv):
+        _text(prefix, f"{key}[{i}]", arg)
+    if argv and not argv[0]:
+        raise ConfigError(f"{prefix}.{key}[0]: the program to run must not be empty")
 
 
 def _coerce(key: str, hint: Any, value: Any) -> Any:
@@ -195,7 +320,11 @@ def parse(text: str, source: str = "<config>") -> Config:
 def load(path: str | Path) -> Config:
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config file: {exc.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a UTF-8 text file (invalid byte at offset {exc.start})") from None
     return parse(text, str(path))

@@ -1,0 +1,96 @@
+"""``sentinel launch``: run the node's torchrun agent under an identity record the daemon trusts.
+
+The launcher forks the agent, waits until the ``exec`` succeeded (a close-on-exec pipe), then
+records the agent's pid, start time, executable, uid and boot id in the pidfile
+(:func:`sentinel.procs.write_agent_record`: atomic, never through a symlink). It stays as the
+agent's parent: it forwards SIGTERM/SIGINT/SIGHUP/SIGUSR1/SIGUSR2 to the agent (``systemctl stop``
+signals the unit's main process), removes the pidfile when the agent exits, and exits with the
+agent's status. Training ranks are the agent's descendants — that is how the daemon tells a
+rank of this job from any other local process (:mod:`sentinel.channel`).
+
+It refuses to start on a cordoned node (exit 3).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import sys
+from pathlib import Path
+
+from sentinel.procs import AgentRecord, write_agent_record
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"sentinel: {message}", file=sys.stderr)
+    return code
+
+
+def launch(command: list[str], pidfile: Path, state_dir: Path) -> int:
+    from sentinel.migration import read_cordon
+
+    marker, problem = read_cordon(state_dir / "cordon.json")
+    if marker is not None:
+        return _fail(f"node is cordoned ({state_dir / 'cordon.json'}: {marker.get('reason', '')}); "
+                     f"clear it with `sentinel uncordon --state-dir {state_dir}`", 3)
+    if problem:
+        print(f"sentinel: warning: {problem}; not treated as a cordon", file=sys.stderr)
+    if not command:
+        return _fail("launch needs a command after --, e.g. sentinel launch -- torchrun ...", 2)
+    try:
+        pidfile.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return _fail(f"cannot create {pidfile.parent}: {exc.strerror}", 2)
+
+    r, w = os.pipe2(os.O_CLOEXEC)
+    pid = os.fork()
+    if pid == 0:  # the agent
+        os.close(r)
+        try:
+            os.execvp(command[0], command)
+        except OSError as exc:
+            os.write(w, str(exc.errno or errno.ENOENT).encode())
+        os._exit(127)
+    os.close(w)
+    received = os.read(r, 64)
+    os.close(r)
+    if received:
+        os.waitpid(pid, 0)
+        return _fail(f"cannot run {command[0]}: {os.strerror(int(received))}", 127)
+
+    def forward(signum, _frame):  # only os.kill: nothing here takes a lock
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    record = None
+    try:
+        record = AgentRecord.of(pid)
+        write_agent_record(pidfile, record)
+    except (OSError, ProcessLookupError) as exc:
+        print(f"sentinel: warning: cannot record the agent in {pidfile}: {exc}; the daemon will not "
+              f"recognise this job's ranks", file=sys.stderr)
+    status = 0
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            break
+        except ChildProcessError:
+            break
+        except InterruptedError:
+            continue
+    if record is not None:  # remove the pidfile if it is still ours (a newer launch may own it)
+        try:
+            if pidfile.read_text().splitlines()[1:2] == record.encode().splitlines()[1:2]:
+                pidfile.unlink()
+        except (OSError, IndexError):
+            pass
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1

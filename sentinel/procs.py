@@ -1,0 +1,189 @@
+"""Processes the daemon may act on, identified so that a pid alone is never trusted.
+
+A process is named by ``(pid, start_time)``: the start time (``/proc/<pid>/stat`` field 22, in
+clock ticks since boot) never repeats for a reused pid within one boot. The torchrun agent that
+``sentinel launch`` starts is recorded in the agent pidfile as such an identity plus its
+executable and uid; the daemon signals it only when all of them still match, and through a
+pidfd, so a pid reused between the check and the signal cannot be hit.
+
+Job membership (who counts as a training rank): a process is in the job when it descends from
+the recorded agent (torchrun's workers are its children). Membership is checked by walking the
+``PPid`` chain in ``/proc``; a process that was reparented (its agent died) is no longer in the
+job, which is what we want.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from sentinel.fsutil import UnsafePath, read_trusted, write_atomic
+
+PROC = Path("/proc")
+
+
+class NotTrusted(RuntimeError):
+    """The pidfile or process must not be acted on; the message says why (one sentence)."""
+
+
+def proc_stat(pid: int, proc: Path = PROC) -> tuple[int, int]:
+    """(ppid, start_time) of ``pid``; raises ProcessLookupError when it does not exist."""
+    try:
+        raw = (proc / str(pid) / "stat").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        raise ProcessLookupError(pid) from None
+    # "pid (comm) state ppid ..." — comm may contain spaces and parentheses: split at the last ')'
+    rest = raw[raw.rindex(b")") + 2:].split()
+    return int(rest[1]), int(rest[19])
+
+
+def proc_uid(pid: int, proc: Path = PROC) -> int:
+    try:
+        return os.stat(proc / str(pid)).st_uid
+    except FileNotFoundError:
+        raise ProcessLookupError(pid) from None
+
+
+def proc_exe(pid: int, proc: Path = PROC) -> str:
+    try:
+        return os.readlink(proc / str(pid) / "exe")
+    except FileNotFoundError:
+        raise ProcessLookupError(pid) from None
+    except PermissionError:
+        return ""
+
+
+def boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def descends_from(pid: int, ancestor: int, ancestor_start: int, *, proc: Path = PROC, limit: int = 64) -> bool:
+    """True when ``pid`` is ``ancestor`` (with that start time) or one of its descendants."""
+    current = pid
+    for _ in range(limit):
+        try:
+            ppid, start = proc_stat(current, proc)
+        except (ProcessLookupError, ValueError, IndexError, OSError):
+            return False
+        if current == ancestor:
+            return start == ancestor_start
+        if ppid <= 1:
+            return False
+        current = ppid
+    return False
+
+
+@dataclass(frozen=True)
+class AgentRecord:
+    """What ``sentinel launch`` wrote about the agent it started."""
+
+    pid: int
+    start_time: int
+    exe: str
+    uid: int
+    boot_id: str
+
+    @classmethod
+    def of(cls, pid: int, proc: Path = PROC) -> "AgentRecord":
+        _, start = proc_stat(pid, proc)
+        return cls(pid, start, proc_exe(pid, proc), proc_uid(pid, proc), boot_id())
+
+    def encode(self) -> str:
+        # line 1: the pid alone (what tools and humans expect of a pidfile); line 2: the identity
+        return f"{self.pid}\n{json.dumps(asdict(self), separators=(',', ':'))}\n"
+
+
+def write_agent_record(pidfile: Path, record: AgentRecord) -> None:
+    """Atomically (never through a planted symlink) record the agent; mode 0644."""
+    write_atomic(pidfile, record.encode(), mode=0o644)
+
+
+def read_agent_record(pidfile: Path, *, owners: frozenset[int] = frozenset({0}), proc: Path = PROC) -> AgentRecord:
+    """The recorded agent, verified live: raises FileNotFoundError when there is no pidfile and
+    NotTrusted when it must not be acted on (symlink, wrong owner, bad content, pid <= 1, gone,
+    reused pid, other executable, other boot)."""
+    try:
+        raw = read_trusted(pidfile, owners=owners, max_bytes=4096)
+    except UnsafePath as exc:
+        raise NotTrusted(str(exc)) from None
+    lines = raw.decode("utf-8", "replace").splitlines()
+    try:
+        data = json.loads(lines[1])
+        rec = AgentRecord(**{k: data[k] for k in ("pid", "start_time", "exe", "uid", "boot_id")})
+        if not all(isinstance(getattr(rec, k), int) and not isinstance(getattr(rec, k), bool)
+                   for k in ("pid", "start_time", "uid")):
+            raise TypeError("pid, start_time and uid must be integers")
+        if lines[0].strip() != str(rec.pid):
+            raise ValueError("the pid line and the record disagree")
+    except (IndexError, ValueError, TypeError, KeyError) as exc:
+        raise NotTrusted(f"{pidfile} is not a record written by `sentinel launch` ({exc})") from None
+    if rec.pid <= 1:
+        raise NotTrusted(f"{pidfile} names pid {rec.pid}; only a pid > 1 can be an agent")
+    if rec.boot_id and rec.boot_id != boot_id():
+        raise NotTrusted(f"{pidfile} was written before the last reboot")
+    try:
+        _, start = proc_stat(rec.pid, proc)
+        exe = proc_exe(rec.pid, proc)
+        uid = proc_uid(rec.pid, proc)
+    except (ProcessLookupError, OSError, ValueError, IndexError):
+        raise NotTrusted(f"agent pid {rec.pid} from {pidfile} has exited") from None
+    if start != rec.start_time:
+        raise NotTrusted(f"pid {rec.pid} from {pidfile} is another process now (start time differs)")
+    if rec.exe and exe and exe != rec.exe:
+        raise NotTrusted(f"pid {rec.pid} from {pidfile} runs {exe}, not the recorded {rec.exe}")
+    if uid != rec.uid:
+        raise NotTrusted(f"pid {rec.pid} from {pidfile} runs as uid {uid}, not the recorded {rec.uid}")
+    return rec
+
+
+def signal_agent(rec: AgentRecord, sig: int, *, proc: Path = PROC) -> None:
+    """Signal the recorded agent through a pidfd, re-checking its identity after the pidfd is
+    open (so the signal cannot reach a process that reused the pid). Raises ProcessLookupError
+    when it is gone, NotTrusted when the pid is another process now."""
+    if rec.pid <= 1:
+        raise NotTrusted(f"refusing to signal pid {rec.pid}")
+    try:
+        fd = os.pidfd_open(rec.pid)
+    except ProcessLookupError:
+        raise
+    except OSError:
+        fd = -1  # no pidfd support: the start-time check just below still guards the signal
+    try:
+        try:
+            _, start = proc_stat(rec.pid, proc)
+        except (ValueError, IndexError, OSError):
+            raise ProcessLookupError(rec.pid) from None
+        if start != rec.start_time:
+            raise NotTrusted(f"pid {rec.pid} is another process now (start time differs)")
+        if fd >= 0:
+            signal.pidfd_send_signal(fd, sig)
+        else:
+            os.kill(rec.pid, sig)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def is_socket_owned_by_process(path: Path, pid: int, proc: Path = PROC) -> tuple[bool, str]:
+    """A rank socket counts only if it is a socket (not a symlink) owned by the uid that owns
+    ``/proc/<pid>``. Returns (ok, reason)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False, "gone"
+    if not stat.S_ISSOCK(st.st_mode):
+        return False, "not_socket"
+    try:
+        uid = proc_uid(pid, proc)
+    except ProcessLookupError:
+        return False, "no_process"
+    if st.st_uid != uid:
+        return False, "owner_mismatch"
+    return True, ""
