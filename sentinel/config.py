@@ -3,7 +3,9 @@
 Every key is documented in ``systemd/sentinel.toml``, the default file; a test asserts that file
 parses to exactly the defaults here. An unknown key, a wrong type or an out-of-range value raises
 :class:`ConfigError` naming the key (``policy.lead_time_seconds``), and the daemon refuses to start
-(or, on SIGHUP, keeps its old configuration).
+(or, on SIGHUP, keeps its old configuration). Every number has a finite range (TOML accepts
+``inf`` and ``nan``), so a configuration that validates can always be applied; see
+:func:`reload_plan` for which keys a SIGHUP applies and which need a restart.
 """
 
 from __future__ import annotations
