@@ -1,0 +1,713 @@
+"""The metrics endpoint: the exposition is rendered once per poll and every scrape serves those bytes.
+
+A scrape never runs a collector. :meth:`MetricsServer.refresh` (called by the daemon after it
+publishes a new :class:`~sentinel.metrics.View`) collects the registry once, renders the Prometheus
+text format and swaps the result in with one attribute assignment; a scrape only copies bytes.
+The OpenMetrics rendering and the gzip-compressed bodies are made from that same collected
+snapshot on the first scrape that asks for them and cached until the next refresh, so N scrapers
+cost one render, not N.
+
+Failure contract:
+
+* A collector that raises during :meth:`MetricsServer.refresh` never fails a scrape: the previous
+  snapshot's samples keep being served and ``sentinel_exporter_render_failures_total`` counts the
+  failure (it appears in the same refreshed exposition).
+* A client that stalls (slow TLS handshake, a request trickled byte by byte, a reader that never
+  drains) is cut off after ``timeout_seconds`` in total; connections beyond ``max_connections``
+  are closed at once and counted. Neither can hold the poll loop or the other scrapers.
+
+Security (see README, "Security model"): the listener binds ``metrics.listen_address`` (0.0.0.0
+by default). With ``tls_cert_file``/``tls_key_file`` it serves HTTPS only (TLS 1.2 or newer);
+with ``tls_client_ca_file`` it also requires a client certificate signed by that CA (mTLS). With
+``basic_auth_users_file`` every path needs HTTP basic auth; the file holds ``user:hash`` lines
+where hash is ``pbkdf2_sha256$<iterations>$<salt>$<base64 sha256 digest>`` (Django's format).
+Make a line with::
+
+    python -m sentinel.exporter hash-password USER        # reads the password from stdin
+
+Run on its own for debugging: ``python -m sentinel.exporter serve --simulate gpus.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import binascii
+import errno
+import getpass
+import gzip
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import socket
+import socketserver
+import ssl
+import stat
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+from urllib.parse import urlsplit
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as CONTENT_TYPE_OPENMETRICS
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+from prometheus_client.registry import Collector
+
+from sentinel.log import event
+
+log = logging.getLogger("sentinel.exporter")
+
+PBKDF2_SCHEME = "pbkdf2_sha256"
+# OWASP's 2023 figure for PBKDF2-HMAC-SHA256. A verified password is cached (see BasicAuth), so
+# this is paid once per credential, not per scrape.
+DEFAULT_ITERATIONS = 600_000
+MIN_ITERATIONS = 1_000
+TEXT = "text"
+OPENMETRICS = "openmetrics"
+_CONTENT_TYPES = {TEXT: CONTENT_TYPE_PLAIN_0_0_4, OPENMETRICS: CONTENT_TYPE_OPENMETRICS}
+_REALM = 'Basic realm="sentinel", charset="UTF-8"'
+_INDEX = (b"<html><head><title>Sentinel</title></head><body><h1>Sentinel GPU health exporter</h1>"
+          b"<p><a href=\"/metrics\">/metrics</a> &middot; <a href=\"/healthz\">/healthz</a></p></body></html>\n")
+
+
+# -- basic auth ---------------------------------------------------------------------------------
+class UsersFileError(ValueError):
+    """The basic-auth users file cannot be used; the message names the file (and line)."""
+
+
+def hash_password(password: str, *, iterations: int = DEFAULT_ITERATIONS, salt: str | None = None) -> str:
+    """A ``pbkdf2_sha256$iterations$salt$hash`` string for a users file line."""
+    if iterations < MIN_ITERATIONS:
+        raise ValueError(f"iterations must be >= {MIN_ITERATIONS}")
+    salt = salt or secrets.token_urlsafe(16)
+    if "$" in salt:
+        raise ValueError("salt must not contain '$'")
+    digest = hashlib.pbkdf2_hmac("sha256", password.encode(), salt.encode(), iterations)
+    return f"{PBKDF2_SCHEME}${iterations}${salt}${base64.b64encode(digest).decode('ascii')}"
+
+
+@dataclass(frozen=True)
+class _Pbkdf2:
+    iterations: int
+    salt: bytes
+    digest: bytes
+
+    def matches(self, password: bytes) -> bool:
+        candidate = hashlib.pbkdf2_hmac("sha256", password, self.salt, self.iterations, len(self.digest))
+        return hmac.compare_digest(candidate, self.digest)
+
+
+def _parse_hash(text: str, where: str) -> _Pbkdf2:
+    if text.startswith(("$2a$", "$2b$", "$2y$")):
+        raise UsersFileError(f"{where}: bcrypt hashes are not supported; make a line with "
+                             "`python -m sentinel.exporter hash-password USER`")
+    parts = text.split("$")
+    if len(parts) != 4 or parts[0] != PBKDF2_SCHEME:
+        raise UsersFileError(f"{where}: the hash must look like {PBKDF2_SCHEME}$<iterations>$<salt>$<base64 digest>")
+    _, iterations, salt, digest = parts
+    if not iterations.isdigit() or int(iterations) < MIN_ITERATIONS:
+        raise UsersFileError(f"{where}: iterations must be a number >= {MIN_ITERATIONS} (got {iterations!r})")
+    try:
+        raw = base64.b64decode(digest, validate=True)
+    except binascii.Error:
+        raise UsersFileError(f"{where}: the digest is not valid base64") from None
+    if len(raw) < 16 or not salt:
+        raise UsersFileError(f"{where}: the salt is empty or the digest is shorter than 16 bytes")
+    return _Pbkdf2(int(iterations), salt.encode(), raw)
+
+
+def load_users(path: str | Path) -> dict[str, str]:
+    """``user -> hash`` from a users file; blank lines and ``#`` comments are skipped.
+
+    Raises UsersFileError naming the file and line: unreadable, group/other-writable (anyone who
+    can write it can let themselves in), a line without ``user:hash``, a duplicate user, or a hash
+    in an unknown format.
+    """
+    path = Path(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            st = os.fstat(f.fileno())
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsersFileError(f"{path}: cannot read users file: {getattr(exc, 'strerror', None) or exc}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise UsersFileError(f"{path}: not a regular file")
+    if st.st_mode & 0o022:
+        raise UsersFileError(f"{path}: is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}); chmod go-w")
+    users: dict[str, str] = {}
+    for lineno, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        where = f"{path}:{lineno}"
+        user, sep, hashed = line.partition(":")
+        if not sep or not user or not hashed:
+            raise UsersFileError(f"{where}: expected user:hash")
+        if user in users:
+            raise UsersFileError(f"{where}: user {user!r} is listed twice")
+        _parse_hash(hashed, where)
+        users[user] = hashed
+    if not users:
+        raise UsersFileError(f"{path}: no users (every scrape would be refused)")
+    return users
+
+
+class BasicAuth:
+    """Checks ``Authorization: Basic`` headers against ``user -> hash``.
+
+    Digests are compared with :func:`hmac.compare_digest`; an unknown user is checked against a
+    dummy hash of the same cost, so timing does not tell which users exist. A verified
+    (user, password) pair is remembered by its SHA-256, as Prometheus' exporter-toolkit does, so a
+    scrape does not pay PBKDF2's cost; unverified attempts run one at a time, so a flood of wrong
+    passwords costs at most one core.
+    """
+
+    _CACHE_MAX = 1024
+
+    def __init__(self, users: Mapping[str, str]) -> None:
+        self._users = {u: _parse_hash(h, f"user {u!r}") for u, h in users.items()}
+        iterations = max((h.iterations for h in self._users.values()), default=DEFAULT_ITERATIONS)
+        self._dummy = _Pbkdf2(iterations, secrets.token_bytes(16), secrets.token_bytes(32))
+        self._verified: set[bytes] = set()
+        self._slow = threading.Lock()
+
+    def check(self, header: str | None) -> str | None:
+        """The authenticated user name, or None."""
+        if not header:
+            return None
+        scheme, _, token = header.strip().partition(" ")
+        if scheme.lower() != "basic":
+            return None
+        try:
+            user_b, sep, password = base64.b64decode(token.strip(), validate=True).partition(b":")
+            user = user_b.decode("utf-8")
+        except (binascii.Error, UnicodeDecodeError):
+            return None
+        if not sep:
+            return None
+        stored = self._users.get(user)
+        key = hashlib.sha256(b"\0".join([user_b, password, repr(stored).encode()])).digest()
+        if stored is not None and key in self._verified:
+            return user
+        with self._slow:
+            ok = (stored or self._dummy).matches(password) and stored is not None
+        if not ok:
+            return None
+        if len(self._verified) >= self._CACHE_MAX:
+            self._verified.clear()
+        self._verified.add(key)
+        return user
+
+
+# -- TLS ----------------------------------------------------------------------------------------
+def build_tls_context(cert_file: str, key_file: str, client_ca_file: str = "") -> ssl.SSLContext:
+    """A server context (TLS 1.2+); with ``client_ca_file`` clients must present a certificate
+    that CA signed. Raises OSError (a missing file) or ssl.SSLError (a bad or mismatched one)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(cert_file, key_file)
+    if client_ca_file:
+        ctx.load_verify_locations(cafile=client_ca_file)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+# -- content negotiation ------------------------------------------------------------------------
+def _media_ranges(header: str) -> list[tuple[str, dict[str, str], float]]:
+    out = []
+    for item in header.split(","):
+        media, *params = [p.strip() for p in item.split(";")]
+        if not media:
+            continue
+        opts = {}
+        for p in params:
+            k, _, v = p.partition("=")
+            opts[k.strip().lower()] = v.strip().strip('"')
+        try:
+            q = float(opts.pop("q", "1"))
+        except ValueError:
+            q = 0.0
+        out.append((media.lower(), opts, q))
+    return out
+
+
+def negotiate_format(accept: str | None) -> str:
+    """TEXT (Prometheus text 0.0.4) or OPENMETRICS (1.0.0), by the client's Accept header.
+
+    OpenMetrics is chosen only when asked for (with no version or version 1.x) at a quality no
+    lower than any text/plain or */* range, as Prometheus' default Accept header does.
+    """
+    best_om = best_text = -1.0
+    for media, opts, q in _media_ranges(accept or ""):
+        if q <= 0:
+            continue
+        if media == "application/openmetrics-text" and opts.get("version", "1.0.0").startswith("1."):
+            best_om = max(best_om, q)
+        elif media in ("text/plain", "text/*", "*/*"):
+            best_text = max(best_text, q)
+    return OPENMETRICS if best_om >= 0 and best_om >= best_text else TEXT
+
+
+def gzip_accepted(accept_encoding: str | None) -> bool:
+    return any(media in ("gzip", "x-gzip") and q > 0 for media, _, q in _media_ranges(accept_encoding or ""))
+
+
+# -- one rendered snapshot ----------------------------------------------------------------------
+class _Families:
+    """A collected snapshot that the prometheus_client encoders can render (any number of times)."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return iter(self.families)
+
+
+class _Exposition:
+    """The bodies of one refresh. ``text`` is rendered eagerly; the rest on first demand, once."""
+
+    def __init__(self, families: list[Metric], text: bytes, on_render_failure: Callable[[str, BaseException], None]) -> None:
+        self.families = _Families(families)
+        # (asked format, gzip?) -> (format served, body)
+        self._bodies: dict[tuple[str, bool], tuple[str, bytes]] = {(TEXT, False): (TEXT, text)}
+        self._lock = threading.Lock()
+        self._on_render_failure = on_render_failure
+
+    def body(self, fmt: str, compress: bool) -> tuple[str, bytes]:
+        """(format served, bytes). An OpenMetrics render that fails is counted and text is served."""
+        hit = self._bodies.get((fmt, compress))
+        if hit is not None:
+            return hit
+        with self._lock:  # concurrent scrapers wait for one render instead of each doing it
+            hit = self._bodies.get((fmt, compress))
+            if hit is None:
+                if (fmt, False) not in self._bodies:
+                    try:
+                        self._bodies[(fmt, False)] = (fmt, generate_openmetrics(self.families))
+                    except Exception as exc:  # noqa: BLE001 - an encoder bug must not fail the scrape
+                        self._on_render_failure(fmt, exc)
+                        self._bodies[(fmt, False)] = self._bodies[(TEXT, False)]
+                served, plain = self._bodies[(fmt, False)]
+                hit = (served, gzip.compress(plain, compresslevel=6)) if compress else (served, plain)
+                self._bodies[(fmt, compress)] = hit
+        return hit
+
+
+# -- the server ---------------------------------------------------------------------------------
+@dataclass
+class _Conn:
+    sock: socket.socket
+    deadline: float
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    closed: bool = False
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False  # close() cuts live connections itself; never wait on a stuck client
+    request_queue_size = 128  # socketserver's default of 5 drops SYNs when 20 scrapers connect at once
+
+    def __init__(self, address: tuple[str, int], family: int, owner: "MetricsServer") -> None:
+        self.address_family = family
+        self.owner = owner
+        super().__init__(address, _Handler)
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind resolves the host's FQDN (a DNS lookup at start); not needed.
+        if self.address_family == socket.AF_INET6:
+            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
+
+    def process_request(self, request: socket.socket, client_address: Any) -> None:
+        if not self.owner._slots.acquire(blocking=False):
+            self.owner._reject("connection_limit")
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.owner._slots.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
+        owner = self.owner
+        conn = owner._track(request)
+        try:
+            request.settimeout(owner.timeout_seconds)
+            if owner._tls is not None:
+                tls = owner._tls.wrap_socket(request, server_side=True, do_handshake_on_connect=False)
+                with conn.lock:
+                    conn.sock = request = tls
+                tls.do_handshake()
+            self.finish_request(request, client_address)
+        except ssl.SSLError as exc:
+            owner._reject("tls_handshake")
+            event(log, "metrics client failed the TLS handshake", logging.DEBUG, client=client_address[0], error=str(exc))
+        except TimeoutError:
+            owner._reject("timeout")
+        except OSError as exc:  # reset, broken pipe, or cut off by the deadline reaper
+            event(log, "metrics connection ended early", logging.DEBUG, client=client_address[0], error=str(exc))
+        finally:
+            with conn.lock:
+                conn.closed = True
+                self.shutdown_request(request)
+            owner._untrack(conn)
+            owner._slots.release()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _HTTPServer
+    protocol_version = "HTTP/1.0"  # one request per connection: a connection's lifetime is bounded
+    server_version = "sentinel"
+    sys_version = ""
+
+    def do_GET(self) -> None:
+        self._respond(head=False)
+
+    def do_HEAD(self) -> None:
+        self._respond(head=True)
+
+    def _respond(self, *, head: bool) -> None:
+        owner = self.server.owner
+        path = urlsplit(self.path).path
+        if owner._auth is not None and owner._auth.check(self.headers.get("Authorization")) is None:
+            owner._reject("unauthorized")
+            self._send(401, "text/plain; charset=utf-8", b"401 Unauthorized\n", head, [("WWW-Authenticate", _REALM)])
+            return
+        if path == "/metrics":
+            fmt = negotiate_format(self.headers.get("Accept"))
+            compress = gzip_accepted(self.headers.get("Accept-Encoding"))
+            fmt, body = owner._current.body(fmt, compress)
+            extra = [("Vary", "Accept, Accept-Encoding")]
+            if compress:
+                extra.append(("Content-Encoding", "gzip"))
+            self._send(200, _CONTENT_TYPES[fmt], body, head, extra)
+        elif path == "/healthz":
+            self._send(200, "text/plain; charset=utf-8", b"ok\n", head)
+        elif path == "/":
+            self._send(200, "text/html; charset=utf-8", _INDEX, head)
+        else:
+            self._send(404, "text/plain; charset=utf-8", b"404 Not Found: try /metrics\n", head)
+
+    def _send(self, code: int, content_type: str, body: bytes, head: bool, extra: list[tuple[str, str]] = ()) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in extra:
+            self.send_header(k, v)
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        event(log, "metrics request", logging.DEBUG, client=self.client_address[0], line=format % args)
+
+
+class MetricsServer:
+    """Serves ``/metrics`` (plus ``/`` and ``/healthz``) from bytes rendered by :meth:`refresh`.
+
+    ``registry`` is anything with ``collect()`` (a CollectorRegistry). Nothing listens until
+    :meth:`start`; :meth:`refresh` may be called before or after. Thread-safe: :meth:`refresh`
+    runs on the poll loop, scrapes on the server's threads.
+    """
+
+    def __init__(
+        self,
+        registry: Collector,
+        *,
+        listen_address: str = "0.0.0.0",
+        port: int = 9477,
+        tls_cert_file: str = "",
+        tls_key_file: str = "",
+        tls_client_ca_file: str = "",
+        basic_auth_users_file: str = "",
+        timeout_seconds: float = 10.0,
+        max_connections: int = 64,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if bool(tls_cert_file) != bool(tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if tls_client_ca_file and not tls_cert_file:
+            raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file")
+        self.registry = registry
+        self.listen_address = listen_address
+        self.requested_port = port
+        self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file = tls_cert_file, tls_key_file, tls_client_ca_file
+        self.basic_auth_users_file = basic_auth_users_file
+        self.timeout_seconds = timeout_seconds
+        self.max_connections = max_connections
+        self.clock = clock
+        self._tls: ssl.SSLContext | None = None
+        self._auth: BasicAuth | None = None
+        self._httpd: _HTTPServer | None = None
+        self._threads: list[threading.Thread] = []
+        self._stop = threading.Event()
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._conns: dict[int, _Conn] = {}
+        self._conns_lock = threading.Lock()
+        self._render_lock = threading.Lock()
+        self._stats_lock = threading.Lock()
+        self._render_failures = 0
+        self._render_seconds: float | None = None
+        self._rejected: dict[str, int] = {}
+        self._last_good: list[Metric] = []
+        self._current = _Exposition([], b"", self._format_failed)
+
+    @classmethod
+    def from_config(cls, registry: Collector, metrics: Any, **kwargs: Any) -> "MetricsServer":
+        """From a :class:`sentinel.config.MetricsConfig`."""
+        return cls(registry, listen_address=metrics.listen_address, port=metrics.port,
+                   tls_cert_file=metrics.tls_cert_file, tls_key_file=metrics.tls_key_file,
+                   tls_client_ca_file=metrics.tls_client_ca_file,
+                   basic_auth_users_file=metrics.basic_auth_users_file, **kwargs)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    @property
+    def port(self) -> int:
+        """The bound port (the real one when started with port 0)."""
+        if self._httpd is None:
+            raise RuntimeError("MetricsServer is not started")
+        return self._httpd.server_port
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls_cert_file else "http"
+
+    def start(self) -> None:
+        """Load TLS and auth files, bind, and serve on background (daemon) threads.
+
+        Raises OSError whose ``strerror`` is one clear sentence: a file that cannot be used, or an
+        address that cannot be bound (in use, not local, not permitted).
+        """
+        if self.tls_cert_file:
+            try:
+                self._tls = build_tls_context(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+            except (OSError, ssl.SSLError) as exc:
+                raise OSError(getattr(exc, "errno", None) or errno.EINVAL,
+                              f"cannot load the metrics TLS certificate {self.tls_cert_file} / key {self.tls_key_file}"
+                              f"{' / client CA ' + self.tls_client_ca_file if self.tls_client_ca_file else ''}: "
+                              f"{exc.strerror or exc}") from None
+        if self.basic_auth_users_file:
+            try:
+                self._auth = BasicAuth(load_users(self.basic_auth_users_file))
+            except UsersFileError as exc:
+                raise OSError(errno.EINVAL, f"cannot use the metrics basic-auth users file: {exc}") from None
+            if self._tls is None:
+                event(log, "metrics basic auth is on without TLS: passwords cross the network in clear text",
+                      logging.WARNING, listen_address=self.listen_address)
+        where = f"{self.listen_address}:{self.requested_port}"
+        try:
+            infos = socket.getaddrinfo(self.listen_address or None, self.requested_port, type=socket.SOCK_STREAM,
+                                       flags=socket.AI_PASSIVE)
+            family, _, _, _, sockaddr = infos[0]
+            self._httpd = _HTTPServer((sockaddr[0], sockaddr[1]), family, self)
+        except socket.gaierror as exc:
+            raise OSError(errno.EADDRNOTAVAIL, f"cannot listen for metrics on {where}: {exc.strerror}") from None
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot listen for metrics on {where}: {exc.strerror}") from None
+        if self._render_seconds is None:  # nothing refreshed yet: serve sentinel_up rather than nothing
+            self.refresh()
+        self._threads = [
+            threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2},
+                             name="sentinel-metrics", daemon=True),
+            threading.Thread(target=self._reap, name="sentinel-metrics-reaper", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def close(self) -> None:
+        """Stop listening and cut every open connection; returns within about a second."""
+        self._stop.set()
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+        with self._conns_lock:
+            conns = list(self._conns.values())
+        for conn in conns:
+            self._cut(conn)
+        for t in self._threads:
+            t.join(timeout=2.0)
+
+    # -- rendering ------------------------------------------------------------------------------
+    def refresh(self) -> bool:
+        """Collect the registry once, render the text format, and swap it in for scrapes.
+
+        Returns False when the collector (or the render) raised: scrapes then keep the previous
+        samples, with ``sentinel_exporter_render_failures_total`` counting the failure.
+        """
+        with self._render_lock:
+            t0 = time.perf_counter()
+            ok = True
+            try:
+                families = list(self.registry.collect())
+            except Exception as exc:  # noqa: BLE001 - a collector bug must never fail a scrape
+                ok = False
+                families = self._last_good
+                self._count_render_failure("collect", exc)
+            try:
+                text = generate_latest(_Families(families + self._own_families()))
+            except Exception as exc:  # noqa: BLE001 - e.g. a sample the encoder rejects
+                self._count_render_failure("text", exc)
+                return False
+            if ok:
+                self._last_good = families
+            self._current = _Exposition(families + self._own_families(), text, self._format_failed)
+            self._render_seconds = time.perf_counter() - t0
+            return ok
+
+    def exposition(self, fmt: str = TEXT) -> bytes:
+        """The bytes a scrape in ``fmt`` gets now (uncompressed)."""
+        return self._current.body(fmt, False)[1]
+
+    def _own_families(self) -> list[Metric]:
+        fails = CounterMetricFamily("sentinel_exporter_render_failures",
+                                    "Metric renders that raised; scrapes kept the previous samples")
+        fails.add_metric([], float(self._render_failures))
+        out: list[Metric] = [fails]
+        if self._render_seconds is not None:
+            dur = GaugeMetricFamily("sentinel_exporter_render_duration_seconds",
+                                    "Duration of the previous collect and render of the exposition")
+            dur.add_metric([], self._render_seconds)
+            out.append(dur)
+        rejected = CounterMetricFamily("sentinel_exporter_rejected_connections",
+                                       "Scrape connections refused or cut, by reason", labels=["reason"])
+        with self._stats_lock:
+            for reason, n in sorted(self._rejected.items()):
+                rejected.add_metric([reason], float(n))
+        out.append(rejected)
+        return out
+
+    def _count_render_failure(self, stage: str, exc: BaseException) -> None:
+        with self._stats_lock:
+            self._render_failures += 1
+        event(log, "metrics render failed; scrapes keep the previous samples", logging.ERROR,
+              stage=stage, error=f"{type(exc).__name__}: {exc}", failures=self._render_failures)
+
+    def _format_failed(self, fmt: str, exc: BaseException) -> None:
+        with self._stats_lock:
+            self._render_failures += 1
+        event(log, "metrics render failed; serving the text format instead", logging.ERROR,
+              format=fmt, error=f"{type(exc).__name__}: {exc}")
+
+    # -- connections ----------------------------------------------------------------------------
+    def _reject(self, reason: str) -> None:
+        with self._stats_lock:
+            self._rejected[reason] = self._rejected.get(reason, 0) + 1
+
+    def _track(self, sock: socket.socket) -> _Conn:
+        conn = _Conn(sock, self.clock() + self.timeout_seconds)
+        with self._conns_lock:
+            self._conns[id(conn)] = conn
+        return conn
+
+    def _untrack(self, conn: _Conn) -> None:
+        with self._conns_lock:
+            self._conns.pop(id(conn), None)
+
+    @staticmethod
+    def _cut(conn: _Conn) -> None:
+        with conn.lock:  # never shut down an fd the handler already closed (and the kernel reused)
+            if conn.closed:
+                return
+            try:
+                socket.socket.shutdown(conn.sock, socket.SHUT_RDWR)
+            except OSError:
+                return  # the peer already went away
+
+    def _reap(self) -> None:
+        """Cut connections past their deadline: the per-operation socket timeout alone lets a
+        client that trickles one byte per interval hold a thread forever."""
+        interval = min(0.25, self.timeout_seconds / 4)
+        while not self._stop.wait(interval):
+            now = self.clock()
+            with self._conns_lock:
+                late = [c for c in self._conns.values() if now >= c.deadline and not c.closed]
+            for conn in late:
+                self._reject("timeout")
+                self._cut(conn)
+
+
+# -- command line -------------------------------------------------------------------------------
+def _cmd_hash_password(args: argparse.Namespace) -> int:
+    if ":" in args.user or not args.user:
+        print("hash-password: a user name must be non-empty and contain no ':'", file=sys.stderr)
+        return 2
+    if sys.stdin.isatty():
+        password = getpass.getpass(f"password for {args.user}: ")
+        if getpass.getpass("again: ") != password:
+            print("hash-password: the passwords differ", file=sys.stderr)
+            return 1
+    else:
+        password = sys.stdin.readline().rstrip("\r\n")
+    if not password:
+        print("hash-password: empty password", file=sys.stderr)
+        return 1
+    print(f"{args.user}:{hash_password(password, iterations=args.iterations)}")
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    """Serve a simulated node's metrics, refreshed every second (for trying TLS/auth settings)."""
+    from sentinel.metrics import View, build_registry
+    from sentinel.readings import NodeReadings
+    from sentinel.sources.nvml import NvmlSource
+    from sentinel.sources.simulated import SimulatedNvml
+
+    source = NvmlSource(SimulatedNvml(args.simulate))
+    source.start()
+    view = View()
+    server = MetricsServer(build_registry(lambda: view), listen_address=args.listen_address, port=args.port,
+                           tls_cert_file=args.tls_cert_file, tls_key_file=args.tls_key_file,
+                           tls_client_ca_file=args.tls_client_ca_file, basic_auth_users_file=args.basic_auth_users_file)
+    try:
+        server.start()
+    except OSError as exc:
+        print(f"serve: {exc.strerror}", file=sys.stderr)
+        return 1
+    print(f"serving {server.scheme}://{args.listen_address}:{server.port}/metrics", flush=True)
+    try:
+        while True:
+            gpus = tuple(source.poll())
+            view = View(NodeReadings(time=time.time(), driver_version=source.driver_version, gpus=gpus))
+            server.refresh()
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.close()
+        source.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sentinel.exporter", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    hp = sub.add_parser("hash-password", help="print a basic_auth_users_file line; the password is read from stdin")
+    hp.add_argument("user")
+    hp.add_argument("--iterations", type=int, default=DEFAULT_ITERATIONS,
+                    help=f"PBKDF2 iterations (default {DEFAULT_ITERATIONS}; minimum {MIN_ITERATIONS})")
+    hp.set_defaults(func=_cmd_hash_password)
+    sv = sub.add_parser("serve", help="serve simulated GPUs' metrics through this server, for trying settings")
+    sv.add_argument("--simulate", required=True, help="state file from `sentinel simulate init`")
+    sv.add_argument("--listen-address", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=0)
+    sv.add_argument("--tls-cert-file", default="")
+    sv.add_argument("--tls-key-file", default="")
+    sv.add_argument("--tls-client-ca-file", default="")
+    sv.add_argument("--basic-auth-users-file", default="")
+    sv.set_defaults(func=_cmd_serve)
+    args = parser.parse_args(argv)
+    if getattr(args, "iterations", DEFAULT_ITERATIONS) < MIN_ITERATIONS:
+        parser.error(f"--iterations must be >= {MIN_ITERATIONS}")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
