@@ -63,10 +63,45 @@ class MetricsConfig:
     listen_address: str = "0.0.0.0"
     # 9400 is dcgm-exporter's, 9100 node_exporter's; 9477 clashes with neither.
     port: int = 9477
+    # HTTPS when both are set (PEM files); "" = plain HTTP.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    # Require client certificates signed by this CA (mTLS); needs tls_cert_file/tls_key_file.
+    tls_client_ca_file: str = ""
+    # user:pbkdf2_sha256$... lines (`python -m sentinel.exporter hash-password USER`); "" = no auth.
+    basic_auth_users_file: str = ""
 
     def validate(self, prefix: str) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"{prefix}.port: must be 0..65535 (got {self.port})")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            missing = "tls_key_file" if self.tls_cert_file else "tls_cert_file"
+            raise ConfigError(f"{prefix}.{missing}: tls_cert_file and tls_key_file must be set together")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ConfigError(f"{prefix}.tls_client_ca_file: needs tls_cert_file and tls_key_file (mTLS is on top of TLS)")
+        import ssl
+
+        from sentinel import exporter  # imported here: config stays free of prometheus_client otherwise
+
+        for key in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "basic_auth_users_file"):
+            path = getattr(self, key)
+            if path:
+                try:
+                    with open(path, "rb"):
+                        pass
+                except OSError as exc:
+                    raise ConfigError(f"{prefix}.{key}: cannot read {path}: {exc.strerror}") from None
+        if self.tls_cert_file:
+            try:
+                exporter.build_tls_context(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+            except (OSError, ssl.SSLError) as exc:
+                keys = "tls_cert_file/tls_key_file" + ("/tls_client_ca_file" if self.tls_client_ca_file else "")
+                raise ConfigError(f"{prefix}.{keys}: not a usable certificate, key (and CA): {exc}") from None
+        if self.basic_auth_users_file:
+            try:
+                exporter.load_users(self.basic_auth_users_file)
+            except exporter.UsersFileError as exc:
+                raise ConfigError(f"{prefix}.basic_auth_users_file: {exc}") from None
 
 
 @dataclass(frozen=True)
