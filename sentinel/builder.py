@@ -47,30 +47,32 @@ def kernel_sources(cfg: Config, *, no_ebpf: bool = False) -> list:
 
 
 def attach_actions(daemon: Daemon) -> None:
-    """The control channel to this node's ranks and the migration sequence."""
+    """The control channel to this node's ranks and the migration sequence. The directories are
+    checked (owner, mode, writable) before anything is bound in them."""
     import socket
     from pathlib import Path
 
     from sentinel.actions import Executor
     from sentinel.channel import DaemonEndpoint
-    from sentinel.daemon import StartupError
+    from sentinel.daemon import StartupError, check_directories
     from sentinel.migration import Migrator
 
     cfg = daemon.config
     runtime = Path(cfg.daemon.runtime_dir)
     state = Path(cfg.daemon.state_dir)
+    check_directories(runtime, state)
+    pidfile = Path(cfg.actions.agent_pidfile) if cfg.actions.agent_pidfile else runtime / "agent.pid"
     try:
-        runtime.mkdir(parents=True, exist_ok=True)
-        endpoint = DaemonEndpoint(runtime)
+        endpoint = DaemonEndpoint(runtime, agent_pidfile=pidfile)
     except OSError as exc:
-        raise StartupError(f"runtime directory {runtime} is not writable: {exc.strerror}") from None
-    try:
-        migrator = Migrator(cfg.actions, endpoint, state_dir=state, runtime_dir=runtime,
-                            node=cfg.daemon.node_name or socket.gethostname())
-    except OSError as exc:
-        raise StartupError(f"state directory {state} is not writable: {exc.strerror}") from None
+        raise StartupError(f"cannot open the control channel in {runtime}: {exc.strerror}") from None
+    migrator = Migrator(cfg.actions, endpoint, state_dir=state, runtime_dir=runtime,
+                        node=cfg.daemon.node_name or socket.gethostname())
     daemon.endpoint = endpoint
     daemon.migrator = migrator
     daemon.executor = Executor(trainer=endpoint, migrator=migrator)
     daemon.extra_counters += [endpoint.metric_counters, migrator.metric_counters]
     daemon.extra_gauges.append(migrator.gauges)
+    for src in daemon.event_sources:  # rank signals watch the verified ranks only
+        if getattr(src, "name", "") == "rank_signals":
+            src.ranks_provider = lambda: endpoint.ranks().keys()

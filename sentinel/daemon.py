@@ -7,20 +7,18 @@ complete, successful iteration, so a hung loop gets the daemon restarted.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
-import tempfile
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from sentinel.actions import Executor
 from sentinel.config import Config
+from sentinel.fsutil import UnsafePath, ensure_private_dir, probe_writable, write_json_atomic
 from sentinel.log import event
 from sentinel.metrics import View, build_registry
 from sentinel.policy import Health, Policy, PolicyState, dedupe_xids
@@ -51,22 +49,20 @@ class EventSource(Protocol):
     def close(self) -> None: ...
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(data, separators=(",", ":"), default=str))
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-@dataclass
-class LoopStats:
-    iterations: int = 0
-    last_ok: float = 0.0
+def check_directories(runtime_dir: Path, state_dir: Path) -> None:
+    """Refuse to start (StartupError naming the path and the fix) unless both directories are
+    root-owned, writable by nobody else (sshd StrictModes), and writable by the daemon now."""
+    for path, what, mode in ((runtime_dir, "runtime directory", 0o755), (state_dir, "state directory", 0o750)):
+        try:
+            ensure_private_dir(path, what, mode=mode)
+        except UnsafePath as exc:
+            raise StartupError(f"refusing to start: {exc}") from None
+        except OSError as exc:
+            raise StartupError(f"{what} {path} cannot be created: {exc.strerror}") from None
+        try:
+            probe_writable(path)
+        except OSError as exc:
+            raise StartupError(f"{what} {path} is not writable: {exc.strerror}") from None
 
 
 class Daemon:
@@ -93,7 +89,8 @@ class Daemon:
         self.trips: Counter[tuple[str, str]] = Counter()
         self.reloads: Counter[str] = Counter()
         self.view = View()
-        self.stats = LoopStats()
+        self.iterations = 0
+        self.errors: Counter[str] = Counter()  # component -> exceptions caught by the loop
         self.node = config.daemon.node_name or socket.gethostname()
         self.runtime_dir = Path(config.daemon.runtime_dir)
         self.httpd: Any = None
@@ -111,13 +108,7 @@ class Daemon:
     # -- start/stop ---------------------------------------------------------------------------
     def start(self) -> None:
         """Bind the metrics listener, start NVML, first poll; READY only after all of that."""
-        try:
-            self.runtime_dir.mkdir(parents=True, exist_ok=True)
-            probe = self.runtime_dir / ".write-test"
-            probe.write_text("")
-            probe.unlink()
-        except OSError as exc:
-            raise StartupError(f"runtime directory {self.runtime_dir} is not writable: {exc.strerror}") from None
+        check_directories(self.runtime_dir, Path(self.config.daemon.state_dir))
         from prometheus_client import start_http_server
 
         registry = build_registry(lambda: self.view)
@@ -155,19 +146,33 @@ class Daemon:
             src.close()
         if self.endpoint is not None:
             self.endpoint.close()
+        if self.migrator is not None:
+            self.migrator.close()
         self.nvml.close()
 
     # -- one iteration ------------------------------------------------------------------------
+    def _guard(self, component: str, fn: Callable[..., Any], *args: Any, default: Any = None) -> Any:
+        """Run one component's step; an exception is logged (first, then every 100th), counted
+        per component (``sentinel_loop_errors_total``) and replaced by ``default``. No source,
+        policy, action or exporter can stop the loop."""
+        try:
+            return fn(*args)
+        except Exception:  # noqa: BLE001 - the loop never dies
+            self.errors[component] += 1
+            if self.errors[component] == 1 or self.errors[component] % 100 == 0:
+                log.exception("%s failed (%d time(s)); the loop goes on", component, self.errors[component])
+            return default
+
     def poll_once(self) -> NodeReadings:
         now = self.clock()
         t0 = time.perf_counter()
         sources: dict[str, SourceHealth] = {}
-        gpus = tuple(self.nvml.poll())
+        gpus = tuple(self._guard("nvml", self.nvml.poll, default=()))
         nvml_seconds = time.perf_counter() - t0
         sources[self.nvml.name] = SourceHealth(up=bool(gpus) and not all(g.hung for g in gpus), poll_seconds=nvml_seconds)
         xids, kernel_events, counters = self.drain_sources(sources)
-        xids = self.nvml.drain_xid_events() + xids
-        gpus = self.count_xids(gpus, xids)
+        xids = self._guard("nvml_events", self.nvml.drain_xid_events, default=[]) + xids
+        gpus = self._guard("xid_counts", self.count_xids, gpus, xids, default=gpus)
         self.last_gpus = gpus
         readings = NodeReadings(
             time=now,
@@ -194,7 +199,10 @@ class Daemon:
                 for name, h in src.health().items():
                     sources[name] = dataclasses.replace(h, poll_seconds=elapsed)
                 counters.update(src.counters())
-            except OSError as exc:
+            except Exception as exc:  # noqa: BLE001 - one source failing is a reading, not a dead loop
+                self.errors[f"source:{src.name}"] += 1
+                if self.errors[f"source:{src.name}"] == 1:
+                    log.exception("source %s failed; reported down", src.name)
                 sources[src.name] = SourceHealth(up=False, poll_seconds=time.perf_counter() - t1, detail=str(exc))
         return xids, kernel_events, counters
 
@@ -211,8 +219,8 @@ class Daemon:
         now = self.clock()
         sources = dict(self.view.readings.sources) if self.view.readings else {}
         xids, kernel_events, counters = self.drain_sources(sources)
-        xids = self.nvml.drain_xid_events() + xids
-        gpus = self.count_xids(self.last_gpus, xids)
+        xids = self._guard("nvml_events", self.nvml.drain_xid_events, default=[]) + xids
+        gpus = self._guard("xid_counts", self.count_xids, self.last_gpus, xids, default=self.last_gpus)
         self.last_gpus = gpus
         readings = NodeReadings(time=now, driver_version=self.nvml.driver_version, gpus=gpus, xid_events=tuple(xids),
                                 sources=sources, nvml_errors=dict(self.nvml.errors),
@@ -220,17 +228,20 @@ class Daemon:
         return self.decide_and_act(readings, counters, now)
 
     def decide_and_act(self, readings: NodeReadings, counters: dict, now: float) -> NodeReadings:
-        self.policy_state, trips = self.policy.decide(self.policy_state, readings, now)
+        decided = self._guard("policy", self.policy.decide, self.policy_state, readings, now)
+        trips = []
+        if decided is not None:
+            self.policy_state, trips = decided
         for t in trips:
             self.trips[(t.rule, t.action)] += 1
-        self.executor.execute(trips)
-        acks = self.endpoint.poll_acks() if self.endpoint is not None else []
+        self._guard("actions", self.executor.execute, trips)
+        acks = self._guard("channel", self.endpoint.poll_acks, default=[]) if self.endpoint is not None else []
         for ack in acks:
             event(log, "trainer acknowledged", id=ack.id, rank=ack.rank, pid=ack.pid, step=ack.step, ok=ack.ok,
-                  path=ack.path, blocked_seconds=ack.blocked_seconds, error=ack.error)
+                  phase=ack.phase, path=ack.path, blocked_seconds=ack.blocked_seconds, error=ack.error)
         if self.migrator is not None:
-            self.migrator.tick(acks)
-        self.publish(readings, counters)
+            self._guard("migration", self.migrator.tick, acks)
+        self._guard("publish", self.publish, readings, counters)
         return readings
 
     def publish(self, readings: NodeReadings, counters: dict) -> None:
@@ -244,10 +255,12 @@ class Daemon:
         for outcome, n in self.reloads.items():
             counters[("sentinel_config_reloads", (("outcome", outcome),))] = float(n)
         for extra in self.extra_counters:
-            counters.update(extra())
+            counters.update(self._guard("metrics", extra, default={}))
+        for component, n in self.errors.items():
+            counters[("sentinel_loop_errors", (("component", component),))] = float(n)
         gauges: dict = {}
         for extra in self.extra_gauges:
-            gauges.update(extra())
+            gauges.update(self._guard("metrics", extra, default={}))
         self.view = View(readings, health, forecasts, dict(self.trips), rule_active, counters, gauges, self.node)
         self.write_status(readings, health)
 
@@ -279,9 +292,11 @@ class Daemon:
             "migration": self.migrator.record.__dict__ if self.migrator and self.migrator.record else None,
         }
         try:
-            write_json_atomic(self.runtime_dir / "status.json", status)
+            write_json_atomic(self.runtime_dir / "status.json", status, fsync=False)  # tmpfs; rewritten every poll
         except OSError as exc:
-            event(log, "cannot write status", logging.ERROR, error=str(exc))
+            self.errors["status_write"] += 1
+            if self.errors["status_write"] == 1 or self.errors["status_write"] % 100 == 0:
+                event(log, "cannot write status", logging.ERROR, error=str(exc))
 
     def summary(self) -> str:
         counts = Counter(Health(s.health).name.lower() for s in self.policy_state.gpus.values())
@@ -300,15 +315,15 @@ class Daemon:
                     self.apply_config(new)
                     interval = self.config.daemon.poll_interval_seconds
             try:
-                self.poll_once()
-                self.stats.iterations += 1
-                self.stats.last_ok = self.clock()
+                self.poll_once()  # every component inside is guarded: this completes
+                self.iterations += 1
                 summary = self.summary()
                 if summary != last_summary:
                     self.notifier.status(summary)
                     last_summary = summary
                 self.notifier.watchdog()
             except Exception:  # noqa: BLE001 - the watchdog loop never dies; no ping this round
+                self.errors["loop"] += 1
                 log.exception("poll iteration failed")
             while not self._stop.is_set():
                 delay = next_at - self.clock()

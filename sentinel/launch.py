@@ -36,8 +36,8 @@ def launch(command: list[str], pidfile: Path, state_dir: Path) -> int:
     if marker is not None:
         return _fail(f"node is cordoned ({state_dir / 'cordon.json'}: {marker.get('reason', '')}); "
                      f"clear it with `sentinel uncordon --state-dir {state_dir}`", 3)
-    if problem:
-        print(f"sentinel: warning: {problem}; not treated as a cordon", file=sys.stderr)
+    if problem:  # fail safe: a marker nobody can read still keeps the agent off this node
+        return _fail(f"node is cordoned ({problem}); inspect it, then `sentinel uncordon --state-dir {state_dir}`", 3)
     if not command:
         return _fail("launch needs a command after --, e.g. sentinel launch -- torchrun ...", 2)
     try:

@@ -180,3 +180,14 @@ def shared_tmp():
     os.chmod(d, 0o755)
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+def register_agent(runtime_dir: Path, pid: int | None = None) -> Path:
+    """Record ``pid`` (default: this test process) as the node's torchrun agent, as `sentinel
+    launch` does, so that this process and its children count as the job's ranks."""
+    from sentinel.procs import AgentRecord, write_agent_record
+
+    runtime_dir.mkdir(parents=True, exist_ok=True)
+    pidfile = runtime_dir / "agent.pid"
+    write_agent_record(pidfile, AgentRecord.of(pid or os.getpid()))
+    return pidfile

@@ -9,10 +9,12 @@ import time
 import pytest
 
 from sentinel import channel
+from conftest import register_agent
 from sentinel.channel import Ack, DaemonEndpoint, RankEndpoint, Request, decode
 
 
 def test_round_trip_and_ack(tmp_path):
+    register_agent(tmp_path)
     daemon = DaemonEndpoint(tmp_path)
     rank = RankEndpoint.open(tmp_path)
     try:
@@ -38,6 +40,7 @@ def test_malformed_messages_are_rejected(raw):
 
 
 def test_malformed_message_is_counted_and_ignored(tmp_path):
+    register_agent(tmp_path)
     DaemonEndpoint(tmp_path).close()
     rank = RankEndpoint.open(tmp_path)
     try:
@@ -50,6 +53,7 @@ def test_malformed_message_is_counted_and_ignored(tmp_path):
 
 
 def test_idle_poll_costs_microseconds(tmp_path):
+    register_agent(tmp_path)
     DaemonEndpoint(tmp_path).close()
     rank = RankEndpoint.open(tmp_path)
     try:
@@ -64,9 +68,11 @@ def test_idle_poll_costs_microseconds(tmp_path):
 
 
 def test_daemon_restart_keeps_ranks_reachable(tmp_path):
+    register_agent(tmp_path)
     d1 = DaemonEndpoint(tmp_path)
     rank = RankEndpoint.open(tmp_path)
     d1.close()
+    register_agent(tmp_path)
     d2 = DaemonEndpoint(tmp_path)  # a restarted daemon finds the rank's socket
     try:
         assert d2.request("snapshot", "after-restart", "") == 1
@@ -86,6 +92,7 @@ def test_forged_request_from_a_non_root_user_is_refused(tmp_path):
 
     runtime = Path(tempfile.mkdtemp(prefix="sentinel-run-", dir="/tmp"))  # pytest's tmp is 0700: nobody can't reach it
     runtime.chmod(0o755)  # as systemd's RuntimeDirectory= makes /run/sentinel
+    register_agent(runtime)
     daemon = DaemonEndpoint(runtime)
     rank = RankEndpoint.open(runtime)
     try:

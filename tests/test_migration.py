@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import signal
 import subprocess
 
+from conftest import register_agent
 from sentinel.channel import Ack, DaemonEndpoint, RankEndpoint
 from sentinel.config import ActionsConfig
 from sentinel.migration import Migrator, uncordon
 from sentinel.policy import Trip
+from sentinel.procs import AgentRecord
 
 TRIP = Trip(rule="xid", action="migrate", gpu=3, cause="xid:79", message="Xid 79 on GPU 3", values={"xid": 79})
 
@@ -31,12 +34,36 @@ def make(tmp_path, endpoint, clock=None, kills=None, runs=None, **actions):
         return subprocess.CompletedProcess(argv, 0, "", "")
 
     (tmp_path / "run").mkdir(exist_ok=True)
-    (tmp_path / "run" / "agent.pid").write_text("4242\n")
+    (tmp_path / "state").mkdir(exist_ok=True)
+    # the agent: a fake record (pid 4242) for the signal, which the tests capture instead of sending
+    agent = AgentRecord(4242, 1, "/usr/bin/python3", 0, "")
     return Migrator(ActionsConfig(**actions), endpoint, state_dir=tmp_path / "state", runtime_dir=tmp_path / "run",
-                    node="n1", wall=clock or Clock(), run=run, kill=lambda pid, sig: kills.append((pid, sig)))
+                    node="n1", wall=clock or Clock(), run=run, read_agent=lambda _p: agent,
+                    signal_agent=lambda rec, sig: kills.append((rec.pid, sig)), workers=Inline())
+
+
+class Inline(concurrent.futures.Executor):
+    """Runs cordon/drain steps at once (the daemon runs them on a worker thread; see
+    test_actions_run_off_the_loop for that)."""
+
+    def submit(self, fn, *args, **kwargs):
+        f = concurrent.futures.Future()
+        try:
+            f.set_result(fn(*args, **kwargs))
+        except Exception as exc:  # noqa: BLE001
+            f.set_exception(exc)
+        return f
+
+
+def advance(m, acks=None, rounds=4):
+    """One daemon poll's worth of ticks: the acks, then the steps they unlock."""
+    m.tick(acks or [])
+    for _ in range(rounds):
+        m.tick([])
 
 
 def test_full_sequence_with_acks(tmp_path):
+    register_agent(tmp_path / "run")
     ep = DaemonEndpoint(tmp_path / "run")
     rank = RankEndpoint.open(tmp_path / "run")
     kills, runs = [], []
@@ -51,7 +78,7 @@ def test_full_sequence_with_acks(tmp_path):
         m.tick([])
         assert m.record.phase == "requested" and not m.cordoned  # waits for the ack
         rank.ack(Ack(id="r1", rank=0, step=77, ok=True, path="/s/step-77"))
-        m.tick(ep.poll_acks())
+        advance(m, ep.poll_acks())
         assert m.record.phase == "drained" and m.cordoned and m.record.snapshot_step == 77
         assert kills == [(4242, signal.SIGTERM)]
         assert runs[-1] == ["scontrol", "drain", "n1"]
@@ -65,6 +92,7 @@ def test_full_sequence_with_acks(tmp_path):
 
 
 def test_restart_mid_sequence_resumes_instead_of_starting_again(tmp_path):
+    register_agent(tmp_path / "run")
     ep = DaemonEndpoint(tmp_path / "run")
     rank = RankEndpoint.open(tmp_path / "run")
     try:
@@ -78,7 +106,7 @@ def test_restart_mid_sequence_resumes_instead_of_starting_again(tmp_path):
         m2.begin("r9", TRIP)
         assert m2.record.request_id == "r1" and rank.poll() == []  # no second request to the ranks
         rank.ack(Ack(id="r1", rank=0, step=5, ok=True))
-        m2.tick(ep.poll_acks())
+        advance(m2, ep.poll_acks())
         assert m2.record.phase == "drained" and kills
     finally:
         rank.close()
@@ -86,6 +114,7 @@ def test_restart_mid_sequence_resumes_instead_of_starting_again(tmp_path):
 
 
 def test_failed_snapshot_still_drains_and_says_so(tmp_path):
+    register_agent(tmp_path / "run")
     ep = DaemonEndpoint(tmp_path / "run")
     rank = RankEndpoint.open(tmp_path / "run")
     kills = []
@@ -93,7 +122,7 @@ def test_failed_snapshot_still_drains_and_says_so(tmp_path):
         m = make(tmp_path, ep, kills=kills)
         m.begin("r1", TRIP)
         rank.ack(Ack(id="r1", rank=0, step=12, ok=False, error="OSError: [Errno 28] No space left on device"))
-        m.tick(ep.poll_acks())
+        advance(m, ep.poll_acks())
         assert m.record.phase == "drained" and m.record.snapshot_ok is False and kills
         assert any("previous snapshot" in n for n in m.record.notes)
     finally:
@@ -103,6 +132,7 @@ def test_failed_snapshot_still_drains_and_says_so(tmp_path):
 
 def test_ack_timeout_and_no_ranks(tmp_path):
     clock = Clock()
+    register_agent(tmp_path / "run")
     ep = DaemonEndpoint(tmp_path / "run")
     rank = RankEndpoint.open(tmp_path / "run")
     try:
@@ -112,16 +142,17 @@ def test_ack_timeout_and_no_ranks(tmp_path):
         m.tick([])
         assert m.record.phase == "requested"
         clock.t += 2
-        m.tick([])
+        advance(m)
         assert m.record.phase == "drained" and any("0/1 ranks" in n for n in m.record.notes)
     finally:
         rank.close()
         ep.close()
     uncordon(tmp_path / "state")
+    register_agent(tmp_path / "run2")
     ep2 = DaemonEndpoint(tmp_path / "run2")
     m = make(tmp_path, ep2)
     m.begin("r2", TRIP)  # no ranks on this node
-    m.tick([])
+    advance(m)
     assert m.record.phase == "drained" and any("no trainer rank" in n for n in m.record.notes)
     ep2.close()
 
@@ -137,12 +168,18 @@ def test_launch_refuses_on_a_cordoned_node(tmp_path):
     r = subprocess.run([sys.executable, "-m", "sentinel", "uncordon", "--state-dir", str(tmp_path / "state")],
                        capture_output=True, text=True)
     assert r.returncode == 0 and not (tmp_path / "state" / "cordon.json").exists()
-    r = subprocess.run([sys.executable, "-m", "sentinel", "launch", "--pidfile", str(tmp_path / "a.pid"),
-                        "--state-dir", str(tmp_path / "state"), "--", "sh", "-c", "echo $$"], capture_output=True, text=True)
-    assert r.returncode == 0 and (tmp_path / "a.pid").read_text().strip() == r.stdout.strip()  # exec: same pid
+    pidfile = tmp_path / "a.pid"
+    r = subprocess.run([sys.executable, "-m", "sentinel", "launch", "--pidfile", str(pidfile),
+                        "--state-dir", str(tmp_path / "state"), "--", "sh", "-c",
+                        f"echo $$; for i in $(seq 100); do [ -s {pidfile} ] && break; sleep 0.05; done; head -n 1 {pidfile}"],
+                       capture_output=True, text=True, timeout=30)
+    agent_pid, recorded = r.stdout.split()
+    assert r.returncode == 0 and agent_pid == recorded  # the pidfile names the agent while it runs
+    assert not pidfile.exists()  # and is removed when it exits
 
 
 def test_ranks_that_exit_before_acknowledging_do_not_stall_the_drain(tmp_path):
+    register_agent(tmp_path / "run")
     ep = DaemonEndpoint(tmp_path / "run")
     rank = RankEndpoint.open(tmp_path / "run")
     kills = []
@@ -151,9 +188,9 @@ def test_ranks_that_exit_before_acknowledging_do_not_stall_the_drain(tmp_path):
         m.begin("r1", TRIP)
         dead = subprocess.Popen(["true"])
         dead.wait()
-        ep.requests["r1"].sent_to.add(dead.pid)  # a rank the job restarted before it could answer
+        ep.requests["r1"].sent_to[dead.pid] = 0  # a rank the job restarted before it could answer
         rank.ack(Ack(id="r1", rank=0, step=9, ok=True))
-        m.tick(ep.poll_acks())
+        advance(m, ep.poll_acks())
         assert m.record.phase == "drained" and kills
         assert any("exited before acknowledging" in n for n in m.record.notes)
     finally:
