@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
+import fcntl
 import json
 import logging
 import os
 import signal
+import socket
+import stat
 import sys
 import threading
 from pathlib import Path
+from typing import Callable
 
 from sentinel import config as config_mod
 from sentinel.sources import simulated
@@ -44,14 +49,129 @@ def with_overrides(cfg: config_mod.Config, args: argparse.Namespace) -> config_m
         metrics = dataclasses.replace(metrics, port=args.port)
     if getattr(args, "listen_address", None):
         metrics = dataclasses.replace(metrics, listen_address=args.listen_address)
-    return dataclasses.replace(cfg, daemon=daemon, metrics=metrics)
+    cfg = dataclasses.replace(cfg, daemon=daemon, metrics=metrics)
+    cfg.validate()  # the overrides too: --port 70000 is as wrong as port = 70000
+    return cfg
 
 
 # -- run -----------------------------------------------------------------------------------------
+class AlreadyRunning(RuntimeError):
+    """Another daemon holds the runtime directory's lock; ``pid`` is its pid when it wrote one."""
+
+    def __init__(self, pid: int | None) -> None:
+        super().__init__(pid)
+        self.pid = pid
+
+
+def lock_runtime_dir(runtime_dir: Path) -> int:
+    """Make this process the only daemon on ``runtime_dir``: an exclusive ``flock`` on
+    ``<runtime_dir>/daemon.lock``, held by the returned descriptor until the process exits
+    (it is never closed; ``O_CLOEXEC`` keeps commands the daemon runs from inheriting it).
+
+    A second daemon must touch nothing of the first one's (its ``daemon.sock``, its
+    ``status.json``), so this runs before anything is bound or written. Raises
+    :class:`AlreadyRunning` when the lock is held, ``UnsafePath`` when the lock file is a symlink,
+    not a regular file, has other links, or belongs to someone other than root or this uid, and
+    ``OSError`` when it cannot be opened.
+    """
+    from sentinel.fsutil import UnsafePath
+
+    path = runtime_dir / "daemon.lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafePath(f"{path} is a symlink; remove it") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePath(f"{path} is not a regular file; remove it")
+        if st.st_uid not in (0, os.geteuid()):
+            raise UnsafePath(f"{path} is owned by uid {st.st_uid}, not root; remove it")
+        # a hard link to another file would have this daemon truncate that file with its pid
+        if st.st_nlink != 1 or st.st_mode & 0o022:
+            raise UnsafePath(f"{path} has other links or is writable by group or others; remove it")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise AlreadyRunning(_pid_in(os.pread(fd, 32, 0))) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _pid_in(data: bytes) -> int | None:
+    text = data.decode("ascii", "replace").strip()
+    return int(text) if text.isascii() and text.isdigit() and int(text) > 0 else None
+
+
+class SignalRelay:
+    """Acts on signals outside signal context.
+
+    A Python signal handler runs in the main thread between two bytecodes, possibly while that
+    thread is inside ``threading.Event.wait`` holding the Event's lock: a handler that calls
+    ``Event.set`` then deadlocks on it, and every later SIGTERM queues behind it. So the Python
+    handlers here do nothing at all; the interpreter's C-level handler has already written the
+    signal number to a wakeup socket (``signal.set_wakeup_fd``), and a thread reading that socket
+    runs the action (``Daemon.stop``, setting the reload flag) like any other thread would.
+    Signals of one kind that arrive together may be handled once (as the kernel does anyway).
+    """
+
+    _CLOSE = b"\0"  # not a signal number: tells the thread to exit
+
+    def __init__(self, actions: dict[int, Callable[[], None]]) -> None:
+        self.actions = actions
+        self._reader, self._writer = socket.socketpair()
+        self._writer.setblocking(False)
+        self._thread = threading.Thread(target=self._relay, name="sentinel-signals", daemon=True)
+        self._previous: dict[int, object] = {}
+        self._previous_fd = -1
+
+    def install(self) -> None:
+        """Main thread only (a ``signal`` module rule)."""
+        self._thread.start()
+        self._previous_fd = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
+        for signum in self.actions:
+            self._previous[signum] = signal.signal(signum, _ignore_in_handler)
+
+    def close(self) -> None:
+        """Restore the previous handlers and stop the thread. Main thread only."""
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)  # type: ignore[arg-type]
+        signal.set_wakeup_fd(self._previous_fd)
+        try:
+            self._writer.send(self._CLOSE)
+        except OSError:
+            pass  # the buffer is full of signal numbers; the thread is a daemon thread and exits with us
+        self._thread.join(timeout=2)
+        self._writer.close()
+
+    def _relay(self) -> None:
+        while True:
+            data = self._reader.recv(512)
+            if not data or self._CLOSE[0] in data:
+                self._reader.close()
+                return
+            for signum in dict.fromkeys(data):  # each signal once per wakeup, in arrival order
+                action = self.actions.get(signum)
+                if action is not None:
+                    action()
+
+
+def _ignore_in_handler(signum: int, frame: object) -> None:
+    """Installed for the relayed signals: the work happens in SignalRelay's thread."""
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from sentinel import log as logsetup
     from sentinel.builder import build_daemon
     from sentinel.daemon import StartupError
+    from sentinel.fsutil import UnsafePath, ensure_private_dir
+    from sentinel.log import event
     from sentinel.sources.nvml import NvmlUnavailable
 
     try:
@@ -59,6 +179,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     except config_mod.ConfigError as exc:
         return fail(f"refusing to start: {exc}")
     logsetup.setup(cfg.daemon.log_level)
+    runtime = Path(cfg.daemon.runtime_dir)
+    try:
+        ensure_private_dir(runtime, "runtime directory", mode=0o755)
+        lock_fd = lock_runtime_dir(runtime)  # noqa: F841 - held, never closed, for the process's life
+    except AlreadyRunning as exc:
+        who = f"pid {exc.pid}" if exc.pid else "pid unknown"
+        return fail(f"another sentinel daemon ({who}) is running on runtime directory {runtime}; "
+                    f"stop it first or give this one another --runtime-dir")
+    except UnsafePath as exc:
+        return fail(f"refusing to start: {exc}")
+    except OSError as exc:
+        return fail(f"runtime directory {runtime} is not writable: {exc.strerror}")
     if args.simulate:
         try:
             simulated.load_state(args.simulate)
@@ -72,11 +204,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         return fail(str(exc))
 
     reload_flag = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: daemon.stop())
-    signal.signal(signal.SIGINT, lambda *_: daemon.stop())
-    signal.signal(signal.SIGHUP, lambda *_: reload_flag.set())
+    relay = SignalRelay({signal.SIGTERM: daemon.stop, signal.SIGINT: daemon.stop, signal.SIGHUP: reload_flag.set})
+    relay.install()
 
     def reload() -> config_mod.Config | None:
+        """Called by the loop between polls: the configuration to apply now, or None."""
         if not reload_flag.is_set():
             return None
         reload_flag.clear()
@@ -85,11 +217,22 @@ def cmd_run(args: argparse.Namespace) -> int:
             new = with_overrides(load_config(args.config), args)
         except config_mod.ConfigError as exc:
             daemon.reloads["rejected"] += 1
-            log.error("config reload rejected, keeping the old config: %s", exc, extra={"fields": {"event": "reload_rejected"}})
+            event(log, "config reload rejected, keeping the old config", logging.ERROR, reload_outcome="rejected",
+                  config=args.config, error=str(exc))
             daemon.notifier.ready(daemon.summary())
             return None
+        applied, restart = config_mod.reload_plan(daemon.config, new)
+        # The daemon counts every applied reload as "ok"; "partial" also counts those that left
+        # changes waiting for a restart.
+        if restart:
+            daemon.reloads["partial"] += 1
+        logging.getLogger("sentinel").setLevel(new.daemon.log_level.upper())
+        event(log, "config reload", logging.WARNING if restart else logging.INFO,
+              reload_outcome="partial" if restart else "ok", config=args.config, applied=applied,
+              needs_restart=restart)
         daemon.notifier.ready(daemon.summary())
-        return new
+        # what the daemon runs with: a later reload reports the pending restart again
+        return config_mod.live_part(daemon.config, new)
 
     try:
         try:
@@ -101,6 +244,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         daemon.run(reload)
     finally:
         daemon.close()
+        relay.close()
     return 0
 
 
