@@ -1,9 +1,11 @@
 """A fake of the pynvml API surface Sentinel uses: the module's functions, constants and its
-real error classes, with per-call behaviour the test controls (value, error, hang)."""
+real error classes, with per-call behaviour the test controls (value, error, hang, delay)."""
 
 from __future__ import annotations
 
 import threading
+import time
+from collections import Counter
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -27,6 +29,9 @@ class FakePynvml:
         self.release = threading.Event()
         self.xid_queue: list[tuple[int, int]] = []
         self.init_error: int | None = None
+        # gpu index -> seconds every device call on that GPU takes (a slow but working GPU)
+        self.delay: dict[int, float] = {}
+        self.calls: Counter[int] = Counter()  # device calls started, per GPU index
 
     def __getattr__(self, name):
         value = getattr(pynvml, name)
@@ -35,6 +40,10 @@ class FakePynvml:
         return value
 
     def _do(self, fn: str, h, default):
+        self.calls[h.index] += 1
+        delay = self.delay.get(h.index, 0.0)
+        if delay:
+            time.sleep(delay)
         b = self.behaviour.get((fn, h.index), self.behaviour.get((fn, -1), default))
         if b == "hang":
             self.release.wait(30)
@@ -64,13 +73,13 @@ class FakePynvml:
         return self._do("uuid", h, f"GPU-fake-{h.index}")
 
     def nvmlDeviceGetName(self, h):
-        return b"NVIDIA A100-SXM4-80GB"
+        return self._do("name", h, b"NVIDIA A100-SXM4-80GB")
 
     def nvmlDeviceGetSerial(self, h):
         return self._do("serial", h, f"14240000{h.index}")
 
     def nvmlDeviceGetPciInfo(self, h):
-        return SimpleNamespace(busId=f"00000000:{0x07 + h.index:02X}:00.0".encode())
+        return self._do("pci_info", h, SimpleNamespace(busId=f"00000000:{0x07 + h.index:02X}:00.0".encode()))
 
     def nvmlDeviceGetTotalEccErrors(self, h, err, counter):
         return self._do(f"ecc{err}{counter}", h, 0)
@@ -91,10 +100,10 @@ class FakePynvml:
         return self._do("pcie_replay", h, 0)
 
     def nvmlDeviceGetCurrPcieLinkGeneration(self, h):
-        return 4
+        return self._do("pcie_gen", h, 4)
 
     def nvmlDeviceGetCurrPcieLinkWidth(self, h):
-        return 16
+        return self._do("pcie_width", h, 16)
 
     def nvmlDeviceGetTemperature(self, h, sensor):
         return self._do("temperature", h, 40)
@@ -106,7 +115,7 @@ class FakePynvml:
         return self._do("power", h, 250500)
 
     def nvmlDeviceGetCurrentClocksEventReasons(self, h):
-        return 0
+        return self._do("clocks_event_reasons", h, 0)
 
     def nvmlDeviceGetNvLinkState(self, h, link):
         return self._do("nvlink_state", h, pynvml.NVML_FEATURE_ENABLED if link < 2 else pynvml.NVML_FEATURE_DISABLED)

@@ -120,6 +120,99 @@ def test_hung_call_hits_deadline_and_never_stalls_poll():
         src.close()
 
 
+EXPECTED_GPU1 = {"ecc_corrected_volatile": 5.0, "temperature_celsius": 61.0, "power_watts": 250.5, "pcie_link_gen": 4.0}
+
+
+def test_slow_gpu_costs_one_budget_per_poll_and_is_not_hung():
+    """Issue 11: 31 calls x 0.25 s under a 0.3 s deadline made one poll take 7 s, nothing flagged."""
+    fake = FakePynvml(3)
+    fake.behaviour[("ecc00", 1)] = 5
+    fake.behaviour[("temperature", 1)] = 61
+    src = started(fake, deadline=0.3)
+    try:
+        fake.delay[1] = 0.25  # every call on GPU 1 works, slowly: 23 fields + 2 links x 4 counters
+        t0 = time.monotonic()
+        r = src.poll()
+        elapsed = time.monotonic() - t0
+        assert elapsed < 0.45
+        slow = r[1]
+        assert slow.errors == {"poll_budget": pynvml.NVML_ERROR_TIMEOUT}
+        assert not slow.hung and not slow.lost
+        assert 1 <= len(slow.values) <= 2 and not slow.nvlink  # what it finished; the rest missing, not 0
+        for name, value in slow.values.items():
+            assert value == EXPECTED_GPU1.get(name, value) and name in src.gpus[1].supported
+        for g in (r[0], r[2]):  # the other GPUs are complete and untouched
+            assert not g.hung and g.errors == {}
+            assert len(g.values) == 23 and len(g.nvlink) == 8
+        assert src.errors[("poll_budget", pynvml.NVML_ERROR_TIMEOUT)] == 1
+        assert ("deadline", pynvml.NVML_ERROR_TIMEOUT) not in src.errors  # no call passed its deadline
+    finally:
+        fake.delay.clear()
+        src.close()
+
+
+def test_all_gpus_slow_still_one_budget_not_one_per_gpu():
+    fake = FakePynvml(4)
+    src = started(fake, deadline=0.3)
+    try:
+        for i in range(4):
+            fake.delay[i] = 0.25
+        for _ in range(3):
+            t0 = time.monotonic()
+            r = src.poll()
+            assert time.monotonic() - t0 < 0.45
+            assert all(g.errors.get("poll_budget") == pynvml.NVML_ERROR_TIMEOUT and not g.hung for g in r)
+    finally:
+        fake.delay.clear()
+        src.close()
+
+
+def test_slow_gpu_reads_every_field_over_a_few_polls_then_recovers_at_once():
+    fake = FakePynvml(2)
+    fake.behaviour[("ecc00", 1)] = 5
+    fake.behaviour[("temperature", 1)] = 61
+    src = started(fake, deadline=0.2)
+    try:
+        fake.delay[1] = 0.06  # about 3 of the 31 calls fit in one budget
+        seen: dict[str, float] = {}
+        links: set[tuple[int, str]] = set()
+        for _ in range(40):
+            t0 = time.monotonic()
+            g = src.poll()[1]
+            assert time.monotonic() - t0 < 0.3
+            assert not g.hung and g.errors == {"poll_budget": pynvml.NVML_ERROR_TIMEOUT}
+            seen.update(g.values)
+            links.update(g.nvlink)
+            if len(seen) == 23 and len(links) == 8:
+                break
+        # the read resumes where the last one stopped, so no field is starved
+        assert set(seen) == set(src.gpus[1].supported) and len(links) == 8
+        assert all(seen[name] == value for name, value in EXPECTED_GPU1.items())
+        fake.delay.clear()  # fast again: the next poll is complete (after the one call still in flight)
+        g = src.poll()[1]
+        assert g.errors == {} and not g.hung and len(g.values) == 23 and len(g.nvlink) == 8
+        assert g.values["temperature_celsius"] == 61
+    finally:
+        fake.delay.clear()
+        src.close()
+
+
+def test_hung_call_counted_once_and_reported_hung_every_poll_until_it_returns():
+    fake = FakePynvml(2)
+    src = started(fake, deadline=0.2)
+    try:
+        fake.behaviour[("power", 1)] = "hang"
+        polls = [src.poll() for _ in range(4)]
+        assert all(p[1].hung and not p[0].hung for p in polls)
+        assert polls[0][1].values["temperature_celsius"] == 40  # read before the hung call: kept
+        assert "power_watts" not in polls[0][1].values
+        assert src.errors[("deadline", pynvml.NVML_ERROR_TIMEOUT)] == 1
+        assert src.errors[("poll_budget", pynvml.NVML_ERROR_TIMEOUT)] == 4
+    finally:
+        fake.release.set()
+        src.close()
+
+
 def test_missing_library_is_unavailable():
     fake = FakePynvml(1)
     fake.init_error = pynvml.NVML_ERROR_LIBRARY_NOT_FOUND

@@ -7,9 +7,14 @@ Contract
 * Each field is probed once at start. "Not supported" is remembered and the field is never read
   (nor exported) again; any other error is counted per (field, code) and the field is retried
   on every poll.
-* Every NVML call runs on the GPU's own worker thread. :meth:`poll` never blocks for longer than
-  ``deadline_seconds`` past the start of a call that does not return: that GPU is then reported
-  ``hung`` (a health reading) and is skipped until the stuck call returns.
+* Every NVML call runs on the GPU's own worker thread; the GPUs are read in parallel.
+* ``deadline_seconds`` is each GPU's budget for a whole poll: :meth:`poll` returns within about
+  that (at most a quarter more) however slow or stuck the GPUs are. A GPU whose read did not
+  finish in the budget is reported with the values it did read, the rest missing, and
+  ``errors["poll_budget"] = NVML_ERROR_TIMEOUT`` (counted as ``("poll_budget", 10)``); its next
+  read resumes where this one stopped. Slow is not ``hung``: ``hung`` (a health reading the
+  policy acts on) means one call ran past the deadline; such a call is counted once as
+  ``("deadline", 10)`` and the GPU is skipped until the call returns.
 * Xid critical events are read by an NVML event set on a thread of their own.
 
 The ``nvml`` module is injected: the real ``pynvml``, the simulated backend
@@ -102,8 +107,17 @@ NVLINK_COUNTERS = {
 assert set(NVLINK_COUNTERS) == set(NVLINK_KINDS)
 
 
+# How far past the poll budget a poll waits to see whether a call in flight passes its own deadline
+# (that is, is hung rather than slow); at most a quarter of the deadline.
+_HUNG_GRACE = 0.1
+
+
 class _Hung(Exception):
     """A call passed its deadline (internal)."""
+
+
+class _Superseded(Exception):
+    """A queued job that a newer poll replaced before it started (internal)."""
 
 
 @dataclass
@@ -115,23 +129,28 @@ class _Job:
 
 
 class _Worker:
-    """One thread per GPU; runs one job at a time and publishes when its current call began."""
+    """One thread per GPU; runs one job at a time and publishes when its current call began.
+
+    One job may wait behind the running one; submitting another replaces the waiting job, which
+    is then done (with :class:`_Superseded`) without running.
+    """
 
     def __init__(self, name: str, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._cv = threading.Condition()
         self._job: _Job | None = None
         self.call_started: float | None = None
-        self.busy = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[[], Any]) -> _Job:
         job = _Job(fn)
         with self._cv:
-            self.busy = True
-            self._job = job
+            replaced, self._job = self._job, job
             self._cv.notify()
+        if replaced is not None:
+            replaced.error = _Superseded()
+            replaced.done.set()
         return job
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -141,6 +160,11 @@ class _Worker:
             return fn(*args)
         finally:
             self.call_started = None
+
+    def stuck_for(self) -> float:
+        """Seconds the call now running has run; 0 between calls."""
+        started = self.call_started
+        return 0.0 if started is None else self._clock() - started
 
     def _run(self) -> None:
         while True:
@@ -153,7 +177,6 @@ class _Worker:
                 job.result = job.fn()
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting poller
                 job.error = exc
-            self.busy = False
             job.done.set()
 
     def wait(self, job: _Job, deadline: float) -> bool:
@@ -164,6 +187,49 @@ class _Worker:
             if started is not None and self._clock() - started >= deadline:
                 return False
         return True
+
+
+class _PollRead:
+    """What one GPU's read has produced so far in one poll.
+
+    The worker adds values as its calls return; the poller closes the read when it reports the
+    GPU. After that the worker makes no further call for this poll, and a value that arrives
+    late belongs to no reading (it is dropped, never carried into the next poll).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.closed = False
+        self.finished = False
+        self.position = 0  # index of the item being read, where a cut-short read resumes
+        self.values: dict[str, float] = {}
+        self.errors: dict[str, int] = {}
+        self.links: dict[tuple[int, str], int] = {}
+
+    def begin(self, position: int) -> bool:
+        """Before a call: False once the poll has reported this GPU (stop reading)."""
+        with self._lock:
+            if self.closed:
+                return False
+            self.position = position
+            return True
+
+    def put(self, target: dict[Any, Any], key: Any, value: Any) -> None:
+        with self._lock:
+            if not self.closed:
+                target[key] = value
+
+    def finish(self) -> bool:
+        """After the last call: True when the read finished before the poll reported it."""
+        with self._lock:
+            self.finished = not self.closed
+            return self.finished
+
+    def close(self) -> tuple[bool, dict[str, float], dict[str, int], dict[tuple[int, str], int]]:
+        """Stop the read; (finished, values, errors, nvlink) as they stand now."""
+        with self._lock:
+            self.closed = True
+            return self.finished, dict(self.values), dict(self.errors), dict(self.links)
 
 
 @dataclass
@@ -179,7 +245,9 @@ class _Gpu:
     unsupported: set[str] = field(default_factory=set)
     nvlinks: list[int] = field(default_factory=list)
     lost: bool = False
-    pending: _Job | None = None  # a job still stuck in a hung call
+    pending: _Job | None = None  # the latest job, until it is done
+    resume_at: int = 0  # the item a read cut short by the poll budget starts from next time
+    counted_stuck_call: float | None = None  # start time of the stuck call already counted
 
 
 def _text(value: Any) -> str:
@@ -208,6 +276,7 @@ class NvmlSource:
         self.driver_version = ""
         self.gpus: list[_Gpu] = []
         self.errors: Counter[tuple[str, int]] = Counter()
+        self._errors_lock = threading.Lock()
         self._xid_lock = threading.Lock()
         self._xid_counts: dict[int, Counter[int]] = {}
         self._xid_events: list[XidEvent] = []
@@ -243,16 +312,18 @@ class NvmlSource:
             raise NvmlUnavailable(f"NVML device enumeration did not return within {self.deadline:g} s") from None
         except nvml.NVMLError as exc:
             raise NvmlUnavailable(f"NVML device enumeration failed ({exc})") from None
+        probes = []
         for index in range(count):
             worker = _Worker(f"sentinel-nvml-gpu{index}", self.clock)
             gpu = _Gpu(index, None, f"unknown-{index}", "", "", "", worker)
             self.gpus.append(gpu)
-            job = worker.submit(lambda g=gpu: self._probe(g))
-            if not worker.wait(job, self.deadline):
+            probes.append((gpu, worker.submit(lambda g=gpu: self._probe(g))))
+        for gpu, job in probes:  # GPUs are probed in parallel: one slow GPU does not delay the others
+            if not gpu.worker.wait(job, self.deadline):
                 gpu.pending = job
-                log.warning("nvml probe of GPU %d hung", index)
+                log.warning("nvml probe of GPU %d hung", gpu.index)
             elif job.error is not None:
-                log.warning("nvml probe of GPU %d failed: %s", index, job.error)
+                log.warning("nvml probe of GPU %d failed: %s", gpu.index, job.error)
         self._event_thread = threading.Thread(target=self._events, name="sentinel-nvml-events", daemon=True)
         self._event_thread.start()
 
@@ -297,69 +368,116 @@ class NvmlSource:
         if gpu.unsupported:
             log.info("GPU %d: not supported: %s", gpu.index, ", ".join(sorted(gpu.unsupported)))
 
+    def _count(self, key: tuple[str, int]) -> None:
+        with self._errors_lock:  # GPU workers count concurrently
+            self.errors[key] += 1
+
     def _record_error(self, gpu: _Gpu, fieldname: str, exc: Any) -> None:
         code = int(getattr(exc, "value", -1))
-        self.errors[(fieldname, code)] += 1
+        self._count((fieldname, code))
         if code == self.nvml.NVML_ERROR_GPU_IS_LOST:
             gpu.lost = True
 
     # -- poll ---------------------------------------------------------------------------------
-    def _read(self, gpu: _Gpu) -> tuple[dict[str, float], dict[str, int], dict[tuple[int, str], int]]:
+    def _read(self, gpu: _Gpu, read: _PollRead) -> None:
+        """One poll's read of one GPU, into ``read``; stops when the poll closes ``read``.
+
+        Fields and NVLink counters are read in a ring that starts where the last read cut short
+        by the poll budget stopped, so a slow GPU still has every field read over a few polls.
+        """
         nvml, w = self.nvml, gpu.worker
-        values: dict[str, float] = {}
-        errors: dict[str, int] = {}
-        links: dict[tuple[int, str], int] = {}
         if gpu.handle is None:
-            self._probe(gpu)
+            self._probe(gpu)  # not cut short: a half-done probe would lose fields for good
             if gpu.handle is None:
-                return values, {"handle": -1}, links
+                read.put(read.errors, "handle", -1)
+                read.finish()
+                return
+        items: list[tuple[str, tuple[int, str, str] | None]] = [(name, None) for name in gpu.supported]
+        items += [(f"nvlink_{kind}", (link, kind, const)) for link in gpu.nvlinks for kind, const in NVLINK_COUNTERS.items()]
+        first = gpu.resume_at % len(items) if items else 0
         lost = False
-        for name in gpu.supported:
+        for step in range(len(items)):
+            position = (first + step) % len(items)
+            if not read.begin(position):
+                return  # this poll has reported the GPU already
+            name, link = items[position]
             try:
-                values[name] = float(w.call(READERS[name], nvml, gpu.handle))
+                if link is None:
+                    read.put(read.values, name, float(w.call(READERS[name], nvml, gpu.handle)))
+                else:
+                    value = w.call(nvml.nvmlDeviceGetNvLinkErrorCounter, gpu.handle, link[0], getattr(nvml, link[2]))
+                    read.put(read.links, (link[0], link[1]), int(value))
             except nvml.NVMLError as exc:
-                errors[name] = int(exc.value)
+                read.put(read.errors, name, int(exc.value))
                 self._record_error(gpu, name, exc)
                 if exc.value == nvml.NVML_ERROR_GPU_IS_LOST:
                     lost = True
                     break
-        if not lost:
-            for link in gpu.nvlinks:
-                for kind, const in NVLINK_COUNTERS.items():
-                    try:
-                        links[(link, kind)] = int(
-                            w.call(nvml.nvmlDeviceGetNvLinkErrorCounter, gpu.handle, link, getattr(nvml, const))
-                        )
-                    except nvml.NVMLError as exc:
-                        errors[f"nvlink_{kind}"] = int(exc.value)
-                        self._record_error(gpu, f"nvlink_{kind}", exc)
         gpu.lost = lost
-        return values, errors, links
+        if read.finish():
+            gpu.resume_at = 0
 
     def poll(self) -> list[GpuReading]:
-        """One reading per GPU; returns within about ``deadline_seconds`` whatever NVML does."""
-        jobs: list[tuple[_Gpu, _Job | None]] = []
+        """One reading per GPU, within about ``deadline_seconds`` whatever NVML does.
+
+        The deadline is each GPU's budget for the whole poll, not only for one call. GPUs are
+        read in parallel by their workers. A GPU whose read has not finished when the budget
+        ends is reported with what it read so far (the rest missing, never 0) and
+        ``errors["poll_budget"] = NVML_ERROR_TIMEOUT``; its worker stops after the call in
+        flight. It is ``hung`` only when one call has run past the deadline; the poll waits up
+        to ``_HUNG_GRACE`` past the budget to see a call that is about to cross that line.
+        A GPU still inside such a call is skipped at once (``hung``) until the call returns.
+        """
+        deadline = self.deadline
+        budget_end = self.clock() + deadline
+        reads: list[tuple[_Gpu, _Job | None, _PollRead | None]] = []
         for gpu in self.gpus:
-            if gpu.pending is not None and not gpu.pending.done.is_set():
-                jobs.append((gpu, None))  # still stuck in an earlier call
+            if gpu.pending is not None and gpu.pending.done.is_set():
+                gpu.pending = None
+            if gpu.pending is not None and gpu.worker.stuck_for() >= deadline:
+                reads.append((gpu, None, None))  # still inside a call that passed its deadline
                 continue
-            gpu.pending = None
-            jobs.append((gpu, gpu.worker.submit(lambda g=gpu: self._read(g))))
+            read = _PollRead()
+            # A read cut short by the last poll may still be in its last call: this one waits behind it.
+            gpu.pending = gpu.worker.submit(lambda g=gpu, r=read: self._read(g, r))
+            reads.append((gpu, gpu.pending, read))
+        for _, job, _ in reads:  # the workers run in parallel: this waits once for all of them
+            if job is not None:
+                job.done.wait(max(0.0, budget_end - self.clock()))
+        grace_end = budget_end + min(_HUNG_GRACE, deadline / 4)
+        for gpu, job, _ in reads:
+            started = gpu.worker.call_started
+            if job is None or started is None or started + deadline > grace_end:
+                continue
+            # Hung or only slow? Watch this one call until it returns or passes its deadline.
+            while gpu.worker.call_started == started and not job.done.is_set():
+                left = started + deadline - self.clock()
+                if left <= 0:
+                    break
+                job.done.wait(min(left, 0.005))
         readings = []
-        for gpu, job in jobs:
-            hung = job is None or not gpu.worker.wait(job, self.deadline)
+        for gpu, job, read in reads:
             values: dict[str, float] = {}
             errors: dict[str, int] = {}
             links: dict[tuple[int, str], int] = {}
-            if hung:
-                if job is not None:
-                    gpu.pending = job
-                    self.errors[("deadline", self.nvml.NVML_ERROR_TIMEOUT)] += 1
-            elif job.error is not None:
-                log.error("GPU %d read failed: %r", gpu.index, job.error)
-                errors["read"] = -1
-            else:
-                values, errors, links = job.result
+            finished = failed = False
+            if read is not None:
+                finished, values, errors, links = read.close()
+                failed = job is not None and job.done.is_set() and job.error is not None
+                if failed:
+                    log.error("GPU %d read failed: %r", gpu.index, job.error)
+                    errors["read"] = -1
+                elif not finished:
+                    gpu.resume_at = read.position
+            hung = False
+            if not finished and not failed:
+                started = gpu.worker.call_started
+                hung = started is not None and self.clock() - started >= deadline
+                if hung and started != gpu.counted_stuck_call:
+                    gpu.counted_stuck_call = started
+                    self._count(("deadline", self.nvml.NVML_ERROR_TIMEOUT))
+                errors["poll_budget"] = self.nvml.NVML_ERROR_TIMEOUT
+                self._count(("poll_budget", self.nvml.NVML_ERROR_TIMEOUT))
             with self._xid_lock:
                 xids = dict(self._xid_counts.get(gpu.index, {}))
             readings.append(
@@ -401,7 +519,7 @@ class NvmlSource:
                 nvml.nvmlDeviceRegisterEvents(gpu.handle, nvml.nvmlEventTypeXidCriticalError, event_set)
                 by_handle[_handle_key(gpu.handle)] = gpu
             except nvml.NVMLError as exc:
-                self.errors[("xid_events", int(exc.value))] += 1
+                self._count(("xid_events", int(exc.value)))
         while not self._stop.is_set():
             try:
                 data = nvml.nvmlEventSetWait_v2(event_set, self.event_wait_ms)
