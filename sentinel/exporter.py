@@ -349,11 +349,9 @@ class _HTTPServer(ThreadingHTTPServer):
                 tls.do_handshake()
             self.finish_request(request, client_address)
         except ssl.SSLError as exc:
-            owner._reject("tls_handshake")
-            event(log, "metrics client failed the TLS handshake", logging.DEBUG, client=client_address[0], error=str(exc))
-        except TimeoutError:
-            owner._reject("timeout")
-        except OSError as exc:  # reset, broken pipe, or cut off by the deadline reaper
+            owner._reject("tls_error")
+            event(log, "metrics client failed TLS (handshake, certificate or protocol)", logging.DEBUG, client=client_address[0], error=str(exc))
+        except OSError as exc:  # reset, broken pipe, a timeout (counted below), or cut by the reaper
             event(log, "metrics connection ended early", logging.DEBUG, client=client_address[0], error=str(exc))
         finally:
             with conn.lock:
@@ -361,6 +359,10 @@ class _HTTPServer(ThreadingHTTPServer):
                 self.shutdown_request(request)
             owner._untrack(conn)
             owner._slots.release()
+            # Whichever noticed first (the socket timeout, which the request handler swallows, or
+            # the reaper), a connection still open at its deadline is counted once, here.
+            if owner.clock() >= conn.deadline:
+                owner._reject("timeout")
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -631,7 +633,6 @@ class MetricsServer:
             with self._conns_lock:
                 late = [c for c in self._conns.values() if now >= c.deadline and not c.closed]
             for conn in late:
-                self._reject("timeout")
                 self._cut(conn)
 
 

@@ -287,6 +287,13 @@ def test_mtls_requires_a_client_certificate_from_the_ca(serve, pki):
     with pytest.raises((ssl.SSLError, ConnectionError)):
         get(server, context=client_context(pki, cert=False), timeout=3.0)
 
+    def tls_errors():
+        server.refresh()
+        text = get(server, context=client_context(pki, cert=True))[2].decode()
+        return metric_value(text, "sentinel_exporter_rejected_connections_total", reason="tls_error")
+
+    assert wait_for(tls_errors, timeout=5, what="the failed handshake to be counted") == 1
+
 
 def test_tls_start_names_the_unusable_file(tmp_path):
     server = MetricsServer(CollectorRegistry(), listen_address="127.0.0.1", port=0,
