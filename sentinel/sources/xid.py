@@ -9,7 +9,9 @@ as ``sentinel_source_up{source="ebpf_xid"} 0``; the daemon never fails to start 
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from typing import Callable
 
 from sentinel.readings import XidEvent
 from sentinel.sources.ebpf import EbpfUnavailable, RingProbe, tracepoint_exists
@@ -25,11 +27,13 @@ MSG_LEN = 256
 class XidSource(KernelSource):
     name = "xid"
 
-    def __init__(self, *, use_ebpf: bool = True, kmsg_fallback: bool = True, kmsg_path: str = "/dev/kmsg") -> None:
+    def __init__(self, *, use_ebpf: bool = True, kmsg_fallback: bool = True, kmsg_path: str = "/dev/kmsg",
+                 kmsg_read: Callable[[int, int], bytes] = os.read) -> None:
         super().__init__()
         self.use_ebpf = use_ebpf
         self.kmsg_fallback = kmsg_fallback
         self.kmsg_path = kmsg_path
+        self.kmsg_read = kmsg_read
         self.probe: RingProbe | None = None
         self.kmsg: KmsgReader | None = None
         self.path = "none"
@@ -61,7 +65,7 @@ class XidSource(KernelSource):
         else:
             self.detail["ebpf_xid"] = "disabled in config"
         if self.kmsg_fallback:
-            self.kmsg = KmsgReader(self._on_line, path=self.kmsg_path)
+            self.kmsg = KmsgReader(self._on_line, path=self.kmsg_path, read=self.kmsg_read)
             try:
                 self.kmsg.start()
                 self.up["kmsg"] = True
@@ -106,7 +110,7 @@ class XidSource(KernelSource):
 
     def counters(self):
         out = super().counters()
-        if self.kmsg is not None:
+        if self.kmsg is not None:  # exact: counted from the gaps in the records' sequence numbers
             out[("sentinel_kmsg_records_lost", ())] = float(self.kmsg.lost)
         return out
 
