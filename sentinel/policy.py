@@ -242,9 +242,15 @@ class Policy:
             gpu = ev.gpu if ev.gpu is not None else -1
             if ev.kind == "rank_signal":
                 rule, cause = "rank_signal", f"rank_signal:{d.get('signal')}"
-                # SIGBUS is how the kernel reports an uncorrectable memory error to a process.
-                action = "migrate" if d.get("signal") == "SIGBUS" else "alert"
-                msg = f"{d.get('signal')} sent to training rank pid {d.get('pid')} ({d.get('comm')})"
+                # A SIGBUS is a memory failure only when its si_code says so: BUS_MCEERR_AR (4) or
+                # BUS_MCEERR_AO (5), which only the kernel sends. Any other SIGBUS (kill -BUS, a
+                # truncated mmap, a full /dev/shm) is the job's own business: an alert at most.
+                memory_failure = d.get("signal") == "SIGBUS" and d.get("code") in (4, 5)
+                action = "migrate" if memory_failure else "alert"
+                if d.get("signal") == "SIGBUS":
+                    cause = f"rank_signal:SIGBUS:{'memory_failure' if memory_failure else 'not_memory'}"
+                msg = (f"{d.get('signal')} (si_code {d.get('code')}{', memory failure' if memory_failure else ''}) "
+                       f"sent to training rank pid {d.get('pid')} ({d.get('comm')})")
             elif ev.kind == "mc_error" and d.get("type") in ("uncorrected", "fatal"):
                 rule, cause, action = "host_memory", f"host_memory:{d.get('type')}", "snapshot"
                 msg = f"{d.get('count')} {d.get('type')} host memory error(s) on memory controller {d.get('mc')}"

@@ -68,7 +68,6 @@ class RingProbe:
         self.bpf: Any = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.delivered = 0
 
     def start(self) -> None:
         if os.geteuid() != 0:
@@ -92,7 +91,6 @@ class RingProbe:
         self._thread.start()
 
     def _callback(self, ctx: Any, data: Any, size: int) -> None:
-        self.delivered += 1
         try:
             self.on_event(self.bpf[b"events"].event(data))
         except Exception:  # noqa: BLE001 - one bad event never stops the probe

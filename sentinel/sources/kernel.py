@@ -32,7 +32,6 @@ class KernelSource:
         self.counts: Counter[LabelKey] = Counter()
         self.up: dict[str, bool] = {}
         self.detail: dict[str, str] = {}
-        self.last_event_time = 0.0
         self.probes: list[Any] = []  # loaded RingProbes, for their lost counters and cleanup
 
     def load_probe(self, up_name: str, probe: RingProbe) -> RingProbe | None:
@@ -57,7 +56,6 @@ class KernelSource:
                 self._xids.append(xid)
             if event is not None:
                 self._events.append(event)
-        self.last_event_time = time.monotonic()
         self.wake()
 
     def drain(self) -> tuple[list[XidEvent], list[KernelEvent]]:

@@ -1,7 +1,18 @@
 """Fatal signals to the node's training ranks, seen in the kernel (``signal:signal_generate``)
-the moment they are generated — not at torchrun's next monitor tick. The ranks are the pids
-with a socket in the control channel's ``ranks/`` directory; the BPF map of watched pids is kept
-in sync on every drain.
+the moment they are generated — not at torchrun's next monitor tick.
+
+The watched pids come from ``ranks_provider`` when one is given (the control channel's verified
+ranks), else from the names in the channel's ``ranks/`` directory (``<pid>.sock`` or
+``<pid>.<hex token>.sock``; anyone may create files there, so at most ``max_ranks`` entries are
+looked at and other names are ignored). The BPF map of watched pids holds ``max_ranks``; it is
+kept in sync on every drain, and a pid that does not fit, or a map update the kernel refuses, is
+counted, never raised.
+
+Each event carries the signal's ``si_code``. For SIGBUS it tells a memory failure the kernel
+reports (BUS_MCEERR_AR 4, BUS_MCEERR_AO 5: only the kernel can send those) from any other SIGBUS
+(``kill -BUS`` is SI_USER 0, tkill SI_TKILL -6, a truncated mmap BUS_ADRERR 2). The event's
+``code`` detail carries it to the policy, and ``sentinel_kernel_events_total`` counts the two as
+kind ``SIGBUS_memory_failure`` and ``SIGBUS_not_memory``.
 
     python -m sentinel.sources.rank_signals -v --pid 1234
 """
@@ -9,10 +20,14 @@ in sync on every drain.
 from __future__ import annotations
 
 import ctypes
+import errno
+import itertools
 import logging
 import os
+import re
 import sys
 from pathlib import Path
+from typing import Callable, Iterable
 
 from sentinel.readings import KernelEvent
 from sentinel.sources.ebpf import RingProbe
@@ -20,18 +35,35 @@ from sentinel.sources.kernel import KernelSource, run_alone
 
 log = logging.getLogger("sentinel.rank_signals")
 SIGNALS = {7: "SIGBUS", 11: "SIGSEGV", 9: "SIGKILL", 6: "SIGABRT"}
+BUS_MCEERR_AR = 4  # hardware memory error consumed on a machine check: action required
+BUS_MCEERR_AO = 5  # hardware memory error detected in the process: action optional
+MEMORY_FAILURE_CODES = frozenset({BUS_MCEERR_AR, BUS_MCEERR_AO})
+PID_MAX_LIMIT = 1 << 22  # pid_max can be at most this; pids are below pid_max
+_RANK_NAME = re.compile(r"([1-9][0-9]{0,6})(?:\.[0-9a-f]{1,32})?\.sock")  # as channel.parse_rank_name
+_MAP_FULL = os.strerror(errno.E2BIG)  # what bcc's message carries when a hash map is full
+
+
+def rank_pid(name: str) -> int | None:
+    """The pid in a ``ranks/`` entry name (``<pid>.sock`` or ``<pid>.<hex token>.sock``), or None."""
+    m = _RANK_NAME.fullmatch(name)
+    if m is None:
+        return None
+    pid = int(m.group(1))
+    return pid if 1 < pid < PID_MAX_LIMIT else None  # pid 1 is init, never a rank
 
 
 class RankSignalSource(KernelSource):
     name = "rank_signals"
 
-    def __init__(self, ranks_dir: Path | None = None, *, max_ranks: int = 1024) -> None:
+    def __init__(self, ranks_dir: Path | None = None, *, max_ranks: int = 1024,
+                 ranks_provider: Callable[[], Iterable[int]] | None = None, pids: Iterable[int] = ()) -> None:
         super().__init__()
         self.ranks_dir = ranks_dir
         self.max_ranks = max_ranks
+        self.ranks_provider = ranks_provider
         self.probe: RingProbe | None = None
         self.watched: set[int] = set()
-        self.extra: set[int] = set()
+        self.extra: set[int] = set(pids)  # watched whatever the provider or directory says (--pid)
 
     def start(self) -> None:
         self.probe = self.load_probe("ebpf_rank_signals", RingProbe(
@@ -39,59 +71,132 @@ class RankSignalSource(KernelSource):
             cflags={"MAX_RANKS": self.max_ranks, "RINGBUF_PAGES": 16}, on_event=self._on_event))
         self.sync()
 
-    def watch(self, pid: int) -> None:
-        self.extra.add(pid)
-        self.sync()
+    def _count(self, name: str, **labels: str) -> None:
+        self.counts[(name, (("probe", "rank_signals"), *sorted(labels.items())))] += 1
 
-    def current_ranks(self) -> set[int]:
-        pids = set(self.extra)
-        if self.ranks_dir is not None:
+    def _offered(self) -> tuple[list[int], bool] | None:
+        """``(pids, more)``: the pids offered for watching, in order, at most ``max_ranks + 1`` of
+        them, and whether more were there than were looked at. None when the provider failed or
+        the directory could not be read: the watched pids then stay as they are. Never raises."""
+        limit = self.max_ranks + 1
+        if self.ranks_provider is not None:
             try:
-                pids |= {int(n.split(".")[0]) for n in os.listdir(self.ranks_dir) if n.split(".")[0].isdigit()}
-            except OSError:
-                pass
-        return pids
+                offered = list(itertools.islice(iter(self.ranks_provider()), limit))
+            except Exception as exc:  # noqa: BLE001 - a failing provider must not stop the probe
+                log.warning("the rank provider failed: %s", exc)
+                self._count("sentinel_ebpf_map_errors", reason="provider")
+                return None
+            return [p for p in offered if isinstance(p, int) and 1 < p < PID_MAX_LIMIT], len(offered) >= limit
+        if self.ranks_dir is None:
+            return [], False
+        pids: list[int] = []
+        try:
+            with os.scandir(self.ranks_dir) as entries:
+                # at most max_ranks entries (of any name) are looked at, and one more to notice
+                # that there were more: a directory anyone can write to bounds nothing by itself
+                names = [entry.name for entry in itertools.islice(entries, limit)]
+        except FileNotFoundError:
+            return [], False
+        except OSError as exc:
+            log.warning("cannot list %s: %s", self.ranks_dir, exc)
+            self._count("sentinel_ebpf_map_errors", reason="list")
+            return None
+        for name in names[:self.max_ranks]:
+            pid = rank_pid(name)
+            if pid is not None:
+                pids.append(pid)
+        return pids, len(names) >= limit
+
+    def current_ranks(self) -> tuple[set[int], bool] | None:
+        """``(pids, overflow)``: at most ``max_ranks`` pids to watch (``extra`` first), and whether
+        some offered ones did not fit. None: keep what is watched."""
+        offered = self._offered()
+        if offered is None:
+            return None
+        pids, overflow = offered
+        want: set[int] = set()
+        for pid in itertools.chain(sorted(self.extra), pids):
+            if pid in want:
+                continue
+            if len(want) >= self.max_ranks:
+                overflow = True
+                break
+            want.add(pid)
+        return want, overflow
 
     def sync(self) -> None:
+        """Make the BPF map hold ``current_ranks()``. Never raises. ``sentinel_ebpf_map_full_total``
+        counts the syncs that could not watch every rank offered (more than ``max_ranks`` offered
+        or listed, or the kernel refused an update as the map was full);
+        ``sentinel_ebpf_map_errors_total{reason}`` counts any other failure. What was refused is
+        tried again at the next sync."""
         if self.probe is None:
             return
-        want = self.current_ranks()
-        table = self.probe.table("ranks")
-        for pid in want - self.watched:
-            table[ctypes.c_uint32(pid)] = ctypes.c_uint8(1)
+        try:
+            current = self.current_ranks()
+            if current is None:
+                return
+            want, overflow = current
+            table = self.probe.table("ranks")
+        except Exception as exc:  # noqa: BLE001 - bcc raises bare Exception; the probe goes on
+            log.warning("rank map sync failed: %s", exc)
+            self._count("sentinel_ebpf_map_errors", reason="sync")
+            return
         for pid in self.watched - want:
             try:
                 del table[ctypes.c_uint32(pid)]
-            except KeyError:
+            except KeyError:  # bcc's answer to every failed delete; the entry is not there
                 pass
-        self.watched = want
+            self.watched.discard(pid)
+        for pid in sorted(want - self.watched):
+            try:
+                table[ctypes.c_uint32(pid)] = ctypes.c_uint8(1)
+            except Exception as exc:  # noqa: BLE001 - bcc raises bare Exception("Could not update table: ...")
+                if _MAP_FULL in str(exc):
+                    overflow = True
+                else:
+                    log.warning("adding pid %d to the rank map failed: %s", pid, exc)
+                    self._count("sentinel_ebpf_map_errors", reason="update")
+                continue
+            self.watched.add(pid)
+        if overflow:
+            self._count("sentinel_ebpf_map_full")
 
     def _on_event(self, e) -> None:
         sig = SIGNALS.get(e.sig, str(e.sig))
-        self.counts[("sentinel_kernel_events", (("source", "ebpf_rank_signals"), ("kind", sig)))] += 1
+        code = int(e.code)
+        memory_failure = sig == "SIGBUS" and code in MEMORY_FAILURE_CODES
+        if sig == "SIGBUS":
+            kind = "SIGBUS_memory_failure" if memory_failure else "SIGBUS_not_memory"
+        else:
+            kind = sig
+        self.counts[("sentinel_kernel_events", (("source", "ebpf_rank_signals"), ("kind", kind)))] += 1
         self.push(event=KernelEvent(kind="rank_signal", source="ebpf_rank_signals",
-                                    detail={"pid": e.pid, "signal": sig, "sender_pid": e.sender_pid,
+                                    detail={"pid": e.pid, "signal": sig, "code": code, "sender_pid": e.sender_pid,
                                             "comm": bytes(e.comm).split(b"\0", 1)[0].decode("utf-8", "replace"),
                                             "ts_ns": e.ts_ns}))
 
     def drain(self):
-        self.sync()
+        """Sync the watched pids, then hand over the events. Never raises."""
+        try:
+            self.sync()
+        except Exception:  # noqa: BLE001 - sync already counts its failures; this is the backstop
+            log.exception("rank map sync failed")
+            self._count("sentinel_ebpf_map_errors", reason="sync")
         return super().drain()
-
 
 
 def main(argv: list[str] | None = None) -> int:
     def make(a):
-        src = RankSignalSource(a.ranks_dir)
-        src.extra.update(a.pid)
-        return src
+        return RankSignalSource(a.ranks_dir, pids=a.pid)
 
     def add(ap):
         ap.add_argument("--pid", type=int, action="append", default=[], help="watch this pid (repeatable)")
         ap.add_argument("--ranks-dir", type=Path, help="watch the ranks of this runtime directory")
 
     return run_alone("python -m sentinel.sources.rank_signals", make,
-                     lambda e: f"{e.detail['signal']} -> pid {e.detail['pid']} ({e.detail['comm']}) from pid {e.detail['sender_pid']}",
+                     lambda e: (f"{e.detail['signal']} (si_code {e.detail['code']}) -> pid {e.detail['pid']} "
+                                f"({e.detail['comm']}) from pid {e.detail['sender_pid']}"),
                      add, argv)
 
 
