@@ -1,6 +1,7 @@
 // Rank signals: fatal signals (SIGBUS, SIGSEGV, SIGKILL, SIGABRT) generated for the node's
 // registered training ranks. User space keeps the `ranks` map in sync with the control
-// channel's rank sockets; the kernel filters on it, so other processes' signals cost nothing.
+// channel's verified ranks (at most MAX_RANKS); the kernel filters on it, so other processes'
+// signals cost nothing. The si_code goes along: it alone tells a memory failure from a kill -BUS.
 #include "events.h"
 
 BPF_HASH(ranks, u32, u8, MAX_RANKS);
@@ -12,7 +13,7 @@ struct rank_signal {
     u32 pid;          // the rank that receives the signal
     u32 sender_pid;
     s32 sig;
-    s32 code;
+    s32 code;         // si_code: SI_USER 0 (kill), SI_TKILL -6, BUS_ADRERR 2, BUS_MCEERR_AR 4 / _AO 5 (kernel only)
     s32 result;
     char comm[16];    // the rank's command name
 };

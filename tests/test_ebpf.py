@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import metric_value, wait_for
+from conftest import metric_value, register_agent, wait_for
 
 pytestmark = [pytest.mark.needs_root, pytest.mark.needs_ebpf]
 
@@ -101,6 +101,7 @@ def test_sigbus_to_a_registered_rank_is_seen(tmp_path):
         assert len(events) == 1
         e = events[0]
         assert e.kind == "rank_signal" and e.detail["signal"] == "SIGBUS" and e.detail["pid"] == dummy.pid
+        assert e.detail["code"] == 0  # SI_USER: sent with kill(2)
         assert e.detail["sender_pid"] == os.getpid()
         dummy.wait(timeout=10)
         bystander.wait(timeout=10)
@@ -112,8 +113,12 @@ def test_sigbus_to_a_registered_rank_is_seen(tmp_path):
                 p.kill()
 
 
-def test_sigbus_to_a_rank_makes_the_daemon_migrate(kmsg, sim_state, start_daemon, tmp_path):
-    d = start_daemon("--simulate", str(sim_state), ebpf=True)
+def test_kill_bus_to_a_rank_is_counted_and_alerted_but_never_migrates(kmsg, sim_state, start_daemon, tmp_path):
+    """A SIGBUS anyone can send (kill -BUS: si_code SI_USER) is no memory failure: only
+    BUS_MCEERR_AR/AO, which the kernel alone sends, migrate (tests/test_kernel_trust.py)."""
+    runtime = tmp_path / "run"
+    register_agent(runtime)  # this test process is the agent; its child is a verified rank
+    d = start_daemon("--simulate", str(sim_state), runtime_dir=runtime, ebpf=True)
     rank = subprocess.Popen([sys.executable, "-c",
                              "import sys, time; sys.path.insert(0, sys.argv[1]);"
                              "from sentinel.channel import RankEndpoint; from pathlib import Path;"
@@ -123,13 +128,16 @@ def test_sigbus_to_a_rank_makes_the_daemon_migrate(kmsg, sim_state, start_daemon
         assert rank.stdout.readline().strip() == "RankEndpoint"
         time.sleep(1.5)  # the daemon syncs its watched pids at its next poll (1 s)
         os.kill(rank.pid, signal.SIGBUS)
-        wait_for(lambda: metric_value(d.scrape(), "sentinel_policy_trips_total", rule="rank_signal", action="migrate") == 1,
-                 timeout=15, what="rank_signal migrate trip")
+        wait_for(lambda: metric_value(d.scrape(), "sentinel_policy_trips_total", rule="rank_signal", action="alert") == 1,
+                 timeout=15, what="rank_signal alert trip")
         text = d.scrape()
-        assert metric_value(text, "sentinel_kernel_events_total", source="ebpf_rank_signals", kind="SIGBUS") == 1
+        assert metric_value(text, "sentinel_kernel_events_total", source="ebpf_rank_signals", kind="SIGBUS_not_memory") == 1
+        assert metric_value(text, "sentinel_policy_trips_total", rule="rank_signal", action="migrate") is None
+        assert '"action":"migrate"' not in d.log()
     finally:
         if rank.poll() is None:
             rank.kill()
+        rank.wait(timeout=10)
 
 
 def test_burst_of_10000_lines_loses_nothing_or_counts_exactly(kmsg):
