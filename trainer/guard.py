@@ -4,12 +4,25 @@ Contract
 --------
 * ``resume()`` (collective) loads the newest *complete* snapshot — one whose commit marker
   exists — resharding when the world size changed, and returns the step to continue from (0
-  when there is none). A newest snapshot that fails to load is skipped with a warning and the
-  previous one is used. A snapshot interrupted halfway has no marker and is never loaded.
+  when there is none). Rank 0 alone lists the directory (ranks listing markers on NFS or Lustre
+  can disagree) and broadcasts its choice over the checkpoint group; after every load all ranks
+  agree on whether it worked, and on a failure rank 0 picks the previous snapshot, again
+  broadcast. So every rank loads the same path, or every rank starts at 0. A snapshot that failed
+  to load is renamed aside by rank 0 (``step-000000123.corrupt-<unix time>``), so a later save
+  at the same step never inherits its commit marker. A snapshot interrupted halfway has no marker
+  and is never loaded.
 * ``step(step)`` (collective every ``check_every`` steps) is called after the step's optimizer
   update. It reads the local control channel (non-blocking), then all ranks agree with one tiny
   all-reduce on whether to snapshot at this same step: the daemon reaches only its own node's
-  ranks, and a DCP save is collective, so deciding per rank would deadlock.
+  ranks, and a DCP save is collective, so deciding per rank would deadlock. When requests are
+  being served, the ranks also exchange their request ids (rare: only on those steps).
+* One request id, at most one snapshot. Every rank remembers the last ``SERVED_IDS`` ids served
+  by any rank's request; a request whose id was already served (it reached this rank late, or a
+  restarted daemon re-sent it) is answered from the snapshot that served it and never starts a
+  second one.
+* Acknowledgements come in two phases: ``staged`` (with the staged state's size in bytes) as soon
+  as the state is in host memory and the write has begun, then ``committed`` (``ok`` false when
+  the write failed) once the write is durable.
 * Snapshots are ``dcp.async_save`` on a checkpoint process group of their own (gloo): the loop
   is blocked only while state is staged to host memory; the write continues in the background.
   The commit marker is written by rank 0 once the save completed on every rank (DCP writes its
@@ -17,7 +30,14 @@ Contract
 * After a ``migrate`` request the ranks wait for the write to finish, acknowledge, and hold at
   that step (a heartbeat all-reduce every ``HOLD_BEAT`` s) until the node is drained — a dead
   peer makes the heartbeat raise :class:`NodeDrained` so torchrun restarts the workers onto the
-  spare — or ``migrate_hold_seconds`` pass, after which training simply continues.
+  spare — or the hold passes, after which training simply continues. The hold lasts at least
+  ``max(migrate_hold_seconds, request.hold_seconds)`` (the largest any rank received): the
+  daemon asks for its ack timeout plus its drain budget. Requests that arrive during the hold
+  are answered at once from the snapshot just committed.
+* A rank whose control socket had trouble (its path was squatted by another user, or it could
+  not bind one at all and runs without the daemon) logs an ERROR at start and keeps the reason in
+  :attr:`SnapshotGuard.channel_error`, in every :class:`SnapshotRecord` and in
+  :meth:`SnapshotGuard.summary`: never a silent loss of the channel.
 """
 
 from __future__ import annotations
@@ -28,8 +48,9 @@ import math
 import os
 import shutil
 import time
+from collections import OrderedDict
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -46,7 +67,12 @@ log = logging.getLogger("sentinel.trainer")
 
 MARKER = "COMMITTED"
 PREFIX = "step-"
+CORRUPT = ".corrupt-"
 HOLD_BEAT = 0.2
+SERVED_IDS = 256
+# The daemon's default ack timeout (120 s) plus a drain budget: a hold must outlast both, or the
+# ranks would go back to training just before the node is drained.
+DEFAULT_MIGRATE_HOLD_SECONDS = 180.0
 NONE, SNAPSHOT, MIGRATE = 0, 1, 2
 
 
@@ -75,16 +101,37 @@ def snapshot_path(directory: Path, step: int) -> Path:
     return directory / f"{PREFIX}{step:09d}"
 
 
+def _step_of(name: str) -> int | None:
+    """The step of a snapshot directory name; None for anything else (``*.corrupt-*`` included)."""
+    if name.startswith(PREFIX) and name[len(PREFIX):].isdigit():
+        return int(name[len(PREFIX):])
+    return None
+
+
 def complete_snapshots(directory: str | Path) -> list[tuple[int, Path]]:
-    """(step, path) of snapshots with a commit marker, newest first."""
+    """(step, path) of snapshots with a commit marker, newest first. Snapshots renamed aside as
+    corrupt are not listed."""
     out = []
     directory = Path(directory)
     if not directory.is_dir():
         return out
     for p in directory.iterdir():
-        if p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit() and (p / MARKER).is_file():
-            out.append((int(p.name[len(PREFIX):]), p))
+        step = _step_of(p.name)
+        if step is not None and (p / MARKER).is_file():
+            out.append((step, p))
     return sorted(out, reverse=True)
+
+
+def staged_bytes(state_dict: Any) -> int:
+    """Approximate size of a state dict: the sum of its (local) tensors' bytes."""
+    if isinstance(state_dict, Mapping):
+        return sum(staged_bytes(v) for v in state_dict.values())
+    if isinstance(state_dict, (list, tuple)):
+        return sum(staged_bytes(v) for v in state_dict)
+    if isinstance(state_dict, torch.Tensor):
+        local = state_dict.to_local() if hasattr(state_dict, "to_local") else state_dict
+        return local.numel() * local.element_size()
+    return 0
 
 
 @dataclass
@@ -92,10 +139,11 @@ class _Inflight:
     step: int
     path: Path
     upload: Future
-    requests: list[Request]
+    requests: dict[str, Request]
     blocked: float
     kind: int
     started: float
+    bytes: int = 0
 
 
 @dataclass
@@ -107,6 +155,9 @@ class SnapshotRecord:
     kind: str
     ok: bool
     error: str = ""
+    bytes: int = 0
+    request_ids: list[str] = field(default_factory=list)
+    channel_error: str = ""
 
 
 class SnapshotGuard:
@@ -118,7 +169,7 @@ class SnapshotGuard:
         interval_steps: int = 0,
         check_every: int = 1,
         keep: int = 3,
-        migrate_hold_seconds: float = 60.0,
+        migrate_hold_seconds: float = DEFAULT_MIGRATE_HOLD_SECONDS,
         async_save: bool = True,
         group: Any = None,
         endpoint: RankEndpoint | NullEndpoint | None = None,
@@ -144,46 +195,129 @@ class SnapshotGuard:
         self.group = group if group is not None else (dist.new_group(backend="gloo") if self.distributed else None)
         self.control_group = dist.new_group(backend="gloo") if self.distributed else None
         self.endpoint = endpoint if endpoint is not None else RankEndpoint.open()
-        self._pending: list[Request] = []
+        # "" when the channel is fine (or no daemon is installed); otherwise why this rank cannot
+        # be reached, e.g. its socket path was squatted. The job runs on, but never silently.
+        self.channel_error: str = getattr(self.endpoint, "error", "") or ""
+        if self.channel_error:
+            log.error("rank %d: control channel problem: %s", self.rank, self.channel_error)
+        self._pending: dict[str, Request] = {}
+        self._served: OrderedDict[str, int] = OrderedDict()  # request id -> step of the snapshot that served it
         self._inflight: _Inflight | None = None
         self._stager = None
         self.records: list[SnapshotRecord] = []
         self.resumed_from: Path | None = None
+        self.skipped_on_resume: list[Path] = []
         if self.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
 
     # -- resume ---------------------------------------------------------------------------------
     def resume(self) -> int:
-        """Collective. Load the newest complete snapshot; the step to start from (0 if none)."""
-        for step, path in complete_snapshots(self.directory):
+        """Collective. Load the newest complete snapshot; the step to start from (0 if none).
+
+        Rank 0 decides which snapshot (and, after a failed load, which one next); every rank
+        loads exactly that one. Raises only what the collectives raise."""
+        candidates = complete_snapshots(self.directory) if self.rank == 0 else []
+        tried = 0
+        while True:
+            choice = candidates[tried] if tried < len(candidates) else None
+            choice = self._from_rank0(choice)
+            if choice is None:
+                if self.skipped_on_resume:
+                    log.error("no snapshot could be loaded (%d skipped); starting at step 0", len(self.skipped_on_resume))
+                return 0
+            step, path = choice[0], Path(choice[1])
+            error = ""
             try:
                 dcp.load(self.state, checkpoint_id=str(path), process_group=self.group)
             except (CheckpointException, Exception) as exc:  # noqa: BLE001 - CheckpointException is a BaseException
-                log.warning("snapshot %s could not be loaded (%s); trying the previous one", path, exc)
-                continue
-            self.resumed_from = path
-            log.info("resumed from %s", path)
-            return step + 1
-        return 0
+                error = f"{type(exc).__name__}: {exc}"
+            if self._all_ok(not error):
+                self.resumed_from = path
+                log.info("resumed from %s", path)
+                return step + 1
+            log.warning("snapshot %s could not be loaded (%s); trying the previous one", path,
+                        error or "failed on another rank")
+            self.skipped_on_resume.append(path)
+            if self.rank == 0:
+                self._set_aside(path)
+            tried += 1
+
+    def _from_rank0(self, obj: Any) -> Any:
+        if not self.distributed or self.world == 1:
+            return obj
+        box = [(obj[0], str(obj[1])) if obj is not None else None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def _all_ok(self, ok: bool) -> bool:
+        if not self.distributed or self.world == 1:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
+
+    def _set_aside(self, path: Path) -> None:
+        """Rename a snapshot that failed to load, so its marker can never vouch for a later save
+        into the same step directory. Kept, not deleted: someone may want to know why."""
+        aside = path.with_name(f"{path.name}{CORRUPT}{int(time.time())}")
+        for n in range(1, 100):
+            if not aside.exists():
+                break
+            aside = path.with_name(f"{path.name}{CORRUPT}{int(time.time())}-{n}")
+        try:
+            os.rename(path, aside)
+            log.warning("moved the unloadable snapshot %s aside to %s", path, aside.name)
+        except OSError as exc:
+            # The save into this directory removes the stale marker first (see _snapshot).
+            log.error("could not move the unloadable snapshot %s aside: %s", path, exc)
 
     # -- the per-step hook ------------------------------------------------------------------------
     def step(self, step: int) -> None:
         if self._inflight is not None and self._inflight.upload.done():
             self._reap()
         if self.endpoint.active:
-            self._pending.extend(self.endpoint.poll())
+            self._receive(self.endpoint.poll())
         due = self.interval_steps > 0 and (step + 1) % self.interval_steps == 0
         if step % self.check_every != 0 and not due:
             return
-        local = max((MIGRATE if r.type == "migrate" else SNAPSHOT for r in self._pending), default=NONE)
-        decision = max(self._agree(local), SNAPSHOT if due else NONE)
+        local = max((MIGRATE if r.type == "migrate" else SNAPSHOT for r in self._pending.values()), default=NONE)
+        requested = self._agree(local)
+        decision = max(requested, SNAPSHOT if due else NONE)
         if decision == NONE:
             return
-        requests, self._pending = self._pending, []
-        self._snapshot(step, decision, requests)
+        requests, self._pending = self._pending, {}
+        ids, hold = self._exchange(requests) if requested != NONE else (set(), 0.0)
+        self._snapshot(step, decision, requests, ids)
         if decision == MIGRATE:
             self._wait_inflight()
-            self._hold(step)
+            self._hold(step, max(self.migrate_hold_seconds, hold))
+
+    def _receive(self, requests: list[Request]) -> None:
+        """New requests become pending; an id already pending or already served starts nothing."""
+        for req in requests:
+            if req.id in self._pending:
+                continue
+            if req.id in self._served:
+                self._answer_served(req)
+            else:
+                self._pending[req.id] = req
+
+    def _answer_served(self, req: Request) -> None:
+        step = self._served[req.id]
+        inflight = self._inflight
+        if inflight is not None and inflight.step == step:
+            if req.id not in inflight.requests:
+                inflight.requests[req.id] = req
+                self._ack_staged(inflight, [req])
+            return  # the committed ack follows when the write completes
+        record = next((r for r in reversed(self.records) if r.step == step), None)
+        if record is None:
+            log.warning("request %s was served by the snapshot at step %d, which has no record here", req.id, step)
+            return
+        log.info("request %s was already served by the snapshot at step %d; answering from it", req.id, step)
+        self.endpoint.ack(Ack(id=req.id, rank=self.rank, step=record.step, ok=record.ok, path=record.path,
+                              blocked_seconds=0.0, error=record.error, pid=os.getpid(), request_type=req.type,
+                              phase="committed", bytes=record.bytes))
 
     def _agree(self, local: int) -> int:
         if not self.distributed or self.world == 1:
@@ -192,10 +326,35 @@ class SnapshotGuard:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control_group)
         return int(flag.item())
 
-    def _snapshot(self, step: int, kind: int, requests: list[Request]) -> None:
+    def _exchange(self, requests: Mapping[str, Request]) -> tuple[set[str], float]:
+        """Every rank's request ids (so a copy that reaches a rank later is known as served) and
+        the longest hold any migrate request asked for."""
+        mine = [(r.id, r.hold_seconds if r.type == "migrate" else 0.0) for r in requests.values()]
+        if self.distributed and self.world > 1:
+            everyone: list[Any] = [None] * self.world
+            dist.all_gather_object(everyone, mine, group=self.control_group)
+        else:
+            everyone = [mine]
+        pairs = [p for part in everyone for p in part]
+        return {i for i, _ in pairs}, max((h for _, h in pairs), default=0.0)
+
+    def _snapshot(self, step: int, kind: int, requests: dict[str, Request], ids: set[str]) -> None:
         self._wait_inflight()  # one save at a time; staging buffers are reused
         path = snapshot_path(self.directory, step)
+        for rid in sorted(ids):
+            self._served[rid] = step
+            self._served.move_to_end(rid)
+        while len(self._served) > SERVED_IDS:
+            self._served.popitem(last=False)
+        if self.rank == 0:
+            # A directory left at this step (a failed save, or a corrupt one that could not be
+            # moved aside) must not keep vouching for what is written now. Rank 0 is in the save's
+            # first collective, so no rank writes before this unlink.
+            (path / MARKER).unlink(missing_ok=True)
         t0 = time.perf_counter()
+        state_dict = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in self.state.items()}
+        size = staged_bytes(state_dict)
+        inflight = _Inflight(step, path, Future(), requests, 0.0, kind, t0, size)
         if self.async_save:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -203,22 +362,30 @@ class SnapshotGuard:
                 cuda = torch.cuda.is_available()
                 self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                             use_async_staging=True, use_non_blocking_copy=cuda))
-            resp = dcp.async_save(self.state, checkpoint_id=str(path), process_group=self.group,
+            resp = dcp.async_save(state_dict, checkpoint_id=str(path), process_group=self.group,
                                   async_stager=self._stager)
             if hasattr(resp, "staging_completion"):
                 resp.staging_completion.result()  # state may change at the next step: wait for the copy
-                upload = resp.upload_completion
+                inflight.upload = resp.upload_completion
             else:
-                upload = resp
+                inflight.upload = resp
+            inflight.blocked = time.perf_counter() - t0
+            self._ack_staged(inflight, list(requests.values()))
         else:
-            upload = Future()
+            self._ack_staged(inflight, list(requests.values()))  # the write begins now
             try:
-                dcp.save(self.state, checkpoint_id=str(path), process_group=self.group)
-                upload.set_result(None)
+                dcp.save(state_dict, checkpoint_id=str(path), process_group=self.group)
+                inflight.upload.set_result(None)
             except (CheckpointException, Exception) as exc:  # noqa: BLE001 - recorded and acknowledged as a failure
-                upload.set_exception(exc)
-        blocked = time.perf_counter() - t0
-        self._inflight = _Inflight(step, path, upload, requests, blocked, kind, t0)
+                inflight.upload.set_exception(exc)
+            inflight.blocked = time.perf_counter() - t0
+        self._inflight = inflight
+
+    def _ack_staged(self, inflight: _Inflight, requests: list[Request]) -> None:
+        for req in requests:
+            self.endpoint.ack(Ack(id=req.id, rank=self.rank, step=inflight.step, ok=True, path=str(inflight.path),
+                                  blocked_seconds=round(inflight.blocked, 6), pid=os.getpid(), request_type=req.type,
+                                  phase="staged", bytes=inflight.bytes))
 
     def _wait_inflight(self) -> None:
         if self._inflight is not None:
@@ -245,15 +412,19 @@ class SnapshotGuard:
                 error = f"commit failed: {exc}"
         total = time.perf_counter() - inflight.started
         kind = "migrate" if inflight.kind == MIGRATE else "snapshot"
-        self.records.append(SnapshotRecord(inflight.step, str(inflight.path), inflight.blocked, total, kind, not error, error))
-        for req in inflight.requests:
+        served = [rid for rid, step in self._served.items() if step == inflight.step]
+        self.records.append(SnapshotRecord(inflight.step, str(inflight.path), inflight.blocked, total, kind, not error,
+                                           error, inflight.bytes, served, self.channel_error))
+        for req in inflight.requests.values():
             self.endpoint.ack(Ack(id=req.id, rank=self.rank, step=inflight.step, ok=not error,
                                   path=str(inflight.path), blocked_seconds=round(inflight.blocked, 6),
-                                  error=error, pid=os.getpid(), request_type=req.type))
+                                  error=error, pid=os.getpid(), request_type=req.type,
+                                  phase="committed", bytes=inflight.bytes))
 
     def _commit(self, inflight: _Inflight) -> None:
         marker = {"step": inflight.step, "world_size": self.world, "time": time.time(),
-                  "blocked_seconds": inflight.blocked, "kind": "migrate" if inflight.kind == MIGRATE else "snapshot"}
+                  "blocked_seconds": inflight.blocked, "kind": "migrate" if inflight.kind == MIGRATE else "snapshot",
+                  "request_ids": sorted(rid for rid, step in self._served.items() if step == inflight.step)}
         tmp = inflight.path / f".{MARKER}.tmp"
         tmp.write_text(json.dumps(marker))
         with open(tmp) as f:
@@ -267,15 +438,15 @@ class SnapshotGuard:
             shutil.rmtree(path, ignore_errors=True)
         kept = {p for _, p in complete[: self.keep]}
         for p in self.directory.iterdir():
-            if p.name.startswith(PREFIX) and p not in kept and p.name[len(PREFIX):].isdigit():
-                if int(p.name[len(PREFIX):]) < newest:  # abandoned partial snapshots
-                    shutil.rmtree(p, ignore_errors=True)
+            step = _step_of(p.name)
+            if step is not None and p not in kept and step < newest:  # abandoned partial snapshots
+                shutil.rmtree(p, ignore_errors=True)
 
-    def _hold(self, step: int) -> None:
-        """Hold at this step until the node is drained (a peer vanishes) or the hold expires."""
-        log.warning("migrate snapshot at step %d committed; holding up to %.0f s for the drain", step,
-                    self.migrate_hold_seconds)
-        beats = max(1, math.ceil(self.migrate_hold_seconds / HOLD_BEAT))  # the same count on every rank
+    def _hold(self, step: int, seconds: float) -> None:
+        """Hold at this step until the node is drained (a peer vanishes) or ``seconds`` pass.
+        ``seconds`` is the same on every rank (agreed in _exchange), so is the beat count."""
+        log.warning("migrate snapshot at step %d committed; holding up to %.0f s for the drain", step, seconds)
+        beats = max(1, math.ceil(seconds / HOLD_BEAT))
         flag = torch.zeros(1, dtype=torch.int32)
         for _ in range(beats):
             self._answer_while_holding()
@@ -285,18 +456,36 @@ class SnapshotGuard:
                 except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError/DistBackendError on a dead peer
                     raise NodeDrained(f"a peer left during the migrate hold at step {step}: {exc}") from exc
             time.sleep(HOLD_BEAT)
-        log.warning("no drain within %.0f s; training continues", self.migrate_hold_seconds)
+        log.warning("no drain within %.0f s; training continues", seconds)
 
     def _answer_while_holding(self) -> None:
         """A request that arrives during the hold (another node's daemon tripped too) is answered
         by the snapshot just committed: same step, already durable. Without this, that node's
-        daemon would wait for acks from ranks that are about to be restarted."""
+        daemon would wait for acks from ranks that are about to be restarted. A request id seen
+        before is answered from the snapshot that served it."""
         if not self.endpoint.active or not self.records:
             return
         last = self.records[-1]
         for req in self.endpoint.poll():
-            self.endpoint.ack(Ack(id=req.id, rank=self.rank, step=last.step, ok=last.ok, path=last.path,
-                                  blocked_seconds=0.0, error=last.error, pid=os.getpid(), request_type=req.type))
+            if req.id not in self._served:
+                self._served[req.id] = last.step
+                last.request_ids.append(req.id)
+                while len(self._served) > SERVED_IDS:
+                    self._served.popitem(last=False)
+            self._answer_served(req)
+
+    def summary(self) -> dict[str, Any]:
+        """What this rank's guard did, for logs and a job's final report."""
+        return {
+            "rank": self.rank,
+            "channel_error": self.channel_error,
+            "resumed_from": str(self.resumed_from or ""),
+            "skipped_on_resume": [str(p) for p in self.skipped_on_resume],
+            "snapshots": len(self.records),
+            "failed_snapshots": sum(not r.ok for r in self.records),
+            "requests_served": len(self._served),
+            "last": asdict(self.records[-1]) if self.records else None,
+        }
 
     def close(self) -> None:
         self._wait_inflight()

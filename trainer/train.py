@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 
-from trainer.guard import ModelOptimState, NodeDrained, SnapshotGuard
+from trainer.guard import DEFAULT_MIGRATE_HOLD_SECONDS, ModelOptimState, NodeDrained, SnapshotGuard
 
 
 class TinyTransformer(nn.Module):
@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--step-seconds", type=float, default=0.0, help="pad each step to this duration (drills)")
-    ap.add_argument("--migrate-hold-seconds", type=float, default=60.0)
+    ap.add_argument("--migrate-hold-seconds", type=float, default=DEFAULT_MIGRATE_HOLD_SECONDS,
+                    help="hold after a migrate snapshot at least this long (a request may ask for longer)")
     ap.add_argument("--progress", help="append one JSON line per computed step (rank 0)")
     ap.add_argument("--final", help="write the final parameters' digest here (rank 0)")
     ap.add_argument("--pg-timeout", type=float, default=120.0, help="process-group timeout (s): a hung peer is noticed only then")
@@ -129,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                           interval_steps=args.interval_steps, keep=args.keep,
                           migrate_hold_seconds=args.migrate_hold_seconds)
     start = guard.resume()
-    record("resumed", start=start, source=str(guard.resumed_from or ""))
+    record("resumed", start=start, source=str(guard.resumed_from or ""), channel_error=guard.channel_error,
+           skipped=[str(p) for p in guard.skipped_on_resume])
     loss_fn = nn.CrossEntropyLoss()
     for step in range(start, args.steps):
         t0 = time.perf_counter()
@@ -155,11 +157,12 @@ def main(argv: list[str] | None = None) -> int:
         if pad > 0:
             time.sleep(pad)
     guard.close()
+    record("guard", **guard.summary())
     digests = state_digests(model, optim)
     if rank == 0:
         if args.final:
             Path(args.final).write_text(json.dumps({**digests, "steps": args.steps, "world": world,
-                                                    "resumed_at": start}))
+                                                    "resumed_at": start, "guard": guard.summary()}))
         record("finished", **digests)
     dist.destroy_process_group()
     return 0
