@@ -222,10 +222,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             daemon.notifier.ready(daemon.summary())
             return None
         applied, restart = config_mod.reload_plan(daemon.config, new)
-        # The daemon counts every applied reload as "ok"; "partial" also counts those that left
-        # changes waiting for a restart.
-        if restart:
-            daemon.reloads["partial"] += 1
+        # Exclusive outcomes: "ok" (everything applied), "partial" (some changes wait for a
+        # restart), "rejected" (invalid file; the old config stays).
+        daemon.reloads["partial" if restart else "ok"] += 1
         logging.getLogger("sentinel").setLevel(new.daemon.log_level.upper())
         event(log, "config reload", logging.WARNING if restart else logging.INFO,
               reload_outcome="partial" if restart else "ok", config=args.config, applied=applied,

@@ -312,7 +312,7 @@ class Daemon:
             if reload is not None:
                 new = reload()
                 if new is not None:
-                    self.apply_config(new)
+                    self._guard("reload", self.apply_config, new)
                     interval = self.config.daemon.poll_interval_seconds
             try:
                 self.poll_once()  # every component inside is guarded: this completes
@@ -343,5 +343,6 @@ class Daemon:
         self.config = new
         self.policy = Policy(new.policy)
         self.nvml.deadline = new.daemon.nvml_deadline_seconds
-        self.reloads["ok"] += 1
+        if self.migrator is not None:
+            self.migrator.reconfigure(new.actions)
         event(log, "config reloaded")

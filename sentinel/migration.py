@@ -149,6 +149,12 @@ class Migrator:
         self.cordon_problem = ""
         self._restore()
 
+    def reconfigure(self, actions: ActionsConfig) -> None:
+        """SIGHUP: new timeouts and commands apply from now on (a running step keeps its own)."""
+        self.cfg = actions
+        if actions.agent_pidfile:
+            self.pidfile = Path(actions.agent_pidfile)
+
     # -- persistence ----------------------------------------------------------------------------
     @property
     def record_path(self) -> Path:
