@@ -10,8 +10,8 @@ Contract
 * Every NVML call runs on the GPU's own worker thread; the GPUs are read in parallel.
 * ``deadline_seconds`` is each GPU's budget for a whole poll: :meth:`poll` returns within about
   that (at most a quarter more) however slow or stuck the GPUs are. A GPU whose read did not
-  finish in the budget is reported with the values it did read, the rest missing, and
-  ``errors["poll_budget"] = NVML_ERROR_TIMEOUT`` (counted as ``("poll_budget", 10)``); its next
+  finish in the budget is reported with the values it did read (NVLink counters only when all
+  were read), the rest missing, and ``errors["poll_budget"] = NVML_ERROR_TIMEOUT`` (counted as ``("poll_budget", 10)``); its next
   read resumes where this one stopped. Slow is not ``hung``: ``hung`` (a health reading the
   policy acts on) means one call ran past the deadline; such a call is counted once as
   ``("deadline", 10)`` and the GPU is skipped until the call returns.
@@ -192,32 +192,36 @@ class _Worker:
 class _PollRead:
     """What one GPU's read has produced so far in one poll.
 
-    The worker adds values as its calls return; the poller closes the read when it reports the
-    GPU. After that the worker makes no further call for this poll, and a value that arrives
-    late belongs to no reading (it is dropped, never carried into the next poll).
+    The worker adds results as its calls return; the poller closes the read when it reports the
+    GPU. After that the worker makes no further call for this poll. The result of the call that
+    was in flight at the close arrives late: it is kept aside and the GPU's next read reports
+    it (it is at most one call old), so a GPU whose calls are about as slow as the budget still
+    reports something every poll.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.closed = False
         self.finished = False
-        self.position = 0  # index of the item being read, where a cut-short read resumes
-        self.values: dict[str, float] = {}
-        self.errors: dict[str, int] = {}
-        self.links: dict[tuple[int, str], int] = {}
+        self.position = 0  # index of the item read last (or being read)
+        self.position_done = False  # whether that call has returned
+        self.began = False  # whether any call was made for this read
+        self.now: dict[str, dict[Any, Any]] = {"values": {}, "errors": {}, "links": {}}
+        self.late: dict[str, dict[Any, Any]] = {"values": {}, "errors": {}, "links": {}}
 
     def begin(self, position: int) -> bool:
         """Before a call: False once the poll has reported this GPU (stop reading)."""
         with self._lock:
             if self.closed:
                 return False
-            self.position = position
+            self.position, self.position_done, self.began = position, False, True
             return True
 
-    def put(self, target: dict[Any, Any], key: Any, value: Any) -> None:
+    def put(self, kind: str, key: Any, value: Any) -> None:
+        """After a call: its result (``kind`` is values, errors or links)."""
         with self._lock:
-            if not self.closed:
-                target[key] = value
+            (self.late if self.closed else self.now)[kind][key] = value
+            self.position_done = True
 
     def finish(self) -> bool:
         """After the last call: True when the read finished before the poll reported it."""
@@ -229,7 +233,18 @@ class _PollRead:
         """Stop the read; (finished, values, errors, nvlink) as they stand now."""
         with self._lock:
             self.closed = True
-            return self.finished, dict(self.values), dict(self.errors), dict(self.links)
+            return self.finished, dict(self.now["values"]), dict(self.now["errors"]), dict(self.now["links"])
+
+    def resume(self, into: _PollRead, items: int) -> int:
+        """For the GPU's next read, once this read's job has ended: hand over the late result and
+        return the item to start from (the one after the last call that returned)."""
+        with self._lock:
+            late = {kind: dict(results) for kind, results in self.late.items()}
+            start = self.position + 1 if self.position_done else self.position
+        for kind, results in late.items():
+            for key, value in results.items():
+                into.put(kind, key, value)
+        return start % items if items else 0
 
 
 @dataclass
@@ -246,7 +261,7 @@ class _Gpu:
     nvlinks: list[int] = field(default_factory=list)
     lost: bool = False
     pending: _Job | None = None  # the latest job, until it is done
-    resume_at: int = 0  # the item a read cut short by the poll budget starts from next time
+    cut_short: _PollRead | None = None  # the last read, when the poll budget ended it
     counted_stuck_call: float | None = None  # start time of the stuck call already counted
 
 
@@ -379,22 +394,23 @@ class NvmlSource:
             gpu.lost = True
 
     # -- poll ---------------------------------------------------------------------------------
-    def _read(self, gpu: _Gpu, read: _PollRead) -> None:
+    def _read(self, gpu: _Gpu, read: _PollRead, cut_short: _PollRead | None) -> None:
         """One poll's read of one GPU, into ``read``; stops when the poll closes ``read``.
 
-        Fields and NVLink counters are read in a ring that starts where the last read cut short
-        by the poll budget stopped, so a slow GPU still has every field read over a few polls.
+        Fields and NVLink counters are read as a ring. After a read cut short by the poll
+        budget, the next one starts after the last call that returned, so a slow GPU still has
+        every field read over a few polls.
         """
         nvml, w = self.nvml, gpu.worker
         if gpu.handle is None:
             self._probe(gpu)  # not cut short: a half-done probe would lose fields for good
             if gpu.handle is None:
-                read.put(read.errors, "handle", -1)
+                read.put("errors", "handle", -1)
                 read.finish()
                 return
         items: list[tuple[str, tuple[int, str, str] | None]] = [(name, None) for name in gpu.supported]
         items += [(f"nvlink_{kind}", (link, kind, const)) for link in gpu.nvlinks for kind, const in NVLINK_COUNTERS.items()]
-        first = gpu.resume_at % len(items) if items else 0
+        first = cut_short.resume(read, len(items)) if cut_short is not None else 0
         lost = False
         for step in range(len(items)):
             position = (first + step) % len(items)
@@ -403,19 +419,18 @@ class NvmlSource:
             name, link = items[position]
             try:
                 if link is None:
-                    read.put(read.values, name, float(w.call(READERS[name], nvml, gpu.handle)))
+                    read.put("values", name, float(w.call(READERS[name], nvml, gpu.handle)))
                 else:
                     value = w.call(nvml.nvmlDeviceGetNvLinkErrorCounter, gpu.handle, link[0], getattr(nvml, link[2]))
-                    read.put(read.links, (link[0], link[1]), int(value))
+                    read.put("links", (link[0], link[1]), int(value))
             except nvml.NVMLError as exc:
-                read.put(read.errors, name, int(exc.value))
+                read.put("errors", name, int(exc.value))
                 self._record_error(gpu, name, exc)
                 if exc.value == nvml.NVML_ERROR_GPU_IS_LOST:
                     lost = True
                     break
         gpu.lost = lost
-        if read.finish():
-            gpu.resume_at = 0
+        read.finish()
 
     def poll(self) -> list[GpuReading]:
         """One reading per GPU, within about ``deadline_seconds`` whatever NVML does.
@@ -439,7 +454,7 @@ class NvmlSource:
                 continue
             read = _PollRead()
             # A read cut short by the last poll may still be in its last call: this one waits behind it.
-            gpu.pending = gpu.worker.submit(lambda g=gpu, r=read: self._read(g, r))
+            gpu.pending = gpu.worker.submit(lambda g=gpu, r=read, c=gpu.cut_short: self._read(g, r, c))
             reads.append((gpu, gpu.pending, read))
         for _, job, _ in reads:  # the workers run in parallel: this waits once for all of them
             if job is not None:
@@ -467,8 +482,10 @@ class NvmlSource:
                 if failed:
                     log.error("GPU %d read failed: %r", gpu.index, job.error)
                     errors["read"] = -1
-                elif not finished:
-                    gpu.resume_at = read.position
+                if finished or failed:
+                    gpu.cut_short = None
+                elif read.began:  # else it waited behind the last one all along: resume from that
+                    gpu.cut_short = read
             hung = False
             if not finished and not failed:
                 started = gpu.worker.call_started
@@ -478,6 +495,8 @@ class NvmlSource:
                     self._count(("deadline", self.nvml.NVML_ERROR_TIMEOUT))
                 errors["poll_budget"] = self.nvml.NVML_ERROR_TIMEOUT
                 self._count(("poll_budget", self.nvml.NVML_ERROR_TIMEOUT))
+                if len(links) < len(gpu.nvlinks) * len(NVLINK_COUNTERS):
+                    links = {}  # the policy sums the counters over links: a partial sum would read as a jump
             with self._xid_lock:
                 xids = dict(self._xid_counts.get(gpu.index, {}))
             readings.append(

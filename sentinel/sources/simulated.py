@@ -2,7 +2,7 @@
 
 :class:`SimulatedNvml` implements the pynvml functions :mod:`sentinel.sources.nvml` calls, with
 pynvml's own error classes and constants, so tests, demos and drills run the daemon's real NVML
-code path (deadlines, "not supported", GPU lost) without a GPU. Other processes change the state
+code path (deadlines, slow calls, "not supported", GPU lost) without a GPU. Other processes change the state
 file to inject faults (``sentinel inject``); every write is atomic (write + rename, under an
 advisory lock so concurrent injectors never lose each other's changes). A corrupt or
 half-written file is a :class:`SimulatedStateError` with a clear message; while the daemon runs
@@ -57,8 +57,14 @@ def gpu_state(index: int) -> dict[str, Any]:
         "xid_events": [],
         "lost": False,
         "hang": False,
+        "slow_seconds": 0.0,
         "unsupported": [],
     }
+
+
+# Keys a state file written before they existed may lack; parse_state fills in these defaults.
+_OPTIONAL_GPU_KEYS: dict[str, Any] = {"slow_seconds": 0.0}
+_SLOW_MAX_SECONDS = 60.0
 
 
 def healthy_state(gpus: int, driver_version: str = "550.90.07-sim") -> dict[str, Any]:
@@ -78,9 +84,11 @@ def parse_state(text: str, where: str) -> dict[str, Any]:
     if not isinstance(state, dict) or state.get("version") != STATE_VERSION or not isinstance(state.get("gpus"), list):
         raise SimulatedStateError(f"{where}: not a version-{STATE_VERSION} simulated GPU state (missing 'version' or 'gpus')")
     for i, gpu in enumerate(state["gpus"]):
-        missing = set(gpu_state(i)) - set(gpu) if isinstance(gpu, dict) else {"everything"}
+        missing = set(gpu_state(i)) - set(gpu) - set(_OPTIONAL_GPU_KEYS) if isinstance(gpu, dict) else {"everything"}
         if missing:
             raise SimulatedStateError(f"{where}: gpus[{i}] is missing {', '.join(sorted(missing))}")
+        for key, default in _OPTIONAL_GPU_KEYS.items():
+            gpu.setdefault(key, default)
     return state
 
 
@@ -142,6 +150,7 @@ FAULTS = {
     "lost": "the GPU falls off the bus (GPU_IS_LOST on every call)",
     "hang": "the next NVML call on this GPU blocks until `unhang`",
     "unhang": "release a hang",
+    "slow": "every NVML call on this GPU takes SECONDS longer but works (=0 to clear), e.g. slow=0.25",
     "temp": "set the temperature to C degrees",
     "reset": "driver reload / GPU reset: volatile counters back to 0, lost and hang cleared",
     "unsupported": "make FIELD report NVML_ERROR_NOT_SUPPORTED (takes effect at daemon start)",
@@ -196,6 +205,14 @@ def apply_fault(gpu: dict[str, Any], fault: str) -> None:
         gpu[name] = True
     elif name == "unhang":
         gpu["hang"] = False
+    elif name == "slow":
+        try:
+            seconds = float(value or "")
+        except ValueError:
+            seconds = -1.0
+        if not 0.0 <= seconds <= _SLOW_MAX_SECONDS:  # also rejects nan
+            raise SimulatedStateError(f"slow: expects =SECONDS between 0 and {_SLOW_MAX_SECONDS:g}, e.g. slow=0.25")
+        gpu["slow_seconds"] = seconds
     elif name == "temp":
         try:
             gpu["temperature_celsius"] = int(value or "")
@@ -308,6 +325,8 @@ class SimulatedNvml:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN) from None
         if gpu["hang"]:
             gpu = self._wait_unhang(handle)
+        if gpu["slow_seconds"] > 0:
+            time.sleep(gpu["slow_seconds"])
         if gpu["lost"]:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
         return gpu
