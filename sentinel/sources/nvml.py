@@ -9,11 +9,12 @@ Contract
   on every poll.
 * Every NVML call runs on the GPU's own worker thread; the GPUs are read in parallel.
 * ``deadline_seconds`` is each GPU's budget for a whole poll: :meth:`poll` returns within about
-  that (at most a quarter more) however slow or stuck the GPUs are. A GPU whose read did not
-  finish in the budget is reported with the values it did read (NVLink counters only when all
-  were read), the rest missing, and ``errors["poll_budget"] = NVML_ERROR_TIMEOUT`` (counted as ``("poll_budget", 10)``); its next
-  read resumes where this one stopped. Slow is not ``hung``: ``hung`` (a health reading the
-  policy acts on) means one call ran past the deadline; such a call is counted once as
+  that (at most a quarter, and 0.1 s, more) however slow or stuck the GPUs are. A GPU whose read
+  did not finish in the budget is reported with the values it did read (NVLink counters only
+  when all were read), the rest missing, and ``errors["poll_budget"] = NVML_ERROR_TIMEOUT``
+  (counted as ``("poll_budget", 10)``); its next read resumes after the last call that returned.
+* Slow is not ``hung``. ``hung`` (a health reading: the policy's ``nvml_hung`` rule migrates
+  on it) means one call ran past the deadline; such a call is counted once as
   ``("deadline", 10)`` and the GPU is skipped until the call returns.
 * Xid critical events are read by an NVML event set on a thread of their own.
 
@@ -220,7 +221,10 @@ class _PollRead:
     def put(self, kind: str, key: Any, value: Any) -> None:
         """After a call: its result (``kind`` is values, errors or links)."""
         with self._lock:
-            (self.late if self.closed else self.now)[kind][key] = value
+            results = self.late if self.closed else self.now
+            results[kind][key] = value
+            if kind in ("values", "errors"):  # a field read again replaces its older outcome
+                results["errors" if kind == "values" else "values"].pop(key, None)
             self.position_done = True
 
     def finish(self) -> bool:
@@ -409,7 +413,8 @@ class NvmlSource:
                 read.finish()
                 return
         items: list[tuple[str, tuple[int, str, str] | None]] = [(name, None) for name in gpu.supported]
-        items += [(f"nvlink_{kind}", (link, kind, const)) for link in gpu.nvlinks for kind, const in NVLINK_COUNTERS.items()]
+        items += [(f"nvlink_{kind}", (link, kind, const))
+                  for link in gpu.nvlinks for kind, const in NVLINK_COUNTERS.items()]
         first = cut_short.resume(read, len(items)) if cut_short is not None else 0
         lost = False
         for step in range(len(items)):
