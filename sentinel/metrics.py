@@ -6,40 +6,25 @@ its last poll. Nothing is registered at import time; the daemon builds its own r
 
 from __future__ import annotations
 
+import logging
+import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from sentinel import fields as nvml_fields
 from sentinel.readings import NodeReadings
 
-# field -> (metric name, help, extra labels, counter?)
-_FIELD_METRICS: dict[str, tuple[str, str, dict[str, str], bool]] = {
-    "ecc_corrected_volatile": ("sentinel_gpu_ecc_errors", "ECC errors reported by NVML", {"type": "corrected", "scope": "volatile"}, True),
-    "ecc_uncorrected_volatile": ("sentinel_gpu_ecc_errors", "", {"type": "uncorrected", "scope": "volatile"}, True),
-    "ecc_corrected_aggregate": ("sentinel_gpu_ecc_errors", "", {"type": "corrected", "scope": "aggregate"}, True),
-    "ecc_uncorrected_aggregate": ("sentinel_gpu_ecc_errors", "", {"type": "uncorrected", "scope": "aggregate"}, True),
-    "retired_pages_sbe": ("sentinel_gpu_retired_pages", "Retired framebuffer pages by cause", {"cause": "sbe"}, False),
-    "retired_pages_dbe": ("sentinel_gpu_retired_pages", "", {"cause": "dbe"}, False),
-    "retired_pages_pending": ("sentinel_gpu_retired_pages_pending", "1 when a page retirement awaits a reset", {}, False),
-    "remapped_rows_correctable": ("sentinel_gpu_remapped_rows", "Remapped memory rows by kind (pending/failure are 0/1)", {"kind": "correctable"}, False),
-    "remapped_rows_uncorrectable": ("sentinel_gpu_remapped_rows", "", {"kind": "uncorrectable"}, False),
-    "remapped_rows_pending": ("sentinel_gpu_remapped_rows", "", {"kind": "pending"}, False),
-    "remapped_rows_failure": ("sentinel_gpu_remapped_rows", "", {"kind": "failure"}, False),
-    "remap_histogram_max": ("sentinel_gpu_row_remapper_banks", "Memory banks by remaining remap availability", {"availability": "max"}, False),
-    "remap_histogram_high": ("sentinel_gpu_row_remapper_banks", "", {"availability": "high"}, False),
-    "remap_histogram_partial": ("sentinel_gpu_row_remapper_banks", "", {"availability": "partial"}, False),
-    "remap_histogram_low": ("sentinel_gpu_row_remapper_banks", "", {"availability": "low"}, False),
-    "remap_histogram_none": ("sentinel_gpu_row_remapper_banks", "", {"availability": "none"}, False),
-    "pcie_replay": ("sentinel_gpu_pcie_replay", "PCIe replay counter", {}, True),
-    "pcie_link_gen": ("sentinel_gpu_pcie_link_generation", "Current PCIe link generation", {}, False),
-    "pcie_link_width": ("sentinel_gpu_pcie_link_width_lanes", "Current PCIe link width", {}, False),
-    "temperature_celsius": ("sentinel_gpu_temperature_celsius", "GPU core temperature", {}, False),
-    "slowdown_temperature_celsius": ("sentinel_gpu_slowdown_temperature_celsius", "Temperature at which the GPU slows down", {}, False),
-    "power_watts": ("sentinel_gpu_power_watts", "Power draw", {}, False),
-    "throttle_reasons": ("sentinel_gpu_clock_event_reasons", "NVML clock event (throttle) reasons bitmask", {}, False),
-}
+log = logging.getLogger("sentinel.metrics")
+
+
+def _field_metrics() -> dict[str, tuple[str, str, dict[str, str], bool]]:
+    """field -> (metric name, help, extra labels, counter?), from the NVML field declarations
+    (read at each collect, so the collector always renders the table the source reads)."""
+    return nvml_fields.metric_table(nvml_fields.NVML_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -70,6 +55,8 @@ COUNTER_HELP = {
 class SentinelCollector(Collector):
     def __init__(self, view: Callable[[], View]) -> None:
         self._view = view
+        self._undeclared: Counter[str] = Counter()  # values skipped: no field declaration says how to export them
+        self._undeclared_lock = threading.Lock()
 
     def collect(self) -> Iterator[Metric]:
         view = self._view()
@@ -86,6 +73,7 @@ class SentinelCollector(Collector):
         up = family("sentinel_up", "1 while the daemon runs", [], False)
         up.add_metric([], 1.0)
         if r is not None:
+            field_metrics = _field_metrics()
             info = family("sentinel_gpu_info", "GPU identity", base + ["pci_bus_id", "name", "serial", "driver_version"], False)
             supported = family("sentinel_gpu_field_supported", "0 when NVML reports the field not supported on this GPU", base + ["field"], False)
             lost = family("sentinel_gpu_lost", "1 when NVML reports the GPU lost (fallen off the bus)", base, False)
@@ -95,11 +83,13 @@ class SentinelCollector(Collector):
                 info.add_metric(ids + [g.pci_bus_id, g.name, g.serial, r.driver_version], 1.0)
                 lost.add_metric(ids, float(g.lost))
                 hung.add_metric(ids, float(g.hung))
-                for fname in _FIELD_METRICS:
+                for fname in field_metrics:
                     supported.add_metric(ids + [fname], 0.0 if fname in g.unsupported else 1.0)
                 for fname, value in g.values.items():
-                    mname, help_, extra, counter = _FIELD_METRICS[fname]
-                    help_ = help_ or next(h for n, h, _, _ in _FIELD_METRICS.values() if n == mname and h)
+                    if fname not in field_metrics:
+                        self._skip_undeclared(fname)  # one bad field never fails the scrape
+                        continue
+                    mname, help_, extra, counter = field_metrics[fname]
                     m = family(mname, help_, base + list(extra), counter)
                     m.add_metric(ids + list(extra.values()), value)
                 if g.nvlink:
@@ -123,6 +113,12 @@ class SentinelCollector(Collector):
             errs = family("sentinel_nvml_errors", "NVML call failures by field and NVML return code", ["field", "code"], True)
             for (fname, code), count in sorted(r.nvml_errors.items()):
                 errs.add_metric([fname, str(code)], float(count))
+        with self._undeclared_lock:
+            undeclared = sorted(self._undeclared.items())
+        if undeclared:
+            skipped = family("sentinel_exporter_unknown_fields", "Field values left out of the export: no NVML field declaration names them", ["field"], True)
+            for fname, count in undeclared:
+                skipped.add_metric([fname], float(count))
         trips = family("sentinel_policy_trips", COUNTER_HELP["sentinel_policy_trips"], ["rule", "action"], True)
         for (rule, action), count in sorted(view.trips.items()):
             trips.add_metric([rule, action], float(count))
@@ -135,6 +131,13 @@ class SentinelCollector(Collector):
                 m = family(name, COUNTER_HELP.get(name, name.replace("_", " ")), [k for k, _ in labels], counter)
                 m.add_metric([v for _, v in labels], value)
         yield from families.values()
+
+    def _skip_undeclared(self, fname: str) -> None:
+        with self._undeclared_lock:
+            first = fname not in self._undeclared
+            self._undeclared[fname] += 1
+        if first:
+            log.error("reading field %r has no NVML field declaration (sentinel/fields.py): not exported", fname)
 
 
 def build_registry(view: Callable[[], View]) -> CollectorRegistry:

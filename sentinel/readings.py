@@ -5,32 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-# Scalar per-GPU fields, in the order they are probed. NVLink counters are kept apart (per link).
-FIELDS: tuple[str, ...] = (
-    "ecc_corrected_volatile",
-    "ecc_uncorrected_volatile",
-    "ecc_corrected_aggregate",
-    "ecc_uncorrected_aggregate",
-    "retired_pages_sbe",
-    "retired_pages_dbe",
-    "retired_pages_pending",
-    "remapped_rows_correctable",
-    "remapped_rows_uncorrectable",
-    "remapped_rows_pending",
-    "remapped_rows_failure",
-    "remap_histogram_max",
-    "remap_histogram_high",
-    "remap_histogram_partial",
-    "remap_histogram_low",
-    "remap_histogram_none",
-    "pcie_replay",
-    "pcie_link_gen",
-    "pcie_link_width",
-    "temperature_celsius",
-    "slowdown_temperature_celsius",
-    "power_watts",
-    "throttle_reasons",
-)
+from sentinel.fields import NVML_FIELDS, names
+
+# Scalar per-GPU fields, in the order they are probed: the names of the declarations in
+# sentinel/fields.py (declare a new field there). NVLink counters are kept apart (per link).
+FIELDS: tuple[str, ...] = names(NVML_FIELDS)
 
 NVLINK_KINDS: tuple[str, ...] = ("crc_flit", "crc_data", "replay", "recovery")
 
