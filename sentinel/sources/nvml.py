@@ -4,6 +4,8 @@ Contract
 --------
 * ``nvmlInit`` runs once per process (in :meth:`NvmlSource.start`); ``nvmlShutdown`` once in
   :meth:`NvmlSource.close`.
+* The fields are those declared in :mod:`sentinel.fields` when the source is built; each
+  field's reader comes from its declaration.
 * Each field is probed once at start. "Not supported" is remembered and the field is never read
   (nor exported) again; any other error is counted per (field, code) and the field is retried
   on every poll.
@@ -32,7 +34,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from sentinel.readings import FIELDS, NVLINK_KINDS, GpuReading, XidEvent
+from sentinel import fields as nvml_fields
+from sentinel.readings import NVLINK_KINDS, GpuReading, XidEvent
 
 log = logging.getLogger("sentinel.nvml")
 
@@ -40,64 +43,6 @@ log = logging.getLogger("sentinel.nvml")
 class NvmlUnavailable(RuntimeError):
     """NVML cannot be used on this machine (no library, no driver, no permission)."""
 
-
-def _retired(cause_name: str) -> Callable[[Any, Any], float]:
-    def read(nvml: Any, h: Any) -> float:
-        return len(nvml.nvmlDeviceGetRetiredPages(h, getattr(nvml, cause_name)))
-
-    return read
-
-
-def _ecc(err: str, counter: str) -> Callable[[Any, Any], float]:
-    def read(nvml: Any, h: Any) -> float:
-        return nvml.nvmlDeviceGetTotalEccErrors(h, getattr(nvml, err), getattr(nvml, counter))
-
-    return read
-
-
-def _remapped(i: int) -> Callable[[Any, Any], float]:
-    return lambda nvml, h: float(nvml.nvmlDeviceGetRemappedRows(h)[i])
-
-
-def _histogram(name: str) -> Callable[[Any, Any], float]:
-    return lambda nvml, h: float(getattr(nvml.nvmlDeviceGetRowRemapperHistogram(h), name))
-
-
-def _throttle(nvml: Any, h: Any) -> float:
-    fn = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or nvml.nvmlDeviceGetCurrentClocksThrottleReasons
-    return float(fn(h))
-
-
-READERS: dict[str, Callable[[Any, Any], float]] = {
-    "ecc_corrected_volatile": _ecc("NVML_MEMORY_ERROR_TYPE_CORRECTED", "NVML_VOLATILE_ECC"),
-    "ecc_uncorrected_volatile": _ecc("NVML_MEMORY_ERROR_TYPE_UNCORRECTED", "NVML_VOLATILE_ECC"),
-    "ecc_corrected_aggregate": _ecc("NVML_MEMORY_ERROR_TYPE_CORRECTED", "NVML_AGGREGATE_ECC"),
-    "ecc_uncorrected_aggregate": _ecc("NVML_MEMORY_ERROR_TYPE_UNCORRECTED", "NVML_AGGREGATE_ECC"),
-    "retired_pages_sbe": _retired("NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS"),
-    "retired_pages_dbe": _retired("NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR"),
-    "retired_pages_pending": lambda nvml, h: float(
-        nvml.nvmlDeviceGetRetiredPagesPendingStatus(h) == nvml.NVML_FEATURE_ENABLED
-    ),
-    "remapped_rows_correctable": _remapped(0),
-    "remapped_rows_uncorrectable": _remapped(1),
-    "remapped_rows_pending": _remapped(2),
-    "remapped_rows_failure": _remapped(3),
-    "remap_histogram_max": _histogram("max"),
-    "remap_histogram_high": _histogram("high"),
-    "remap_histogram_partial": _histogram("partial"),
-    "remap_histogram_low": _histogram("low"),
-    "remap_histogram_none": _histogram("none"),
-    "pcie_replay": lambda nvml, h: float(nvml.nvmlDeviceGetPcieReplayCounter(h)),
-    "pcie_link_gen": lambda nvml, h: float(nvml.nvmlDeviceGetCurrPcieLinkGeneration(h)),
-    "pcie_link_width": lambda nvml, h: float(nvml.nvmlDeviceGetCurrPcieLinkWidth(h)),
-    "temperature_celsius": lambda nvml, h: float(nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU)),
-    "slowdown_temperature_celsius": lambda nvml, h: float(
-        nvml.nvmlDeviceGetTemperatureThreshold(h, nvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN)
-    ),
-    "power_watts": lambda nvml, h: nvml.nvmlDeviceGetPowerUsage(h) / 1000.0,
-    "throttle_reasons": _throttle,
-}
-assert tuple(READERS) == FIELDS, "READERS must cover FIELDS in order"
 
 NVLINK_COUNTERS = {
     "replay": "NVML_NVLINK_ERROR_DL_REPLAY",
@@ -292,6 +237,8 @@ class NvmlSource:
         self.clock = clock
         self.event_wait_ms = event_wait_ms
         self.name = source_name
+        # field -> reader, in probe order, from the declarations in sentinel/fields.py
+        self.readers: dict[str, Callable[[Any, Any], float]] = {f.name: f.read for f in nvml_fields.NVML_FIELDS}
         self.driver_version = ""
         self.gpus: list[_Gpu] = []
         self.errors: Counter[tuple[str, int]] = Counter()
@@ -366,7 +313,7 @@ class NvmlSource:
             gpu.pci_bus_id = normalize_bus_id(_text(w.call(nvml.nvmlDeviceGetPciInfo, gpu.handle).busId))
         except nvml.NVMLError as exc:
             self._record_error(gpu, "pci_info", exc)
-        for name, reader in READERS.items():
+        for name, reader in self.readers.items():
             try:
                 w.call(reader, nvml, gpu.handle)
             except nvml.NVMLError as exc:
@@ -424,7 +371,7 @@ class NvmlSource:
             name, link = items[position]
             try:
                 if link is None:
-                    read.put("values", name, float(w.call(READERS[name], nvml, gpu.handle)))
+                    read.put("values", name, float(w.call(self.readers[name], nvml, gpu.handle)))
                 else:
                     value = w.call(nvml.nvmlDeviceGetNvLinkErrorCounter, gpu.handle, link[0], getattr(nvml, link[2]))
                     read.put("links", (link[0], link[1]), int(value))
