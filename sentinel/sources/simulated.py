@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import fcntl
+import functools
 import json
 import os
 import re
@@ -26,6 +27,8 @@ from typing import Any, Iterator
 
 import pynvml
 
+from sentinel import fields as nvml_fields
+
 STATE_VERSION = 1
 NVLINK_LINKS = 18
 # Bus ids of an 8-GPU HGX board; further GPUs continue the pattern.
@@ -36,7 +39,8 @@ class SimulatedStateError(ValueError):
     """The state file is missing, corrupt, half-written or of the wrong shape."""
 
 
-def gpu_state(index: int) -> dict[str, Any]:
+def _base_state(index: int) -> dict[str, Any]:
+    """A healthy GPU's state apart from its NVML fields (those come from sentinel/fields.py)."""
     bus = _BUSES[index] if index < len(_BUSES) else f"{0x10 + index:02x}"
     return {
         "index": index,
@@ -44,16 +48,7 @@ def gpu_state(index: int) -> dict[str, Any]:
         "pci_bus_id": f"00000000:{bus.upper()}:00.0",
         "name": "NVIDIA H100 80GB HBM3 (simulated)",
         "serial": f"SIM{index:010d}",
-        "ecc": {"corrected_volatile": 0, "uncorrected_volatile": 0, "corrected_aggregate": 0, "uncorrected_aggregate": 0},
-        "retired_pages": {"sbe": 0, "dbe": 0, "pending": False},
-        "remapped_rows": {"correctable": 0, "uncorrectable": 0, "pending": False, "failure": False},
-        "remap_histogram": {"max": 640, "high": 0, "partial": 0, "low": 0, "none": 0},
-        "pcie": {"replay": 0, "gen": 5, "width": 16},
         "nvlink": [{"crc_flit": 0, "crc_data": 0, "replay": 0, "recovery": 0} for _ in range(NVLINK_LINKS)],
-        "temperature_celsius": 38,
-        "slowdown_temperature_celsius": 87,
-        "power_watts": 120.0,
-        "throttle_reasons": 0,
         "xid_events": [],
         "lost": False,
         "hang": False,
@@ -62,7 +57,41 @@ def gpu_state(index: int) -> dict[str, Any]:
     }
 
 
-# Keys a state file written before they existed may lack; parse_state fills in these defaults.
+def _declared_fields() -> tuple[nvml_fields.NvmlField, ...]:
+    """The NVML field declarations, checked against the keys the simulator keeps for itself."""
+    declared = nvml_fields.NVML_FIELDS
+    clash = {f.name for f in declared if f.state_path[0] in _base_state(0)}
+    if clash:
+        raise nvml_fields.FieldDeclarationError(f"simulated state path of {', '.join(sorted(clash))} is a key the simulator keeps")
+    return declared
+
+
+def _stored(gpu: dict[str, Any], f: nvml_fields.NvmlField) -> Any:
+    """A field's value in a GPU's state; its declared healthy value when the state lacks it."""
+    node: Any = gpu
+    for key in f.state_path:
+        if not isinstance(node, dict) or key not in node:
+            return f.sim_default
+        node = node[key]
+    return node
+
+
+def _store_default(gpu: dict[str, Any], f: nvml_fields.NvmlField) -> None:
+    node = gpu
+    for key in f.state_path[:-1]:
+        node = node.setdefault(key, {})
+    node.setdefault(f.state_path[-1], f.sim_default)
+
+
+def gpu_state(index: int) -> dict[str, Any]:
+    gpu = _base_state(index)
+    for f in _declared_fields():
+        _store_default(gpu, f)
+    return gpu
+
+
+# Keys a state file written before they existed may lack; parse_state fills in these defaults
+# (and the declared default of every NVML field the file lacks).
 _OPTIONAL_GPU_KEYS: dict[str, Any] = {"slow_seconds": 0.0}
 _SLOW_MAX_SECONDS = 60.0
 
@@ -83,12 +112,18 @@ def parse_state(text: str, where: str) -> dict[str, Any]:
         ) from None
     if not isinstance(state, dict) or state.get("version") != STATE_VERSION or not isinstance(state.get("gpus"), list):
         raise SimulatedStateError(f"{where}: not a version-{STATE_VERSION} simulated GPU state (missing 'version' or 'gpus')")
+    declared = _declared_fields()
     for i, gpu in enumerate(state["gpus"]):
-        missing = set(gpu_state(i)) - set(gpu) - set(_OPTIONAL_GPU_KEYS) if isinstance(gpu, dict) else {"everything"}
+        missing = set(_base_state(i)) - set(gpu) - set(_OPTIONAL_GPU_KEYS) if isinstance(gpu, dict) else {"everything"}
         if missing:
             raise SimulatedStateError(f"{where}: gpus[{i}] is missing {', '.join(sorted(missing))}")
         for key, default in _OPTIONAL_GPU_KEYS.items():
             gpu.setdefault(key, default)
+        for f in declared:  # a field declared after the file was written reads its healthy value
+            try:
+                _store_default(gpu, f)
+            except AttributeError:
+                raise SimulatedStateError(f"{where}: gpus[{i}].{'.'.join(f.state_path[:-1])} is not an object") from None
     return state
 
 
@@ -249,15 +284,6 @@ class _PciInfo:
 
 
 @dataclass
-class _Histogram:
-    max: int
-    high: int
-    partial: int
-    low: int
-    none: int
-
-
-@dataclass
 class _EventData:
     device: _Handle
     eventType: int
@@ -271,7 +297,13 @@ class _EventSet:
 
 
 class SimulatedNvml:
-    """A pynvml look-alike over a state file. Constants and error classes are pynvml's own."""
+    """A pynvml look-alike over a state file. Constants and error classes are pynvml's own.
+
+    The functions that read NVML fields are not written out here: each declared field's pynvml
+    call (see :mod:`sentinel.fields`, resolved when this is built) is served from the value at
+    the field's state path. A call several fields share (one composite result) is "not
+    supported" when any of them is listed in the GPU's ``unsupported``.
+    """
 
     NVMLError = pynvml.NVMLError
 
@@ -288,8 +320,12 @@ class SimulatedNvml:
         # A changed file is noticed within recheck_seconds (one stat per window, not one per call).
         self._recheck = recheck_seconds
         self._event_poll = event_poll_seconds
+        self._fields = _declared_fields()
+        self._field_calls = nvml_fields.calls(self._fields)
 
     def __getattr__(self, name: str) -> Any:
+        if name in self.__dict__.get("_field_calls", ()):
+            return functools.partial(self._serve_field_call, name)
         value = getattr(pynvml, name)  # AttributeError for unknown names, as pynvml would
         if callable(value) and not isinstance(value, type):
             raise AttributeError(f"SimulatedNvml does not implement {name}")
@@ -385,47 +421,14 @@ class SimulatedNvml:
     def nvmlDeviceGetPciInfo(self, h: _Handle) -> _PciInfo:
         return _PciInfo(self._gpu(h)["pci_bus_id"])
 
-    def nvmlDeviceGetTotalEccErrors(self, h: _Handle, error_type: int, counter_type: int) -> int:
-        kind = "corrected" if error_type == pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED else "uncorrected"
-        scope = "volatile" if counter_type == pynvml.NVML_VOLATILE_ECC else "aggregate"
-        return int(self._field(h, f"ecc_{kind}_{scope}")["ecc"][f"{kind}_{scope}"])
-
-    def nvmlDeviceGetRetiredPages(self, h: _Handle, cause: int) -> list[int]:
-        key = "sbe" if cause == pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS else "dbe"
-        n = int(self._field(h, f"retired_pages_{key}")["retired_pages"][key])
-        return [0x1000 * (i + 1) for i in range(n)]
-
-    def nvmlDeviceGetRetiredPagesPendingStatus(self, h: _Handle) -> int:
-        pending = self._field(h, "retired_pages_pending")["retired_pages"]["pending"]
-        return pynvml.NVML_FEATURE_ENABLED if pending else pynvml.NVML_FEATURE_DISABLED
-
-    def nvmlDeviceGetRemappedRows(self, h: _Handle) -> tuple[int, int, int, int]:
-        r = self._field(h, "remapped_rows_correctable")["remapped_rows"]
-        return (int(r["correctable"]), int(r["uncorrectable"]), int(bool(r["pending"])), int(bool(r["failure"])))
-
-    def nvmlDeviceGetRowRemapperHistogram(self, h: _Handle) -> _Histogram:
-        return _Histogram(**{k: int(v) for k, v in self._field(h, "remap_histogram_max")["remap_histogram"].items()})
-
-    def nvmlDeviceGetPcieReplayCounter(self, h: _Handle) -> int:
-        return int(self._field(h, "pcie_replay")["pcie"]["replay"])
-
-    def nvmlDeviceGetCurrPcieLinkGeneration(self, h: _Handle) -> int:
-        return int(self._field(h, "pcie_link_gen")["pcie"]["gen"])
-
-    def nvmlDeviceGetCurrPcieLinkWidth(self, h: _Handle) -> int:
-        return int(self._field(h, "pcie_link_width")["pcie"]["width"])
-
-    def nvmlDeviceGetTemperature(self, h: _Handle, sensor: int) -> int:
-        return int(self._field(h, "temperature_celsius")["temperature_celsius"])
-
-    def nvmlDeviceGetTemperatureThreshold(self, h: _Handle, kind: int) -> int:
-        return int(self._field(h, "slowdown_temperature_celsius")["slowdown_temperature_celsius"])
-
-    def nvmlDeviceGetPowerUsage(self, h: _Handle) -> int:
-        return int(float(self._field(h, "power_watts")["power_watts"]) * 1000)
-
-    def nvmlDeviceGetCurrentClocksEventReasons(self, h: _Handle) -> int:
-        return int(self._field(h, "throttle_reasons")["throttle_reasons"])
+    def _serve_field_call(self, call: str, h: _Handle, *args: Any) -> Any:
+        gpu = self._gpu(h)
+        group, build = nvml_fields.serve(self._fields, pynvml, call, args, lambda f: _stored(gpu, f))
+        if not group:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if any(f.name in gpu["unsupported"] for f in group):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return build()
 
     def nvmlDeviceGetNvLinkState(self, h: _Handle, link: int) -> int:
         links = self._field(h, "nvlink")["nvlink"]
