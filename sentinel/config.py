@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from sentinel import rules
+
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the offending key."""
@@ -27,14 +29,10 @@ class ConfigError(ValueError):
 
 MINUTE, HOUR, DAY = 60.0, 3600.0, 86400.0
 
-# The policy rules a config may name in ``policy.disabled_rules``. sentinel.policy declares what
-# each rule needs (``policy.RULES``) and a test asserts both name the same rules; the names live
-# here so that validating a config never imports the policy (which imports this module).
-RULE_NAMES: frozenset[str] = frozenset({
-    "xid", "app_xid_rate", "ecc_uncorrected", "retired_pages", "retired_dbe", "retired_pending",
-    "remap_failure", "remap_pending", "remap_uncorrectable", "remap_availability", "pcie_replay_rate",
-    "nvlink_crc_rate", "gpu_lost", "nvml_hung", "thermal", "trend", "rank_signal", "host_memory", "pcie_aer",
-})
+# The policy rules a config may name in ``policy.disabled_rules``: one module each in
+# sentinel/rules/, found there by the registry. sentinel.rules imports neither this module nor the
+# policy, so validating a config never imports the policy (which imports this module).
+RULE_NAMES: frozenset[str] = rules.RULE_NAMES
 XID_ACTIONS = ("migrate", "snapshot", "alert", "ignore")
 XID_MIN, XID_MAX = 1, 65535
 
