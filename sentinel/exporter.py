@@ -188,12 +188,12 @@ class BasicAuth:
         try:
             user_b, sep, password = base64.b64decode(token.strip(), validate=True).partition(b":")
             user = user_b.decode("utf-8")
-        except (binascii.Error, UnicodeDecodeError):
+        except ValueError:  # not base64 (binascii.Error), not ASCII, or not UTF-8 (UnicodeDecodeError)
             return None
         if not sep:
             return None
         stored = self._users.get(user)
-        key = hashlib.sha256(b"\0".join([user_b, password, repr(stored).encode()])).digest()
+        key = hashlib.sha256(b"\0".join([user_b, password, stored.digest if stored else b""])).digest()
         if stored is not None and key in self._verified:
             return user
         with self._slow:
@@ -353,6 +353,8 @@ class _HTTPServer(ThreadingHTTPServer):
             event(log, "metrics client failed TLS (handshake, certificate or protocol)", logging.DEBUG, client=client_address[0], error=str(exc))
         except OSError as exc:  # reset, broken pipe, a timeout (counted below), or cut by the reaper
             event(log, "metrics connection ended early", logging.DEBUG, client=client_address[0], error=str(exc))
+        except Exception:  # noqa: BLE001 - a bug in one request must not end the server; log it loudly
+            log.exception("metrics request failed", extra={"fields": {"client": client_address[0]}})
         finally:
             with conn.lock:
                 conn.closed = True
@@ -410,7 +412,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
-        event(log, "metrics request", logging.DEBUG, client=self.client_address[0], line=format % args)
+        if log.isEnabledFor(logging.DEBUG):  # called for every request: format only when kept
+            event(log, "metrics request", logging.DEBUG, client=self.client_address[0], line=format % args)
 
 
 class MetricsServer:
@@ -450,6 +453,7 @@ class MetricsServer:
         self._tls: ssl.SSLContext | None = None
         self._auth: BasicAuth | None = None
         self._httpd: _HTTPServer | None = None
+        self._port: int | None = None
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self._slots = threading.BoundedSemaphore(max_connections)
@@ -475,9 +479,9 @@ class MetricsServer:
     @property
     def port(self) -> int:
         """The bound port (the real one when started with port 0)."""
-        if self._httpd is None:
+        if self._port is None:
             raise RuntimeError("MetricsServer is not started")
-        return self._httpd.server_port
+        return self._port
 
     @property
     def scheme(self) -> str:
@@ -515,6 +519,7 @@ class MetricsServer:
             raise OSError(errno.EADDRNOTAVAIL, f"cannot listen for metrics on {where}: {exc.strerror}") from None
         except OSError as exc:
             raise OSError(exc.errno, f"cannot listen for metrics on {where}: {exc.strerror}") from None
+        self._port = self._httpd.server_port
         if self._render_seconds is None:  # nothing refreshed yet: serve sentinel_up rather than nothing
             self.refresh()
         self._threads = [
@@ -528,9 +533,10 @@ class MetricsServer:
     def close(self) -> None:
         """Stop listening and cut every open connection; returns within about a second."""
         self._stop.set()
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
+        httpd, self._httpd = self._httpd, None
+        if httpd is not None:
+            httpd.shutdown()
+            httpd.server_close()
         with self._conns_lock:
             conns = list(self._conns.values())
         for conn in conns:

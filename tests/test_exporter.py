@@ -322,14 +322,15 @@ def test_basic_auth_accepts_the_right_password_and_rejects_others(serve, tmp_pat
     assert status == 200 and b"sentinel_up 1.0" in body
     assert get(server, headers=basic("prometheus", "s3cret pass"))[0] == 200  # the cached path
     for headers in ({}, basic("prometheus", "wrong"), basic("nobody", "s3cret pass"),
-                    {"Authorization": "Basic !!notbase64"}, {"Authorization": "Bearer x"}):
+                    {"Authorization": "Basic !!notbase64"}, {"Authorization": "Basic \u00e9t\u00e9"},
+                    {"Authorization": "Bearer x"}):
         status, resp_headers, body = get(server, headers=headers)
         assert status == 401 and resp_headers["www-authenticate"].startswith('Basic realm="sentinel"'), headers
         assert b"sentinel_" not in body
     assert get(server, "/healthz")[0] == 401  # every path is behind auth
     server.refresh()
     text = get(server, headers=basic("prometheus", "s3cret pass"))[2].decode()
-    assert metric_value(text, "sentinel_exporter_rejected_connections_total", reason="unauthorized") == 6
+    assert metric_value(text, "sentinel_exporter_rejected_connections_total", reason="unauthorized") == 7
 
 
 def test_basic_auth_over_tls(serve, tmp_path, pki):
