@@ -1,8 +1,17 @@
 """A fake of the pynvml API surface Sentinel uses: the module's functions, constants and its
-real error classes, with per-call behaviour the test controls (value, error, hang, delay)."""
+real error classes, with per-call behaviour the test controls (value, error, hang, delay).
+
+The functions that read NVML fields are not written out here: every pynvml call declared in
+sentinel/fields.py is served from the declarations, so a new field needs nothing in this file.
+Its behaviour key is the field's name and a value is given in the reading's units
+(``behaviour[("power_watts", 0)] = 250.5``), which the field's codec turns into what pynvml
+returns. An error or "hang" on one field of a shared call (``remapped_rows_pending``) is the
+whole call's.
+"""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import Counter
@@ -10,6 +19,12 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pynvml
+
+from sentinel import fields as nvml_fields
+
+# Where the fake's healthy A100 differs from the simulator's H100 (the declared sim_default).
+FAKE_DEFAULTS: dict[str, float] = {"pcie_link_gen": 4, "temperature_celsius": 40, "slowdown_temperature_celsius": 88,
+                                   "power_watts": 250.5}
 
 
 @dataclass(frozen=True)
@@ -24,7 +39,8 @@ class FakePynvml:
         self.n = gpus
         self.init_calls = 0
         self.shutdown_calls = 0
-        # (function name, gpu index) -> value | NVMLError code (int wrapped in Err) | "hang"
+        # (field name, or key of another call: uuid, name, serial, pci_info, nvlink_state, nvlink<counter>;
+        #  gpu index, -1 for every GPU) -> value | NVMLError code (int wrapped in Err) | "hang"
         self.behaviour: dict[tuple[str, int], object] = {}
         self.release = threading.Event()
         self.xid_queue: list[tuple[int, int]] = []
@@ -32,25 +48,48 @@ class FakePynvml:
         # gpu index -> seconds every device call on that GPU takes (a slow but working GPU)
         self.delay: dict[int, float] = {}
         self.calls: Counter[int] = Counter()  # device calls started, per GPU index
+        self.fields = nvml_fields.NVML_FIELDS
+        self._field_calls = nvml_fields.calls(self.fields)
 
     def __getattr__(self, name):
+        if name in self.__dict__.get("_field_calls", ()):
+            return functools.partial(self._field_call, name)
         value = getattr(pynvml, name)
         if callable(value) and not isinstance(value, type):
             raise AttributeError(name)
         return value
 
     def _do(self, fn: str, h, default):
+        return self._respond(h, self.behaviour.get((fn, h.index), self.behaviour.get((fn, -1), default)), default)
+
+    def _respond(self, h, b, default):
         self.calls[h.index] += 1
         delay = self.delay.get(h.index, 0.0)
         if delay:
             time.sleep(delay)
-        b = self.behaviour.get((fn, h.index), self.behaviour.get((fn, -1), default))
         if b == "hang":
             self.release.wait(30)
             return default
         if isinstance(b, Err):
             raise pynvml.NVMLError(b.code)
         return b
+
+    def _field_call(self, call: str, h, *args):
+        """A declared pynvml field call: what the behaviour of its field(s) makes it return."""
+        chosen = {}
+
+        def value(f):
+            b = self.behaviour.get((f.name, h.index), self.behaviour.get((f.name, -1)))
+            chosen[f.name] = b
+            return FAKE_DEFAULTS.get(f.name, f.sim_default) if b is None or b == "hang" or isinstance(b, Err) else b
+
+        group, build = nvml_fields.serve(self.fields, pynvml, call, args, value)
+        if not group:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        result = build()
+        outcomes = list(chosen.values())
+        outcome = "hang" if "hang" in outcomes else next((b for b in outcomes if isinstance(b, Err)), result)
+        return self._respond(h, outcome, result)
 
     def nvmlInit(self):
         self.init_calls += 1
@@ -80,42 +119,6 @@ class FakePynvml:
 
     def nvmlDeviceGetPciInfo(self, h):
         return self._do("pci_info", h, SimpleNamespace(busId=f"00000000:{0x07 + h.index:02X}:00.0".encode()))
-
-    def nvmlDeviceGetTotalEccErrors(self, h, err, counter):
-        return self._do(f"ecc{err}{counter}", h, 0)
-
-    def nvmlDeviceGetRetiredPages(self, h, cause):
-        return self._do(f"retired{cause}", h, [])
-
-    def nvmlDeviceGetRetiredPagesPendingStatus(self, h):
-        return self._do("retired_pending", h, pynvml.NVML_FEATURE_DISABLED)
-
-    def nvmlDeviceGetRemappedRows(self, h):
-        return self._do("remapped", h, (0, 0, 0, 0))
-
-    def nvmlDeviceGetRowRemapperHistogram(self, h):
-        return self._do("histogram", h, SimpleNamespace(max=640, high=0, partial=0, low=0, none=0))
-
-    def nvmlDeviceGetPcieReplayCounter(self, h):
-        return self._do("pcie_replay", h, 0)
-
-    def nvmlDeviceGetCurrPcieLinkGeneration(self, h):
-        return self._do("pcie_gen", h, 4)
-
-    def nvmlDeviceGetCurrPcieLinkWidth(self, h):
-        return self._do("pcie_width", h, 16)
-
-    def nvmlDeviceGetTemperature(self, h, sensor):
-        return self._do("temperature", h, 40)
-
-    def nvmlDeviceGetTemperatureThreshold(self, h, kind):
-        return self._do("temp_threshold", h, 88)
-
-    def nvmlDeviceGetPowerUsage(self, h):
-        return self._do("power", h, 250500)
-
-    def nvmlDeviceGetCurrentClocksEventReasons(self, h):
-        return self._do("clocks_event_reasons", h, 0)
 
     def nvmlDeviceGetNvLinkState(self, h, link):
         return self._do("nvlink_state", h, pynvml.NVML_FEATURE_ENABLED if link < 2 else pynvml.NVML_FEATURE_DISABLED)

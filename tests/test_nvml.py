@@ -19,9 +19,10 @@ def started(fake: FakePynvml, **kw) -> NvmlSource:
 
 def test_identity_and_values_read_through_pynvml_api():
     fake = FakePynvml(2)
-    fake.behaviour[("ecc11", 1)] = 3  # uncorrected aggregate on GPU 1
-    fake.behaviour[("retired0", 1)] = [0x1000, 0x2000]
-    fake.behaviour[("remapped", 1)] = (5, 2, 1, 0)
+    fake.behaviour[("ecc_uncorrected_aggregate", 1)] = 3  # the fake returns it from nvmlDeviceGetTotalEccErrors
+    fake.behaviour[("retired_pages_sbe", 1)] = 2  # returned as a list of 2 page addresses
+    for name, value in zip(("correctable", "uncorrectable", "pending", "failure"), (5, 2, 1, 0)):
+        fake.behaviour[(f"remapped_rows_{name}", 1)] = value  # one nvmlDeviceGetRemappedRows tuple
     src = started(fake)
     try:
         r = src.poll()
@@ -54,7 +55,7 @@ def test_init_once_across_many_polls():
 def test_not_supported_is_remembered_and_left_out():
     fake = FakePynvml(1)
     fake.behaviour[("pcie_replay", 0)] = Err(pynvml.NVML_ERROR_NOT_SUPPORTED)
-    fake.behaviour[("histogram", 0)] = Err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+    fake.behaviour[("remap_histogram_max", 0)] = Err(pynvml.NVML_ERROR_NOT_SUPPORTED)  # the call all five read
     src = started(fake)
     try:
         g = src.poll()[0]
@@ -69,14 +70,14 @@ def test_not_supported_is_remembered_and_left_out():
 
 def test_error_is_counted_per_field_and_code_and_retried():
     fake = FakePynvml(1)
-    fake.behaviour[("temperature", 0)] = Err(pynvml.NVML_ERROR_UNKNOWN)
+    fake.behaviour[("temperature_celsius", 0)] = Err(pynvml.NVML_ERROR_UNKNOWN)
     src = started(fake)
     try:
         g = src.poll()[0]
         assert "temperature_celsius" not in g.values
         assert g.errors["temperature_celsius"] == pynvml.NVML_ERROR_UNKNOWN
         assert src.errors[("temperature_celsius", pynvml.NVML_ERROR_UNKNOWN)] == 2  # probe + poll
-        fake.behaviour[("temperature", 0)] = 55
+        fake.behaviour[("temperature_celsius", 0)] = 55
         assert src.poll()[0].values["temperature_celsius"] == 55
     finally:
         src.close()
@@ -86,7 +87,7 @@ def test_gpu_lost():
     fake = FakePynvml(2)
     src = started(fake)
     try:
-        fake.behaviour[("ecc00", 1)] = Err(pynvml.NVML_ERROR_GPU_IS_LOST)
+        fake.behaviour[("ecc_corrected_volatile", 1)] = Err(pynvml.NVML_ERROR_GPU_IS_LOST)
         r = src.poll()
         assert r[1].lost and not r[0].lost
         assert src.errors[("ecc_corrected_volatile", pynvml.NVML_ERROR_GPU_IS_LOST)] == 1
@@ -98,7 +99,7 @@ def test_hung_call_hits_deadline_and_never_stalls_poll():
     fake = FakePynvml(2)
     src = started(fake, deadline=0.3)
     try:
-        fake.behaviour[("temperature", 1)] = "hang"
+        fake.behaviour[("temperature_celsius", 1)] = "hang"
         t0 = time.monotonic()
         r = src.poll()
         elapsed = time.monotonic() - t0
@@ -109,7 +110,7 @@ def test_hung_call_hits_deadline_and_never_stalls_poll():
         t0 = time.monotonic()
         r = src.poll()
         assert r[1].hung and time.monotonic() - t0 < 0.2
-        fake.behaviour.pop(("temperature", 1))
+        fake.behaviour.pop(("temperature_celsius", 1))
         fake.release.set()
         deadline = time.monotonic() + 3
         while src.poll()[1].hung and time.monotonic() < deadline:
@@ -126,8 +127,8 @@ EXPECTED_GPU1 = {"ecc_corrected_volatile": 5.0, "temperature_celsius": 61.0, "po
 def test_slow_gpu_costs_one_budget_per_poll_and_is_not_hung():
     """Issue 11: 31 calls x 0.25 s under a 0.3 s deadline made one poll take 7 s, nothing flagged."""
     fake = FakePynvml(3)
-    fake.behaviour[("ecc00", 1)] = 5
-    fake.behaviour[("temperature", 1)] = 61
+    fake.behaviour[("ecc_corrected_volatile", 1)] = 5
+    fake.behaviour[("temperature_celsius", 1)] = 61
     src = started(fake, deadline=0.3)
     try:
         fake.delay[1] = 0.25  # every call on GPU 1 works, slowly: 23 fields + 2 links x 4 counters
@@ -171,8 +172,8 @@ def test_all_gpus_slow_still_one_budget_not_one_per_gpu():
 
 def test_slow_gpu_reads_every_field_over_a_few_polls_then_recovers_at_once():
     fake = FakePynvml(2)
-    fake.behaviour[("ecc00", 1)] = 5
-    fake.behaviour[("temperature", 1)] = 61
+    fake.behaviour[("ecc_corrected_volatile", 1)] = 5
+    fake.behaviour[("temperature_celsius", 1)] = 61
     src = started(fake, deadline=0.2)
     try:
         fake.behaviour[(f"nvlink{pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT}", 1)] = 9
@@ -204,7 +205,7 @@ def test_hung_call_counted_once_and_reported_hung_every_poll_until_it_returns():
     fake = FakePynvml(2)
     src = started(fake, deadline=0.2)
     try:
-        fake.behaviour[("power", 1)] = "hang"
+        fake.behaviour[("power_watts", 1)] = "hang"
         polls = [src.poll() for _ in range(4)]
         assert all(p[1].hung and not p[0].hung for p in polls)
         assert polls[0][1].values["temperature_celsius"] == 40  # read before the hung call: kept
