@@ -2,15 +2,42 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from sentinel import scenarios
+from sentinel import rules, scenarios
+from sentinel.policy import Policy
+from sentinel.readings import KernelEvent
 
 CORPUS = Path(__file__).parent / "scenarios"
 FILES = sorted(CORPUS.glob("*.toml"))
 LEAD_TARGET = 300.0  # every degrading scenario predicted with >= 5 minutes lead
+
+
+def kernel_events(sc):
+    """A scenario's ``[[kernel]]`` events (``at``, ``kind``, optional ``gpu``, ``[kernel.detail]``) by time."""
+    by_time: dict[float, list[KernelEvent]] = {}
+    for k in sc.get("kernel", []):
+        by_time.setdefault(float(k["at"]), []).append(
+            KernelEvent(kind=k["kind"], source="scenario", detail=dict(k.get("detail", {})), gpu=k.get("gpu")))
+    return by_time
+
+
+def replay(sc, monkeypatch):
+    """``scenarios.replay`` plus the scenario's kernel events.
+
+    sentinel/scenarios.py feeds counters, Xids, hangs and losses but not yet kernel events; until it
+    reads ``[[kernel]]`` itself, the Policy it builds is replaced by one that adds them at their time."""
+    events = kernel_events(sc)
+    if events:
+        class WithKernelEvents(Policy):
+            def decide(self, state, readings, now):
+                return super().decide(state, dataclasses.replace(readings, kernel_events=tuple(events.get(now, ()))), now)
+
+        monkeypatch.setattr(scenarios, "Policy", WithKernelEvents)
+    return scenarios.replay(sc, scenarios.config_for(sc))
 
 
 def test_corpus_covers_the_required_timelines():
@@ -19,10 +46,16 @@ def test_corpus_covers_the_required_timelines():
             "pcie_replay_bursts", "nvlink_crc_ramp", "driver_reload", "thermal_excursion"} <= names
 
 
+def test_every_rule_has_a_scenario_that_trips_it():
+    """A new rule comes with a scenario; test_exact_trips_and_timing checks the expectations are real."""
+    tripped = {e["rule"] for path in FILES for e in scenarios.load(path)["expect"]}
+    assert sorted(rules.RULE_NAMES - tripped) == []
+
+
 @pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
-def test_exact_trips_and_timing(path):
+def test_exact_trips_and_timing(path, monkeypatch):
     sc = scenarios.load(path)
-    result = scenarios.replay(sc, scenarios.config_for(sc))
+    result = replay(sc, monkeypatch)
     got = [(trip.rule, trip.action, t) for t, trip in result.trips]
     want = [(e["rule"], e["action"], float(e["at"])) for e in sc["expect"]]
     assert got == want

@@ -11,22 +11,23 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from typing import Iterable
 
 from sentinel.rules.base import GpuRule, NodeRule, Rule
 
 NOT_RULES = frozenset({"base"})  # modules of this package that hold shared code, not a rule
 
 
-def discover() -> tuple[Rule, ...]:
-    """Import every rule module of this package; return their ``RULE``s sorted by ``order``.
+def discover(package: str = __name__, path: Iterable[str] = __path__) -> tuple[Rule, ...]:
+    """Import every rule module of ``package`` (at ``path``); return their ``RULE``s sorted by ``order``.
 
     Raises ``ImportError`` for a module without a ``RULE`` and ``ValueError`` for two rules with the
     same name or order, so a mistake fails at import (and in the tests), never at a trip."""
     rules = []
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+    for info in sorted(pkgutil.iter_modules(path), key=lambda m: m.name):
         if info.name in NOT_RULES or info.name.startswith("_"):
             continue
-        module = importlib.import_module(f"{__name__}.{info.name}")
+        module = importlib.import_module(f"{package}.{info.name}")
         rule = getattr(module, "RULE", None)
         if not isinstance(rule, (GpuRule, NodeRule)):
             raise ImportError(f"{module.__name__} defines no RULE (a GpuRule or NodeRule instance)")
