@@ -370,8 +370,9 @@ class _HTTPServer(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     server: _HTTPServer
     protocol_version = "HTTP/1.0"  # one request per connection: a connection's lifetime is bounded
-    server_version = "sentinel"
-    sys_version = ""
+
+    def version_string(self) -> str:  # the Server header: no Python version for scanners
+        return "sentinel"
 
     def do_GET(self) -> None:
         self._respond(head=False)
