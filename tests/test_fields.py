@@ -85,9 +85,11 @@ def test_a_new_field_is_one_declaration_source_fake_simulator_exporter(declared,
     del state["gpus"][0]["memory"], state["gpus"][0]["energy_joules"]
     state["gpus"][1]["memory"]["used"] = 3 << 30
     simulated.write_state(old, state)
+    simulated.inject(old, 1, ["set=energy_joules:42.5"])  # drills inject it with no new fault
     s0, s1 = polled(simulated.SimulatedNvml(old))
     assert s0.values["memory_used_bytes"] == 1 << 30 and s0.values["energy_joules"] == 5000.0
     assert s1.values["memory_used_bytes"] == 3 << 30 and s1.values["memory_total_bytes"] == 80 << 30
+    assert s1.values["energy_joules"] == 42.5
 
     # The exporter: metric name, type, help and labels as declared.
     text = scrape([g0, g1])

@@ -98,3 +98,36 @@ def test_written_state_is_plain_json(tmp_path):
     simulated.write_state(state, simulated.healthy_state(1))
     assert json.loads(state.read_text())["version"] == 1
     assert not list(tmp_path.glob(".s.json.*"))  # no temporary files left behind
+
+
+def test_set_fault_sets_any_declared_field(tmp_path):
+    state = tmp_path / "s.json"
+    simulated.write_state(state, simulated.healthy_state(1))
+    r = run_cli("inject", str(state), "--gpu", "0", "set=power_watts:700.5", "set=remapped_rows_pending:true",
+                "set=ecc_uncorrected_aggregate:4")
+    assert r.returncode == 0, r.stderr
+    src = NvmlSource(simulated.SimulatedNvml(state), deadline_seconds=0.5, event_wait_ms=20)
+    src.start()
+    try:
+        v = src.poll()[0].values
+        assert (v["power_watts"], v["remapped_rows_pending"], v["ecc_uncorrected_aggregate"]) == (700.5, 1, 4)
+    finally:
+        src.close()
+    for bad in ("set=no_such_field:1", "set=power_watts:lots", "set=power_watts:nan", "set=power_watts", "set"):
+        with pytest.raises(simulated.SimulatedStateError, match="set: expects =FIELD:VALUE"):
+            simulated.inject(state, 0, [bad])
+
+
+def test_corrupt_file_is_an_nvml_error_on_every_call(tmp_path):
+    """The Xid event thread once died with SimulatedStateError when the file broke just after start."""
+    state = tmp_path / "s.json"
+    simulated.write_state(state, simulated.healthy_state(1))
+    nvml = simulated.SimulatedNvml(state, recheck_seconds=0)
+    nvml.nvmlInit()
+    handle = nvml.nvmlDeviceGetHandleByIndex(0)
+    state.write_text("{not json")
+    for call, args in ((nvml.nvmlEventSetCreate, ()), (nvml.nvmlDeviceGetCount, ()), (nvml.nvmlSystemGetDriverVersion, ()),
+                       (nvml.nvmlDeviceGetHandleByIndex, (0,)), (nvml.nvmlDeviceGetPowerUsage, (handle,))):
+        with pytest.raises(simulated.pynvml.NVMLError) as err:
+            call(*args)
+        assert err.value.value == simulated.pynvml.NVML_ERROR_UNKNOWN, call

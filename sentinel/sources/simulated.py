@@ -15,6 +15,7 @@ import copy
 import fcntl
 import functools
 import json
+import math
 import os
 import re
 import tempfile
@@ -189,6 +190,7 @@ FAULTS = {
     "temp": "set the temperature to C degrees",
     "reset": "driver reload / GPU reset: volatile counters back to 0, lost and hang cleared",
     "unsupported": "make FIELD report NVML_ERROR_NOT_SUPPORTED (takes effect at daemon start)",
+    "set": "set any declared NVML field to a number (or true/false), e.g. set=power_watts:700",
 }
 
 _FAULT_RE = re.compile(r"^(?P<name>[a-z-]+)(?:=(?P<value>.+))?$")
@@ -259,6 +261,33 @@ def apply_fault(gpu: dict[str, Any], fault: str) -> None:
         gpu["lost"] = gpu["hang"] = False
     elif name == "unsupported":
         gpu["unsupported"].append(value or "")
+    elif name == "set":
+        _set_field(gpu, value or "")
+
+
+def _set_field(gpu: dict[str, Any], value: str) -> None:
+    fname, _, text = value.partition(":")
+    declared = {f.name: f for f in _declared_fields()}
+    usage = "set: expects =FIELD:VALUE for a declared NVML field, e.g. set=power_watts:700"
+    if fname not in declared:
+        raise SimulatedStateError(f"{usage}; fields: {', '.join(declared)}")
+    number: float | int | bool
+    if text in ("true", "false"):
+        number = text == "true"
+    elif re.fullmatch(r"-?\d+", text):
+        number = int(text)
+    else:
+        try:
+            number = float(text)
+        except ValueError:
+            raise SimulatedStateError(usage) from None
+        if not math.isfinite(number):
+            raise SimulatedStateError(usage)
+    path = declared[fname].state_path
+    node = gpu
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    node[path[-1]] = number
 
 
 def inject(path: str | Path, gpu_index: int, faults: list[str]) -> dict[str, Any]:
@@ -352,6 +381,13 @@ class SimulatedNvml:
                 self._stamp = stamp
             return self._state
 
+    def _loaded(self) -> dict[str, Any]:
+        """The current state for an NVML call: a bad file is an NVML error, as a driver's would be."""
+        try:
+            return self.load()
+        except SimulatedStateError:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN) from None
+
     def _gpu(self, handle: _Handle) -> dict[str, Any]:
         if not self._initialized:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
@@ -397,13 +433,13 @@ class SimulatedNvml:
         self._initialized = False
 
     def nvmlSystemGetDriverVersion(self) -> str:
-        return str(self.load()["driver_version"])
+        return str(self._loaded()["driver_version"])
 
     def nvmlDeviceGetCount(self) -> int:
-        return len(self.load()["gpus"])
+        return len(self._loaded()["gpus"])
 
     def nvmlDeviceGetHandleByIndex(self, index: int) -> _Handle:
-        if not 0 <= index < len(self.load()["gpus"]):
+        if not 0 <= index < len(self._loaded()["gpus"]):
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         handle = _Handle(index)
         self._gpu(handle)
@@ -446,7 +482,7 @@ class SimulatedNvml:
         return int(self._field(h, "nvlink")["nvlink"][link][kind])
 
     def nvmlEventSetCreate(self) -> _EventSet:
-        gpus = self.load()["gpus"]
+        gpus = self._loaded()["gpus"]
         return _EventSet({i: len(g["xid_events"]) for i, g in enumerate(gpus)})
 
     def nvmlDeviceRegisterEvents(self, h: _Handle, event_types: int, event_set: _EventSet) -> None:
