@@ -1,7 +1,9 @@
 """Failure policy: pure decisions, ``decide(state, readings, now) -> (new_state, trips)``.
 
-No I/O and no clock reads: the caller passes ``now`` (seconds, any monotonic origin). Defaults
-and their sources are in ``docs/policy.md``.
+No I/O and no clock reads: the caller passes ``now`` (seconds, any monotonic origin). The rules
+are modules of ``sentinel.rules`` (each with its fields, config keys, defaults and their sources);
+this module runs them and owns what they share: counter resets, Xid deduplication, buckets and
+application-Xid counting, cooldowns, health and hysteresis. ``docs/policy.md`` has the overview.
 
 Every trip carries its explanation (rule, GPU, values, forecast, lead time) and an action:
 
@@ -22,10 +24,9 @@ from typing import Iterable, Mapping, Sequence
 from sentinel.config import PolicyConfig
 from sentinel.readings import GpuReading, NodeReadings, XidEvent
 from sentinel.rules import REGISTRY
-from sentinel.rules import xid as xid_rule
 from sentinel.rules.base import GpuContext, GpuRule, NodeRule, Rule, XidVerdict
 from sentinel.rules.trend import TREND_TARGETS, Track, theil_sen
-from sentinel.rules.xid import XID_APPLICATION, XID_MIGRATE, XID_SNAPSHOT
+from sentinel.rules.xid import XID_APPLICATION, XID_MIGRATE, XID_SNAPSHOT, action_table
 
 __all__ = [
     "ACTION_RANK", "RULES", "TREND_TARGETS", "XID_APPLICATION", "XID_MIGRATE", "XID_SNAPSHOT", "GpuState", "Health",
@@ -150,7 +151,7 @@ class Policy:
         self.predicting = frozenset(r.name for r in self.rules if r.predicts)
         self.counters = tuple(dict.fromkeys(RESET_EVIDENCE + tuple(c for r in self.gpu_rules for c in r.counters)))
         self._active_cache: dict[tuple[int, frozenset[str]], dict[tuple[str, int], bool]] = {}
-        self.xid_action: dict[int, str] = xid_rule.action_table(config.xid_overrides, config.xid_skip)
+        self.xid_action: dict[int, str] = action_table(config.xid_overrides, config.xid_skip)
 
     def rule_active(self, gpu: GpuReading) -> dict[tuple[str, int], bool]:
         key = (gpu.index, gpu.unsupported)
