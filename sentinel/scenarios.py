@@ -14,6 +14,8 @@ A scenario (``tests/scenarios/*.toml``) has:
 * ``[[set]]``: ``at``, ``field``, ``value`` (a reset is a set to a lower value).
 * ``[[xid]]``: ``at``, ``xid``, ``count``.
 * ``[[hung]]``/``[[lost]]``: ``start``, ``end``.
+* ``[[kernel]]``: ``at``, ``kind`` (``rank_signal``, ``mc_error``, ``aer``), optional ``gpu``, and a
+  ``[kernel.detail]`` table (what the kernel source would report, e.g. ``signal``/``code``).
 * ``[[expect]]``: ``rule``, ``action``, ``at`` — the exact trips, in order.
 """
 
@@ -29,7 +31,7 @@ from typing import Any
 
 from sentinel.config import PolicyConfig
 from sentinel.policy import Policy, PolicyState, Trip
-from sentinel.readings import GpuReading, NodeReadings, XidEvent
+from sentinel.readings import GpuReading, KernelEvent, NodeReadings, XidEvent
 
 HEALTHY = {
     "ecc_corrected_volatile": 0, "ecc_uncorrected_volatile": 0, "ecc_corrected_aggregate": 0,
@@ -111,7 +113,9 @@ def replay(scenario: dict[str, Any], config: PolicyConfig | None = None) -> Resu
             lost=lost,
             hung=hung,
         )
-        readings = NodeReadings(time=t, driver_version="scenario", gpus=(gpu,), xid_events=events)
+        kernel = tuple(KernelEvent(kind=k["kind"], source="scenario", detail=dict(k.get("detail", {})), gpu=k.get("gpu"))
+                       for k in scenario.get("kernel", []) if float(k["at"]) == t)
+        readings = NodeReadings(time=t, driver_version="scenario", gpus=(gpu,), xid_events=events, kernel_events=kernel)
         state, new = policy.decide(state, readings, t)
         trips.extend((t, trip) for trip in new)
     return Result(scenario["name"], scenario["kind"], scenario.get("failure_at"), trips)

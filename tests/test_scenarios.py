@@ -2,41 +2,18 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
 
 from sentinel import rules, scenarios
-from sentinel.policy import Policy
-from sentinel.readings import KernelEvent
 
 CORPUS = Path(__file__).parent / "scenarios"
 FILES = sorted(CORPUS.glob("*.toml"))
 LEAD_TARGET = 300.0  # every degrading scenario predicted with >= 5 minutes lead
 
 
-def kernel_events(sc):
-    """A scenario's ``[[kernel]]`` events (``at``, ``kind``, optional ``gpu``, ``[kernel.detail]``) by time."""
-    by_time: dict[float, list[KernelEvent]] = {}
-    for k in sc.get("kernel", []):
-        by_time.setdefault(float(k["at"]), []).append(
-            KernelEvent(kind=k["kind"], source="scenario", detail=dict(k.get("detail", {})), gpu=k.get("gpu")))
-    return by_time
-
-
-def replay(sc, monkeypatch):
-    """``scenarios.replay`` plus the scenario's kernel events.
-
-    sentinel/scenarios.py feeds counters, Xids, hangs and losses but not yet kernel events; until it
-    reads ``[[kernel]]`` itself, the Policy it builds is replaced by one that adds them at their time."""
-    events = kernel_events(sc)
-    if events:
-        class WithKernelEvents(Policy):
-            def decide(self, state, readings, now):
-                return super().decide(state, dataclasses.replace(readings, kernel_events=tuple(events.get(now, ()))), now)
-
-        monkeypatch.setattr(scenarios, "Policy", WithKernelEvents)
+def replay(sc, monkeypatch=None):
     return scenarios.replay(sc, scenarios.config_for(sc))
 
 
