@@ -54,7 +54,7 @@ def scrape(gpus: list[GpuReading]) -> str:
 
 def test_builtin_table_names_real_pynvml_calls_and_constants():
     assert FIELDS == nvml_fields.names(nvml_fields.NVML_FIELDS)
-    for f in nvml_fields.NVML_FIELDS:
+    for f in nvml_fields.NVML_FIELDS + NEW_FIELDS:
         assert callable(getattr(pynvml, f.call)), f.name  # a typo here would only show on a GPU
         for const in f.args:
             assert isinstance(getattr(pynvml, const), int), (f.name, const)

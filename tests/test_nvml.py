@@ -8,6 +8,7 @@ import pynvml
 import pytest
 
 from fake_pynvml import Err, FakePynvml
+from sentinel.readings import FIELDS
 from sentinel.sources.nvml import NvmlSource, NvmlUnavailable, normalize_bus_id
 
 
@@ -131,7 +132,7 @@ def test_slow_gpu_costs_one_budget_per_poll_and_is_not_hung():
     fake.behaviour[("temperature_celsius", 1)] = 61
     src = started(fake, deadline=0.3)
     try:
-        fake.delay[1] = 0.25  # every call on GPU 1 works, slowly: 23 fields + 2 links x 4 counters
+        fake.delay[1] = 0.25  # every call on GPU 1 works, slowly: the 23 declared fields + 2 links x 4 counters
         t0 = time.monotonic()
         r = src.poll()
         elapsed = time.monotonic() - t0
@@ -144,7 +145,7 @@ def test_slow_gpu_costs_one_budget_per_poll_and_is_not_hung():
             assert value == EXPECTED_GPU1.get(name, value) and name in src.gpus[1].supported
         for g in (r[0], r[2]):  # the other GPUs are complete and untouched
             assert not g.hung and g.errors == {}
-            assert len(g.values) == 23 and len(g.nvlink) == 8
+            assert len(g.values) == len(FIELDS) and len(g.nvlink) == 8
         assert src.errors[("poll_budget", pynvml.NVML_ERROR_TIMEOUT)] == 1
         assert ("deadline", pynvml.NVML_ERROR_TIMEOUT) not in src.errors  # no call passed its deadline
     finally:
@@ -187,14 +188,14 @@ def test_slow_gpu_reads_every_field_over_a_few_polls_then_recovers_at_once():
             # a partial set of NVLink counters would make the policy's sum over links jump
             assert g.nvlink == {}
             seen.update(g.values)
-            if len(seen) == 23:
+            if len(seen) == len(FIELDS):
                 break
         # the read resumes after the last call that returned, so no field is starved
         assert set(seen) == set(src.gpus[1].supported)
         assert all(seen[name] == value for name, value in EXPECTED_GPU1.items())
         fake.delay.clear()  # fast again: the next poll is complete (after the one call still in flight)
         g = src.poll()[1]
-        assert g.errors == {} and not g.hung and len(g.values) == 23 and len(g.nvlink) == 8
+        assert g.errors == {} and not g.hung and len(g.values) == len(FIELDS) and len(g.nvlink) == 8
         assert g.values["temperature_celsius"] == 61 and g.nvlink[(1, "crc_flit")] == 9
     finally:
         fake.delay.clear()
@@ -298,8 +299,8 @@ def test_daemon_keeps_its_rhythm_with_a_slow_simulated_gpu(tmp_path, start_daemo
     for s in statuses:
         slow, other = s["gpus"][1], s["gpus"][0]
         assert slow["errors"] == {"poll_budget": pynvml.NVML_ERROR_TIMEOUT} and not slow["hung"]
-        assert len(slow["values"]) < 23 and slow["health"] == "healthy"  # slow is not a failure
-        assert other["errors"] == {} and len(other["values"]) == 23 and not other["hung"]
+        assert len(slow["values"]) < len(FIELDS) and slow["health"] == "healthy"  # slow is not a failure
+        assert other["errors"] == {} and len(other["values"]) == len(FIELDS) and not other["hung"]
     text = d.scrape()
     assert metric_value(text, "sentinel_source_poll_duration_seconds", source="nvml") < deadline + 0.1
     assert metric_value(text, "sentinel_gpu_nvml_hung", gpu="1") == 0
@@ -310,7 +311,7 @@ def test_daemon_keeps_its_rhythm_with_a_slow_simulated_gpu(tmp_path, start_daemo
     simulated.inject(state, 1, ["slow=0"])
     recovered = wait_for(lambda: d.status["gpus"][1] if d.status["gpus"][1]["errors"] == {} else None,
                          timeout=5, what="GPU 1 complete again")
-    assert len(recovered["values"]) == 23 and not recovered["hung"]
+    assert len(recovered["values"]) == len(FIELDS) and not recovered["hung"]
     assert d.stop() == 0
 
 
