@@ -109,15 +109,14 @@ class Daemon:
     def start(self) -> None:
         """Bind the metrics listener, start NVML, first poll; READY only after all of that."""
         check_directories(self.runtime_dir, Path(self.config.daemon.state_dir))
-        from prometheus_client import start_http_server
+        from sentinel.exporter import MetricsServer
 
-        registry = build_registry(lambda: self.view)
-        m = self.config.metrics
+        self.httpd = MetricsServer.from_config(build_registry(lambda: self.view), self.config.metrics)
         try:
-            self.httpd, _thread = start_http_server(m.port, addr=m.listen_address, registry=registry)
-        except OSError as exc:
-            raise StartupError(f"cannot listen for metrics on {m.listen_address}:{m.port}: {exc.strerror}") from None
-        self.metrics_port = self.httpd.server_port
+            self.httpd.start()
+        except OSError as exc:  # strerror is one sentence: "cannot listen for metrics on ...", or the unusable file
+            raise StartupError(exc.strerror or str(exc)) from None
+        self.metrics_port = self.httpd.port
         self.nvml.start()
         bus_map = {g.pci_bus_id: g.index for g in self.nvml.gpus if g.pci_bus_id}
         for src in self.event_sources:
@@ -140,8 +139,7 @@ class Daemon:
     def close(self) -> None:
         self.notifier.stopping()
         if self.httpd is not None:
-            self.httpd.shutdown()
-            self.httpd.server_close()
+            self.httpd.close()
         for src in self.event_sources:
             src.close()
         if self.endpoint is not None:
@@ -262,6 +260,8 @@ class Daemon:
         for extra in self.extra_gauges:
             gauges.update(self._guard("metrics", extra, default={}))
         self.view = View(readings, health, forecasts, dict(self.trips), rule_active, counters, gauges, self.node)
+        if self.httpd is not None:
+            self.httpd.refresh()  # render once per poll; scrapes serve these bytes (never raises)
         self.write_status(readings, health)
 
     def write_status(self, readings: NodeReadings, health: dict[int, int]) -> None:

@@ -20,11 +20,6 @@ class Notifier:
         if address:
             self._address = "\0" + address[1:] if address.startswith("@") else address
         self.failures = 0
-        watchdog_usec = os.environ.get("WATCHDOG_USEC", "")
-        watchdog_pid = os.environ.get("WATCHDOG_PID", "")
-        self.watchdog_seconds: float | None = None
-        if watchdog_usec.isdigit() and (not watchdog_pid or watchdog_pid == str(os.getpid())):
-            self.watchdog_seconds = int(watchdog_usec) / 1e6
 
     @property
     def enabled(self) -> bool:

@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 from sentinel import fields as nvml_fields
 from sentinel.readings import NVLINK_KINDS, GpuReading, XidEvent
+from sentinel.pci import normalize_bus_id  # noqa: F401 - the one normaliser; re-exported for callers
 
 log = logging.getLogger("sentinel.nvml")
 
@@ -529,19 +530,3 @@ def _handle_key(handle: Any) -> Any:
         return ctypes.cast(handle, ctypes.c_void_p).value
     except (TypeError, ctypes.ArgumentError):
         return handle  # a Python object handle (simulated backend, test fakes) hashes by value
-
-
-def normalize_bus_id(bus_id: str) -> str:
-    """NVML reports 00000000:3B:00.0; the kernel logs 0000:3b:00.0 (or 0000:3b:00). Compare as 0000:3b:00.0."""
-    text = bus_id.strip().lower()
-    parts = text.split(":")
-    if len(parts) == 3:
-        domain, bus, devfn = parts
-        domain = domain[-4:].rjust(4, "0")
-    elif len(parts) == 2:
-        domain, (bus, devfn) = "0000", parts
-    else:
-        return text
-    if "." not in devfn:
-        devfn += ".0"
-    return f"{domain}:{bus.rjust(2, '0')}:{devfn}"

@@ -24,11 +24,11 @@ import errno
 import itertools
 import logging
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Callable, Iterable
 
+from sentinel.channel import parse_rank_name
 from sentinel.readings import KernelEvent
 from sentinel.sources.ebpf import RingProbe
 from sentinel.sources.kernel import KernelSource, run_alone
@@ -39,17 +39,13 @@ BUS_MCEERR_AR = 4  # hardware memory error consumed on a machine check: action r
 BUS_MCEERR_AO = 5  # hardware memory error detected in the process: action optional
 MEMORY_FAILURE_CODES = frozenset({BUS_MCEERR_AR, BUS_MCEERR_AO})
 PID_MAX_LIMIT = 1 << 22  # pid_max can be at most this; pids are below pid_max
-_RANK_NAME = re.compile(r"([1-9][0-9]{0,6})(?:\.[0-9a-f]{1,32})?\.sock")  # as channel.parse_rank_name
 _MAP_FULL = os.strerror(errno.E2BIG)  # what bcc's message carries when a hash map is full
 
 
 def rank_pid(name: str) -> int | None:
-    """The pid in a ``ranks/`` entry name (``<pid>.sock`` or ``<pid>.<hex token>.sock``), or None."""
-    m = _RANK_NAME.fullmatch(name)
-    if m is None:
-        return None
-    pid = int(m.group(1))
-    return pid if 1 < pid < PID_MAX_LIMIT else None  # pid 1 is init, never a rank
+    """The pid in a ``ranks/`` entry name, or None: the channel's own parser (one for both)."""
+    pid = parse_rank_name(name)
+    return pid if pid is not None and pid < PID_MAX_LIMIT else None
 
 
 class RankSignalSource(KernelSource):

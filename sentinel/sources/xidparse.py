@@ -25,6 +25,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from sentinel.pci import normalize_bus_id
+
 XID_MARKER = "NVRM: Xid ("
 
 _BUS = r"(?:[0-9a-fA-F]{4,8}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-7])?"
@@ -59,15 +61,7 @@ class XidReport:
     message: str = ""
 
 
-def normalize_bus(bus: str) -> str:
-    parts = bus.lower().split(":")
-    if len(parts) == 2:
-        parts = ["0000", *parts]
-    domain, b, devfn = parts
-    domain = domain[-4:].rjust(4, "0")
-    if "." not in devfn:
-        devfn += ".0"
-    return f"{domain}:{b}:{devfn}"
+normalize_bus = normalize_bus_id  # the one normaliser (sentinel.pci)
 
 
 def parse(line: str) -> XidReport | None:
