@@ -133,6 +133,16 @@ def main(argv: list[str] | None = None) -> int:
     record("resumed", start=start, source=str(guard.resumed_from or ""), channel_error=guard.channel_error,
            skipped=[str(p) for p in guard.skipped_on_resume])
     loss_fn = nn.CrossEntropyLoss()
+    reported = 0
+
+    def record_snapshots() -> None:
+        """One progress line per snapshot this guard finished (rank 0: it writes the markers)."""
+        nonlocal reported
+        for rec in guard.records[reported:]:
+            if rank == 0:
+                record("snapshot", step=rec.step, ok=rec.ok, kind=rec.kind, path=rec.path, error=rec.error[:200])
+        reported = len(guard.records)
+
     for step in range(start, args.steps):
         t0 = time.perf_counter()
         x, y = batch_for(step, args.seed, args.global_batch, args.seq, args.vocab, rank, world)
@@ -147,16 +157,19 @@ def main(argv: list[str] | None = None) -> int:
         try:
             guard.step(step)
         except NodeDrained as exc:
+            record_snapshots()
             # A peer was drained during the migrate hold: leave at once so torchrun restarts this
             # worker group with the spare; a clean interpreter teardown only delays the takeover.
             record("drained", step=step, reason=str(exc)[:200])
             sys.stderr.write(f"sentinel: {exc}\n")
             sys.stderr.flush()
             os._exit(75)
+        record_snapshots()
         pad = args.step_seconds - (time.perf_counter() - t0)
         if pad > 0:
             time.sleep(pad)
     guard.close()
+    record_snapshots()
     record("guard", **guard.summary())
     digests = state_digests(model, optim)
     if rank == 0:
