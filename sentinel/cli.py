@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Callable
 
 from sentinel import config as config_mod
-from sentinel.sources import simulated
 
 log = logging.getLogger("sentinel.cli")
 
@@ -192,6 +191,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     except OSError as exc:
         return fail(f"runtime directory {runtime} is not writable: {exc.strerror}")
     if args.simulate:
+        from sentinel.sources import simulated
+
         try:
             simulated.load_state(args.simulate)
         except simulated.SimulatedStateError as exc:
@@ -259,6 +260,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 # -- simulate / inject -----------------------------------------------------------------------------
 def cmd_simulate_init(args: argparse.Namespace) -> int:
+    from sentinel.sources import simulated
+
     try:
         state = simulated.healthy_state(args.gpus)
         simulated.write_state(args.state, state)
@@ -269,6 +272,8 @@ def cmd_simulate_init(args: argparse.Namespace) -> int:
 
 
 def cmd_inject(args: argparse.Namespace) -> int:
+    from sentinel.sources import simulated
+
     try:
         simulated.inject(args.state, args.gpu, args.fault)
     except simulated.SimulatedStateError as exc:
@@ -337,7 +342,16 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return launch(command, Path(args.pidfile), Path(args.state_dir))
 
 
-def build_parser() -> argparse.ArgumentParser:
+TOOLS = ("simulate", "inject", "drill")  # their modules (simulator, goodput Monte Carlo, drill harness) load lazily
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser, or (``only`` = the command being run) one that imports nothing the
+    other commands need: ``sentinel run`` never loads the drill harness or the simulators."""
+
+    def wanted(name: str) -> bool:
+        return only is None or only == name
+
     p = argparse.ArgumentParser(prog="sentinel", description="GPU failure prediction, snapshot and spare migration daemon")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -362,14 +376,19 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("state")
     init.add_argument("--gpus", type=int, default=8)
     init.set_defaults(func=cmd_simulate_init)
-    from sentinel.sim import goodput
-
     gp = simsub.add_parser("goodput", help="Monte Carlo of ETTR at scale: periodic vs async vs Sentinel, spare pool sizing")
-    goodput.add_arguments(gp)
-    gp.set_defaults(func=goodput.main_args)
+    if wanted("simulate"):
+        from sentinel.sim import goodput
 
-    inj = sub.add_parser("inject", help="inject faults into a simulated GPU",
-                         epilog="faults: " + "; ".join(f"{k}: {v}" for k, v in simulated.FAULTS.items()))
+        goodput.add_arguments(gp)
+        gp.set_defaults(func=goodput.main_args)
+
+    faults = ""
+    if wanted("inject"):
+        from sentinel.sources import simulated
+
+        faults = "faults: " + "; ".join(f"{k}: {v}" for k, v in simulated.FAULTS.items())
+    inj = sub.add_parser("inject", help="inject faults into a simulated GPU", epilog=faults)
     inj.add_argument("state")
     inj.add_argument("--gpu", type=int, required=True)
     inj.add_argument("fault", nargs="+", help="e.g. ecc-dbe=+1 xid=79 hang temp=95")
@@ -380,12 +399,15 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)
 
-    from sentinel import drill
+    dr_help = "end-to-end drill on this machine: N nodes + spares, a fault, a migration"
+    if wanted("drill"):
+        from sentinel import drill
 
-    dr = sub.add_parser("drill", help="end-to-end drill on this machine: N nodes + spares, a fault, a migration",
-                        epilog="faults: " + "; ".join(f"{k}: {v}" for k, v in drill.FAULTS.items()))
-    drill.add_arguments(dr)
-    dr.set_defaults(func=drill.run_drill)
+        dr = sub.add_parser("drill", help=dr_help, epilog="faults: " + "; ".join(f"{k}: {v}" for k, v in drill.FAULTS.items()))
+        drill.add_arguments(dr)
+        dr.set_defaults(func=drill.run_drill)
+    else:
+        sub.add_parser("drill", help=dr_help)
 
     un = sub.add_parser("uncordon", help="operator: clear this node's cordon marker")
     un.add_argument("--state-dir", default="/var/lib/sentinel")
@@ -400,7 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in ("run", "check-config", "status", "uncordon", "launch", *TOOLS) else None)
     args = parser.parse_args(argv)
     return args.func(args)
 
