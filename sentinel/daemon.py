@@ -21,7 +21,7 @@ from sentinel.config import Config
 from sentinel.fsutil import UnsafePath, ensure_private_dir, probe_writable, write_json_atomic
 from sentinel.log import event
 from sentinel.metrics import View, build_registry
-from sentinel.policy import Health, Policy, PolicyState, dedupe_xids
+from sentinel.policy import Health, Policy, PolicyState
 import dataclasses
 
 from sentinel.readings import KernelEvent, NodeReadings, SourceHealth, XidEvent
@@ -101,9 +101,7 @@ class Daemon:
         self.migrator: Any = None  # sentinel.migration.Migrator
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self.xid_counts: dict[int, Counter[int]] = {}
         self.last_gpus: tuple = ()
-        self._recent_xids: tuple = ()
 
     # -- start/stop ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -170,8 +168,6 @@ class Daemon:
         sources[self.nvml.name] = SourceHealth(up=bool(gpus) and not all(g.hung for g in gpus), poll_seconds=nvml_seconds)
         xids, kernel_events, counters = self.drain_sources(sources)
         xids = self._guard("nvml_events", self.nvml.drain_xid_events, default=[]) + xids
-        gpus = self._guard("xid_counts", self.count_xids, gpus, xids, default=gpus)
-        self.last_gpus = gpus
         readings = NodeReadings(
             time=now,
             driver_version=self.nvml.driver_version,
@@ -204,23 +200,13 @@ class Daemon:
                 sources[src.name] = SourceHealth(up=False, poll_seconds=time.perf_counter() - t1, detail=str(exc))
         return xids, kernel_events, counters
 
-    def count_xids(self, gpus: tuple, xids: list[XidEvent]) -> tuple:
-        """Per-GPU, per-Xid counters over every source; the same Xid seen by NVML's event set and
-        by the kernel log within a few seconds counts once."""
-        self._recent_xids, accepted = dedupe_xids(self._recent_xids, xids, self.clock())
-        for x in accepted:
-            self.xid_counts.setdefault(x.gpu, Counter())[x.xid] += 1
-        return tuple(dataclasses.replace(g, xid_counts=dict(self.xid_counts.get(g.index, {}))) for g in gpus)
-
     def poll_events(self) -> NodeReadings:
         """Woken between polls by a kernel event: decide on the events now, with the last GPU readings."""
         now = self.clock()
         sources = dict(self.view.readings.sources) if self.view.readings else {}
         xids, kernel_events, counters = self.drain_sources(sources)
         xids = self._guard("nvml_events", self.nvml.drain_xid_events, default=[]) + xids
-        gpus = self._guard("xid_counts", self.count_xids, self.last_gpus, xids, default=self.last_gpus)
-        self.last_gpus = gpus
-        readings = NodeReadings(time=now, driver_version=self.nvml.driver_version, gpus=gpus, xid_events=tuple(xids),
+        readings = NodeReadings(time=now, driver_version=self.nvml.driver_version, gpus=self.last_gpus, xid_events=tuple(xids),
                                 sources=sources, nvml_errors=dict(self.nvml.errors),
                                 kernel_events=tuple(kernel_events), events_only=True)
         return self.decide_and_act(readings, counters, now)
@@ -230,6 +216,11 @@ class Daemon:
         trips = []
         if decided is not None:
             self.policy_state, trips = decided
+        counts = self.policy_state.xid_counts  # Xids as the policy counted them: one de-duplication pass
+        readings = dataclasses.replace(readings, gpus=tuple(
+            dataclasses.replace(g, xid_counts=dict(counts.get(g.index, {}))) for g in readings.gpus))
+        if not readings.events_only:
+            self.last_gpus = readings.gpus
         for t in trips:
             self.trips[(t.rule, t.action)] += 1
         self._guard("actions", self.executor.execute, trips)

@@ -115,6 +115,9 @@ class PolicyState:
     gpus: Mapping[int, GpuState] = field(default_factory=dict)
     recent_xids: tuple[tuple[float, int, int, str], ...] = ()  # (time, gpu, xid, source) for dedup
     node_cooldown: Mapping[str, float] = field(default_factory=dict)
+    # gpu -> Xid -> count, over every source, each Xid counted once (the one de-duplication pass;
+    # the daemon exports these)
+    xid_counts: Mapping[int, Mapping[int, int]] = field(default_factory=dict)
 
 
 def dedupe_xids(recent: tuple[tuple[float, int, int, str], ...], events: Iterable[XidEvent], now: float
@@ -170,8 +173,12 @@ class Policy:
         gpus = dict(state.gpus)
         recent, accepted = dedupe_xids(state.recent_xids, readings.xid_events, now)
         events_by_gpu: dict[int, list[XidEvent]] = {}
+        xid_counts = dict(state.xid_counts)
         for ev in accepted:
             events_by_gpu.setdefault(ev.gpu, []).append(ev)
+            per_gpu = dict(xid_counts.get(ev.gpu, {}))
+            per_gpu[ev.xid] = per_gpu.get(ev.xid, 0) + 1
+            xid_counts[ev.gpu] = MappingProxyType(per_gpu)
         for reading in readings.gpus:
             prev = gpus.get(reading.index, GpuState())
             gpu_events = events_by_gpu.get(reading.index, [])
@@ -185,7 +192,7 @@ class Policy:
             trips.extend(gpu_trips)
         node_trips, cooldown = self._decide_node(readings, dict(state.node_cooldown), now)
         trips.extend(node_trips)
-        return PolicyState(MappingProxyType(gpus), recent, MappingProxyType(cooldown)), trips
+        return PolicyState(MappingProxyType(gpus), recent, MappingProxyType(cooldown), MappingProxyType(xid_counts)), trips
 
     def _decide_node(self, readings: NodeReadings, cooldown: dict[str, float], now: float) -> tuple[list[Trip], dict[str, float]]:
         """Kernel events that concern the node (or a GPU's PCIe device) rather than a counter: each
