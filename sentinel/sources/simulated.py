@@ -18,7 +18,6 @@ import json
 import math
 import os
 import re
-import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -29,6 +28,7 @@ from typing import Any, Iterator
 import pynvml
 
 from sentinel import fields as nvml_fields
+from sentinel.fsutil import write_atomic
 
 STATE_VERSION = 1
 NVLINK_LINKS = 18
@@ -140,22 +140,8 @@ def load_state(path: str | Path) -> dict[str, Any]:
 
 
 def write_state(path: str | Path, state: dict[str, Any]) -> None:
-    """Atomic: write a temporary file in the same directory, fsync, rename over the old one."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(state, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    """Atomic, through the project's one writer (:func:`sentinel.fsutil.write_atomic`)."""
+    write_atomic(Path(path), json.dumps(state, indent=1), mode=0o644)
 
 
 @contextmanager
