@@ -95,6 +95,7 @@ class Drill:
         self.store_port = free_port()
         self.spare_notes: list[str] = []
         self.spare_killed = False
+        self.spare_pids: dict[str, int] = {}  # spare node -> the agent pid its pidfile named
         self.filler: Path | None = None
         self.mounted = False
         self.run_id = f"drill-{os.getpid()}"
@@ -203,7 +204,8 @@ class Drill:
                 except ProcessLookupError:
                     pass
         elif fault == "rank-crash" and victim.agent is not None:
-            workers = [p for p in descendants(victim.agent.pid) if b"trainer.train" in _cmdline(p)]
+            workers = [p for p in descendants(victim.agent.pid)  # a rank, not torchrun (its argv names the module too)
+                       if b"trainer.train" in _cmdline(p) and b"torch.distributed.run" not in _cmdline(p)]
             if workers:
                 os.kill(workers[0], signal.SIGKILL)
         return t
@@ -306,8 +308,12 @@ class Drill:
                 continue
             try:
                 pid = int(n.pidfile.read_text().split()[0])
+                self.spare_pids[n.name] = pid
             except (OSError, ValueError, IndexError):
-                continue  # still starting
+                # still starting — or its agent died and `sentinel launch` removed the pidfile
+                pid = self.spare_pids.get(n.name, 0)
+                if not pid:
+                    continue
             if self.args.kill_spare and not self.spare_killed:
                 self.spare_killed = True
                 for victim_pid in [pid, *descendants(pid)]:
