@@ -68,8 +68,13 @@ class MetricsConfig:
     tls_client_ca_file: str = ""
     # user:pbkdf2_sha256$... lines (`python -m sentinel.exporter hash-password USER`); "" = no auth.
     basic_auth_users_file: str = ""
+    # "fleet": NVLink summed per GPU (per link only where a counter is nonzero), field_supported and
+    # rule_active only where 0; "full": also every link and every 1 (sentinel/metrics.py).
+    detail: str = "fleet"
 
     def validate(self, prefix: str) -> None:
+        if self.detail not in ("fleet", "full"):
+            raise ConfigError(f"{prefix}.detail: must be one of fleet, full (got {_printable(self.detail)!r})")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"{prefix}.port: must be 0..65535 (got {self.port})")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):

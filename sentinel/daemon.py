@@ -165,7 +165,9 @@ class Daemon:
         sources: dict[str, SourceHealth] = {}
         gpus = tuple(self._guard("nvml", self.nvml.poll, default=()))
         nvml_seconds = time.perf_counter() - t0
-        sources[self.nvml.name] = SourceHealth(up=bool(gpus) and not all(g.hung for g in gpus), poll_seconds=nvml_seconds)
+        # NVML sees this node when it answered at least one read this poll: not when every GPU is
+        # lost or hung, or every call fails (sentinel_source_up{source="nvml"} 0: blind here)
+        sources[self.nvml.name] = SourceHealth(up=any(g.values or g.nvlink for g in gpus), poll_seconds=nvml_seconds)
         xids, kernel_events, counters = self.drain_sources(sources)
         xids = self._guard("nvml_events", self.nvml.drain_xid_events, default=[]) + xids
         readings = NodeReadings(
@@ -250,7 +252,8 @@ class Daemon:
         gauges: dict = {}
         for extra in self.extra_gauges:
             gauges.update(self._guard("metrics", extra, default={}))
-        self.view = View(readings, health, forecasts, dict(self.trips), rule_active, counters, gauges, self.node)
+        self.view = View(readings, health, forecasts, dict(self.trips), rule_active, counters, gauges, self.node,
+                         detail=self.config.metrics.detail)
         if self.httpd is not None:
             self.httpd.refresh()  # render once per poll; scrapes serve these bytes (never raises)
         self.write_status(readings, health)

@@ -32,7 +32,7 @@ def test_injected_faults_change_exact_metric_values(sim_state, start_daemon):
     assert metric_value(text, "sentinel_gpu_ecc_errors_total", gpu="2", type="corrected", scope="volatile") == 7
     assert metric_value(text, "sentinel_gpu_ecc_errors_total", gpu="2", type="corrected", scope="aggregate") == 7
     assert metric_value(text, "sentinel_gpu_pcie_replay_total", gpu="2") == 3
-    assert metric_value(text, "sentinel_gpu_nvlink_errors_total", gpu="2", link="1", kind="crc_flit") == 11
+    assert metric_value(text, "sentinel_gpu_nvlink_link_errors_total", gpu="2", link="1", kind="crc_flit") == 11
     assert metric_value(text, "sentinel_gpu_xid_errors_total", gpu="2", xid="79") == 2
     assert metric_value(text, "sentinel_gpu_temperature_celsius", gpu="2") == 71
     assert metric_value(text, "sentinel_gpu_ecc_errors_total", gpu="1", type="corrected", scope="volatile") == 0
@@ -64,7 +64,9 @@ def test_unsupported_field_shown_as_supported_0_not_exported(tmp_path, start_dae
     state["gpus"][0]["unsupported"] = ["pcie_replay"]
     path = tmp_path / "s.json"
     simulated.write_state(path, state)
-    d = start_daemon("--simulate", str(path))
+    cfg = tmp_path / "full.toml"  # the 1s of field_supported are exported with detail = "full" only
+    cfg.write_text('[metrics]\ndetail = "full"\n')
+    d = start_daemon("--simulate", str(path), "--config", str(cfg))
     text = d.scrape()
     assert metric_value(text, "sentinel_gpu_field_supported", gpu="0", field="pcie_replay") == 0
     assert metric_value(text, "sentinel_gpu_field_supported", gpu="0", field="temperature_celsius") == 1

@@ -47,8 +47,8 @@ def polled(nvml) -> list[GpuReading]:
         src.close()
 
 
-def scrape(gpus: list[GpuReading]) -> str:
-    view = View(readings=NodeReadings(time=0.0, driver_version="550.54.15", gpus=tuple(gpus)))
+def scrape(gpus: list[GpuReading], detail: str = "fleet") -> str:
+    view = View(readings=NodeReadings(time=0.0, driver_version="550.54.15", gpus=tuple(gpus)), detail=detail)
     return generate_latest(build_registry(lambda: view)).decode()
 
 
@@ -100,7 +100,7 @@ def test_a_new_field_is_one_declaration_source_fake_simulator_exporter(declared,
     assert "# HELP sentinel_gpu_memory_bytes Framebuffer memory" in text
     assert metric_value(text, "sentinel_gpu_memory_bytes", gpu="1", state="used") == 7 << 30
     assert metric_value(text, "sentinel_gpu_memory_bytes", gpu="0", state="total") == 80 << 30
-    assert metric_value(text, "sentinel_gpu_field_supported", gpu="0", field="energy_joules") == 1
+    assert metric_value(scrape([g0, g1], detail="full"), "sentinel_gpu_field_supported", gpu="0", field="energy_joules") == 1
 
 
 def test_a_value_without_a_declaration_is_skipped_and_counted_not_a_failed_scrape(caplog):

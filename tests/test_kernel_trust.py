@@ -66,7 +66,7 @@ def test_spoofed_xid_in_a_real_kernel_message_is_not_counted_and_trips_nothing(p
     d = start_daemon("--simulate", str(sim_state), *(["--no-ebpf"] if path == "kmsg_fallback" else []),
                      ebpf=path == "ebpf")
     source = "ebpf_xid" if path == "ebpf" else "kmsg"
-    assert metric_value(d.scrape(), "sentinel_source_up", source=source) == 1
+    assert metric_value(d.scrape(), "sentinel_source_up", source="xid", via="ebpf" if path == "ebpf" else "kmsg") == 1
     kmsg_writer(SPOOF)
     kmsg_writer("[ 12.345678] " + SPOOF.split("'")[3][len("/tmp/"):])  # a timestamp is no prefix inside a message
     kmsg_writer(XID13_GPU1)  # a real report after them: once it is counted, the spoofs were handled

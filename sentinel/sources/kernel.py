@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from sentinel.readings import KernelEvent, SourceHealth, XidEvent
@@ -15,6 +16,21 @@ from sentinel.sources.ebpf import EbpfUnavailable, RingProbe
 log = logging.getLogger("sentinel.kernel")
 
 LabelKey = tuple[str, tuple[tuple[str, str], ...]]
+
+
+@dataclass(frozen=True)
+class SignalHealth(SourceHealth):
+    """A signal's coverage on this node: ``via`` is the path it is read through (``ebpf``,
+    ``kmsg``, ``sysfs``), ``none`` when every path tried failed (exported as
+    ``sentinel_source_up{source,via}``)."""
+
+    via: str = "none"
+
+
+def path_via(path: str) -> str:
+    """``ebpf_xid`` -> ``ebpf``, ``sysfs_aer`` -> ``sysfs``, ``kmsg`` -> ``kmsg``."""
+    kind, sep, _ = path.partition("_")
+    return kind if sep and kind in ("ebpf", "sysfs") else path
 
 
 class KernelSource:
@@ -65,7 +81,16 @@ class KernelSource:
         return xids, events
 
     def health(self) -> dict[str, SourceHealth]:
-        return {name: SourceHealth(up=up, detail=self.detail.get(name, "")) for name, up in self.up.items()}
+        """This signal's coverage, once, under the source's name: up through the first of its
+        paths that works (``up`` lists them in order of preference), down only when every path
+        tried failed, or none was (the source never started). A working fallback is not down,
+        and a path switched off in config is not a failure: a node is blind only when no path
+        sees the signal."""
+        for path, ok in self.up.items():
+            if ok:
+                return {self.name: SignalHealth(up=True, via=path_via(path))}
+        why = "; ".join(f"{path}: {self.detail[path]}" for path in self.up if path in self.detail)
+        return {self.name: SignalHealth(up=False, via="none", detail=why or "not started")}
 
     def counters(self) -> dict[LabelKey, float]:
         out = {k: float(v) for k, v in self.counts.items()}

@@ -1,6 +1,8 @@
 """PCIe Advanced Error Reporting: ``ras:aer_event`` through eBPF when the tracepoint exists (real
 nodes), else the sysfs counters ``/sys/bus/pci/devices/<dev>/aer_dev_{correctable,nonfatal,fatal}``
-read at each drain. Both are mapped to GPUs by PCI bus id.
+read at each drain. Both are mapped to GPUs by PCI bus id. Either one covers the signal
+(``sentinel_source_up{source="pcie_aer",via="ebpf"|"sysfs"} 1``): a kernel without the tracepoint
+whose sysfs counters are there is not blind.
 
     python -m sentinel.sources.pcie_aer -v
 """
@@ -51,7 +53,10 @@ class PcieAerSource(KernelSource):
                 "pcie_aer", "pcie_aer.bpf.c", ("ras", "aer_event"), cflags={"RINGBUF_PAGES": 16}, on_event=self._on_event))
             if self.probe is not None:
                 return
-        self.up["sysfs_aer"] = self.sysfs_root.is_dir()  # fallback: the aer_dev_* counters
+        # fallback: the aer_dev_* counters; the signal stays covered (source_up{via="sysfs"} 1)
+        self.up["sysfs_aer"] = self.sysfs_root.is_dir()
+        if not self.up["sysfs_aer"]:
+            self.detail["sysfs_aer"] = f"{self.sysfs_root} is not a directory"
 
     def _on_event(self, e) -> None:
         dev = bytes(e.dev_name).split(b"\0", 1)[0].decode("utf-8", "replace")

@@ -1,7 +1,8 @@
 """Xid source: the eBPF probe ``ebpf/xid.bpf.c`` (printk:console, filtered in the kernel), or —
 when bcc is missing, the kernel too old or privileges lacking — a /dev/kmsg reader. One parser
-(:mod:`sentinel.sources.xidparse`) for both. The loss of the eBPF path is logged once and shows
-as ``sentinel_source_up{source="ebpf_xid"} 0``; the daemon never fails to start over it.
+(:mod:`sentinel.sources.xidparse`) for both. The loss of the eBPF path is logged once; the signal
+shows as ``sentinel_source_up{source="xid",via="kmsg"} 1`` while the fallback reads, and as down
+(``via="none"``) only when neither path works. The daemon never fails to start over it.
 
     python -m sentinel.sources.xid -v      # run alone: print each Xid as it is seen
 """
