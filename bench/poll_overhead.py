@@ -1,12 +1,16 @@
 """Daemon overhead: CPU per poll cycle, share of one core at 1 Hz, RSS and scrape latency,
-for 8 and 64 simulated GPUs. A real `sentinel run --simulate` process is measured from /proc.
+for 8 and 64 simulated GPUs (18 NVLink links each); and what one scrape costs a fleet: series
+and bytes per node and per GPU, extrapolated to 2,048 nodes, for the default export
+(``[metrics] detail = "fleet"``) and the opt-in ``"full"`` one side by side. A real
+`sentinel run --simulate` process is measured from /proc.
 
-    python bench/poll_overhead.py [--seconds 20]
+    python bench/poll_overhead.py [--seconds 20] [--gpus 8 64] [--detail fleet full] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import statistics
@@ -21,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sentinel.sources import simulated  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
+FLEET_NODES = 2048
 
 
 def cpu_seconds(pid: int) -> float:
@@ -35,13 +40,42 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def measure(gpus: int, seconds: float) -> dict[str, float]:
+def scrape(port: int, encoding: str = "identity") -> bytes:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Accept-Encoding": encoding})
+    with urllib.request.urlopen(req, timeout=5) as r:
+        return r.read()
+
+
+def cardinality(port: int, gpus: int) -> dict[str, float]:
+    """Series and bytes of one scrape (text format, as curl gets it; gzip, as Prometheus does)."""
+    body = scrape(port)
+    zipped = scrape(port, "gzip")
+    if zipped[:2] == b"\x1f\x8b":
+        assert len(gzip.decompress(zipped)) > 0
+    series = sum(1 for line in body.decode().splitlines() if line and not line.startswith("#"))
+    return {
+        "series": series,
+        "series_per_gpu": series / gpus,
+        "scrape_bytes": len(body),
+        "scrape_bytes_per_gpu": len(body) / gpus,
+        "scrape_gzip_bytes": len(zipped),
+        "fleet_nodes": FLEET_NODES,
+        "fleet_series": series * FLEET_NODES,
+        "fleet_scrape_mb": len(body) * FLEET_NODES / 1e6,
+        "fleet_scrape_gzip_mb": len(zipped) * FLEET_NODES / 1e6,
+    }
+
+
+def measure(gpus: int, seconds: float, detail: str = "fleet") -> dict[str, float]:
     with tempfile.TemporaryDirectory() as d:
         state = Path(d) / "gpus.json"
         simulated.write_state(state, simulated.healthy_state(gpus))
+        config = Path(d) / "sentinel.toml"
+        config.write_text(f'[metrics]\ndetail = "{detail}"\n')
         run = Path(d) / "run"
         proc = subprocess.Popen(
             [sys.executable, "-m", "sentinel", "run", "--simulate", str(state), "--runtime-dir", str(run),
+             "--state-dir", str(Path(d) / "state"), "--config", str(config),
              "--port", "0", "--listen-address", "127.0.0.1", "--no-ebpf"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
@@ -65,6 +99,8 @@ def measure(gpus: int, seconds: float) -> dict[str, float]:
                 lat.append(time.perf_counter() - s)
             return {
                 "gpus": gpus,
+                "detail": detail,
+                **cardinality(port, gpus),
                 "cpu_ms_per_poll": per_second * 1000,  # 1 Hz: one poll per second
                 "core_percent": per_second * 100,
                 "rss_mb": rss_mb(proc.pid),
@@ -78,15 +114,30 @@ def measure(gpus: int, seconds: float) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--seconds", type=float, default=30.0)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=30.0, help="CPU measuring time per row (5 s windows)")
+    ap.add_argument("--gpus", type=int, nargs="+", default=[8, 64], help="simulated GPUs per node")
+    ap.add_argument("--detail", nargs="+", choices=("fleet", "full"), default=["fleet", "full"],
+                    help="[metrics] detail: fleet (the default export) and/or full (every link and state)")
+    ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     args = ap.parse_args()
-    rows = [measure(n, args.seconds) for n in (8, 64)]
-    print(f"{'GPUs':>5} {'CPU ms/poll':>12} {'% of 1 core':>12} {'RSS MB':>8} {'scrape p50 ms':>14} {'scrape max ms':>14} {'scrape KB':>10}")
+    rows = [measure(n, args.seconds, detail) for n in args.gpus for detail in args.detail]
+    print(f"{'GPUs':>5} {'detail':>6} {'CPU ms/poll':>12} {'% of 1 core':>12} {'RSS MB':>8} {'scrape p50 ms':>14} "
+          f"{'scrape max ms':>14} {'scrape KB':>10}")
     for r in rows:
-        print(f"{r['gpus']:>5} {r['cpu_ms_per_poll']:>12.2f} {r['core_percent']:>12.2f} {r['rss_mb']:>8.1f} "
+        print(f"{r['gpus']:>5} {r['detail']:>6} {r['cpu_ms_per_poll']:>12.2f} {r['core_percent']:>12.2f} {r['rss_mb']:>8.1f} "
               f"{r['scrape_p50_ms']:>14.2f} {r['scrape_max_ms']:>14.2f} {r['scrape_kb']:>10.1f}")
-    print("targets: <= 1 % of one core for 8 GPUs at 1 Hz; RSS <= 60 MB")
+    print(f"\nOne scrape (KB = 1024 bytes; text format, and gzip as Prometheus asks for it), and {FLEET_NODES:,} such nodes:")
+    print(f"{'GPUs':>5} {'detail':>6} {'series':>7} {'per GPU':>8} {'KB':>7} {'KB/GPU':>7} {'gzip KB':>8} "
+          f"{'series @' + format(FLEET_NODES, ','):>15} {'MB/round':>9} {'gzip MB':>8}")
+    for r in rows:
+        print(f"{r['gpus']:>5} {r['detail']:>6} {r['series']:>7} {r['series_per_gpu']:>8.1f} {r['scrape_bytes'] / 1024:>7.1f} "
+              f"{r['scrape_bytes_per_gpu'] / 1024:>7.2f} {r['scrape_gzip_bytes'] / 1024:>8.1f} {r['fleet_series']:>15,} "
+              f"{r['fleet_scrape_mb']:>9.1f} {r['fleet_scrape_gzip_mb']:>8.1f}")
+    print("targets: <= 1 % of one core for 8 GPUs at 1 Hz; RSS <= 60 MB; "
+          "default export <= 40 series per GPU and <= 30 KB per scrape for 8 GPUs")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"fleet_nodes": FLEET_NODES, "rows": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
