@@ -50,16 +50,16 @@ def main() -> None:
         return f"{statistics.median(vals):.2f} / {max(vals):.2f}" if vals else "-"
 
     def lost(rows: list[dict]) -> str:
-        vals = [len(r["lost_steps"]) for r in rows if "lost_steps" in r]
+        vals = [len(r["recomputed_steps"]) for r in rows if "recomputed_steps" in r]
         return f"{statistics.median(vals):g} / {max(vals)}" if vals else "-"
 
     print()
-    print(f"{'path':<38} {'ok':>5} {'fault->first step s (med/max)':>30} {'trip->first step s':>20} {'lost steps (med/max)':>21}")
+    print(f"{'path':<38} {'ok':>5} {'fault->first step s (med/max)':>30} {'trip->first step s':>20} {'recomputed steps (med/max)':>27}")
     ok_c = [r for r in crashed if r.get("ok")]
     print(f"{'Sentinel: predicted, snapshot + spare':<38} {len(ok)}/{len(planned):<3} {summary(ok, 'fault_to_first_step_seconds'):>30} "
-          f"{summary(ok, 'trip_to_first_step_seconds'):>20} {lost(ok):>21}")
+          f"{summary(ok, 'trip_to_first_step_seconds'):>20} {lost(ok):>27}")
     print(f"{'plain crash, periodic every %d steps' % args.interval_steps:<38} {len(ok_c)}/{len(crashed):<3} "
-          f"{summary(ok_c, 'fault_to_first_step_seconds'):>30} {'-':>20} {lost(ok_c):>21}")
+          f"{summary(ok_c, 'fault_to_first_step_seconds'):>30} {'-':>20} {lost(ok_c):>27}")
 
 
 if __name__ == "__main__":

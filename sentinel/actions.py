@@ -46,7 +46,7 @@ class Executor:
         if kind == "alert":
             self.counts[("alert", "ok")] += 1
             return
-        reason = f"{strongest.rule}: {strongest.message} (GPU {strongest.gpu})"
+        reason = f"{strongest.rule}: {strongest.message} ({strongest.where})"
         request_id = self.new_id()
         try:
             if kind == "migrate" and self.migrator is not None:

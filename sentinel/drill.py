@@ -376,7 +376,7 @@ class Drill:
             "finished": finished is not None,
             "spare_in_place": bool(admitted) and victim.name not in final_nodes,
             "final_nodes": final_nodes,
-            "lost_steps": lost,
+            "recomputed_steps": lost,
             "trip_to_first_step_seconds": round(t_first - times["tripped"], 3) if t_first and "tripped" in times else None,
             "fault_to_first_step_seconds": round(t_first - t_fault, 3) if t_first else None,
             "migration_notes": mig.get("notes", []),
@@ -546,7 +546,7 @@ def print_timeline(result: dict[str, Any]) -> None:
         print(f"{e['stage']:<26} {e['t']:>8.2f} {e['duration']:>8.2f}  {detail}")
     print(f"trip -> first step on the spare: {result['trip_to_first_step_seconds']} s;"
           f" fault -> first step: {result['fault_to_first_step_seconds']} s")
-    print(f"lost steps: {len(result['lost_steps'])} {result['lost_steps'] or ''}")
+    print(f"recomputed steps (work lost): {len(result['recomputed_steps'])} {result['recomputed_steps'] or ''}")
     for note in result["migration_notes"] + result.get("notes", []):
         print(f"note: {note}")
     if "verify" in result:

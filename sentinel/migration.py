@@ -241,7 +241,7 @@ class Migrator:
         self._requested_at = self.clock()
         self._deadline = self._requested_at + self.cfg.ack_timeout_seconds
         self._extended = False
-        self.record.ranks = self.endpoint.request("migrate", request_id, f"{trip.rule}: {trip.message} (GPU {trip.gpu})",
+        self.record.ranks = self.endpoint.request("migrate", request_id, f"{trip.rule}: {trip.message} ({trip.where})",
                                                   hold_seconds=self.hold_seconds)
         self._save()
         event(log, "migration requested", request_id=request_id, node=self.node, ranks=self.record.ranks)

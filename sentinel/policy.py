@@ -70,16 +70,24 @@ APP_XID_WINDOW_SECONDS = 3600.0
 RESET_EVIDENCE = ("ecc_corrected_volatile", "remapped_rows_correctable")
 
 
+NODE = -1  # Trip.gpu of a trip about the whole node rather than one GPU
+
+
 @dataclass(frozen=True)
 class Trip:
     rule: str
     action: str
-    gpu: int
+    gpu: int  # the GPU's index, or NODE for a trip about the whole node (a rank signal, host memory)
     cause: str  # the rule plus its target, for cooldowns ("xid:79", "trend:retired_pages")
     message: str
     values: Mapping[str, float] = field(default_factory=dict)
     forecast_seconds: float | None = None
     lead_time_seconds: float | None = None
+
+    @property
+    def where(self) -> str:
+        """"GPU 3" or "node": what a human reads in a request reason or a cordon marker."""
+        return "node" if self.gpu == NODE else f"GPU {self.gpu}"
 
     def as_log(self) -> dict[str, object]:
         return {
@@ -209,7 +217,7 @@ class Policy:
                 continue
             if found.action != "alert":
                 cooldown[found.cause] = now + self.cfg.cooldown_seconds
-            gpu = ev.gpu if ev.gpu is not None else -1
+            gpu = ev.gpu if ev.gpu is not None else NODE
             trips.append(Trip(rule.name, found.action, gpu, found.cause, found.message, dict(found.values)))
         return trips, cooldown
 

@@ -214,3 +214,21 @@ def register_agent(runtime_dir: Path, pid: int | None = None) -> Path:
     pidfile = runtime_dir / "agent.pid"
     write_agent_record(pidfile, AgentRecord.of(pid or os.getpid()))
     return pidfile
+
+
+@pytest.fixture
+def kmsg_writer():
+    """Write records to the real kernel log (root); user-space writes unthrottled meanwhile."""
+    if os.geteuid() != 0:
+        pytest.skip("writing /dev/kmsg needs root")
+    knob = Path("/proc/sys/kernel/printk_devkmsg")
+    old = knob.read_text().strip()
+    knob.write_text("on\n")
+    fd = os.open("/dev/kmsg", os.O_WRONLY)
+
+    def write(line: str) -> None:
+        os.write(fd, line.encode() + b"\n")
+
+    yield write
+    os.close(fd)
+    knob.write_text(old + "\n")

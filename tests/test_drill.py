@@ -30,7 +30,7 @@ def stages(result: dict) -> list[str]:
 def test_xid79_migrates_to_the_spare_with_no_lost_step_and_bitwise_equal_result():
     r = drill("--fault", "xid79", "--verify")
     assert r["rc"] == 0 and r["ok"], r
-    assert r["lost_steps"] == [] and r["spare_in_place"] and "node1" not in r["final_nodes"]
+    assert r["recomputed_steps"] == [] and r["spare_in_place"] and "node1" not in r["final_nodes"]
     assert r["verify"]["bitwise_equal"]
     assert stages(r) == ["fault injected", "detected", "snapshot requested", "snapshot committed", "node cordoned",
                          "agent stopped", "spare admitted", "snapshot loaded", "first step on the spare", "job finished"]
@@ -44,33 +44,33 @@ def test_trend_only_fault_is_caught_by_the_predictor():
     r = drill("--fault", "sbe-ramp")
     assert r["ok"], r
     detected = next(e for e in r["timeline"] if e["stage"] == "detected")
-    assert detected["rule"] == "trend" and r["lost_steps"] == []
+    assert detected["rule"] == "trend" and r["recomputed_steps"] == []
 
 
 def test_sudden_kill_resumes_on_the_spare_from_the_periodic_snapshot():
     r = drill("--fault", "kill", "--interval-steps", "10")
     assert r["ok"], r
-    assert 0 < len(r["lost_steps"]) <= 10 and r["spare_in_place"]
+    assert 0 < len(r["recomputed_steps"]) <= 10 and r["spare_in_place"]
     assert "detected" not in stages(r)  # nothing warned; the periodic snapshot is the fallback
 
 
 def test_rank_crash_with_a_spare_present_ends_with_the_job_running():
     r = drill("--fault", "rank-crash", "--interval-steps", "10")
     assert r["ok"], r
-    assert r["finished"] and "node1" in r["final_nodes"] and len(r["lost_steps"]) <= 10
+    assert r["finished"] and "node1" in r["final_nodes"] and len(r["recomputed_steps"]) <= 10
 
 
 def test_two_nodes_fail_at_once():
     r = drill("--nodes", "3", "--spares", "2", "--victims", "2", "--fault", "dbe")
     assert r["ok"], r
-    assert sorted(r["final_nodes"]) == ["node0", "spare0", "spare1"] and r["lost_steps"] == []
+    assert sorted(r["final_nodes"]) == ["node0", "spare0", "spare1"] and r["recomputed_steps"] == []
     assert r["other_migrations"][0]["phase"] == "drained"
 
 
 def test_no_spare_continues_on_fewer_nodes_when_nnodes_allows():
     r = drill("--spares", "0", "--min-nodes", "1")
     assert r["ok"], r
-    assert r["final_nodes"] == ["node0"] and r["world_after"] == 1 and r["lost_steps"] == []
+    assert r["final_nodes"] == ["node0"] and r["world_after"] == 1 and r["recomputed_steps"] == []
     loaded = next(e for e in r["timeline"] if e["stage"] == "snapshot loaded")
     committed = next(e for e in r["timeline"] if e["stage"] == "snapshot committed")
     assert loaded["start_step"] == committed["step"] + 1  # resharded 2 -> 1 from the migrate snapshot
@@ -86,7 +86,7 @@ def test_no_spare_and_no_room_to_shrink_is_reported_not_hung():
 def test_spare_dying_during_the_migration_is_replaced_by_the_next():
     r = drill("--spares", "2", "--kill-spare")
     assert r["ok"], r
-    assert r["final_nodes"] == ["node0", "spare1"] and r["lost_steps"] == []
+    assert r["final_nodes"] == ["node0", "spare1"] and r["recomputed_steps"] == []
     assert any("spare0 died during the migration" in n for n in r["notes"])
 
 
@@ -110,4 +110,4 @@ def test_failed_migrate_snapshot_still_drains_and_resumes_from_the_older_one():
     assert {(s["step"], s["ok"], s["kind"]) for s in before} >= {(committed["step"], False, "migrate")}
     newest_ok = max(s["step"] for s in before if s["ok"])
     assert loaded["start_step"] == newest_ok + 1 and loaded["source"].endswith(f"step-{newest_ok:09d}")
-    assert r["lost_steps"] == list(range(newest_ok + 1, committed["step"] + 1))
+    assert r["recomputed_steps"] == list(range(newest_ok + 1, committed["step"] + 1))

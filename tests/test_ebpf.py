@@ -30,20 +30,10 @@ def require_ebpf():
 
 
 @pytest.fixture
-def kmsg():
-    """Write lines to the kernel log; user-space writes are unthrottled for the test's duration."""
+def kmsg(kmsg_writer):
+    """Write lines to the kernel log (conftest's kmsg_writer), once eBPF is known to be usable."""
     require_ebpf()
-    knob = Path("/proc/sys/kernel/printk_devkmsg")
-    old = knob.read_text().strip()
-    knob.write_text("on\n")
-    fd = os.open("/dev/kmsg", os.O_WRONLY)
-
-    def write(line: str) -> None:
-        os.write(fd, line.encode() + b"\n")
-
-    yield write
-    os.close(fd)
-    knob.write_text(old + "\n")
+    return kmsg_writer
 
 
 XID79_GPU1 = "NVRM: Xid (PCI:0000:2a:00): 79, pid=4242, name=python3, GPU has fallen off the bus."

@@ -37,24 +37,6 @@ def require_root_ebpf():
         pytest.skip("tracefs is not mounted (mount -t tracefs nodev /sys/kernel/tracing)")
 
 
-@pytest.fixture
-def kmsg_writer():
-    """Write records to the real kernel log (root); user-space writes unthrottled meanwhile."""
-    if os.geteuid() != 0:
-        pytest.skip("writing /dev/kmsg needs root")
-    knob = Path("/proc/sys/kernel/printk_devkmsg")
-    old = knob.read_text().strip()
-    knob.write_text("on\n")
-    fd = os.open("/dev/kmsg", os.O_WRONLY)
-
-    def write(line: str) -> None:
-        os.write(fd, line.encode() + b"\n")
-
-    yield write
-    os.close(fd)
-    knob.write_text(old + "\n")
-
-
 # -- (5) kernel-log spoofing --------------------------------------------------------------------
 @pytest.mark.needs_root
 @pytest.mark.needs_ebpf
