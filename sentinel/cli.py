@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import errno
 import fcntl
 import json
 import logging
 import os
 import signal
 import socket
-import stat
 import sys
 import threading
 from pathlib import Path
@@ -73,28 +71,21 @@ def lock_runtime_dir(runtime_dir: Path) -> int:
     not a regular file, has other links, or belongs to someone other than root or this uid, and
     ``OSError`` when it cannot be opened.
     """
-    from sentinel.fsutil import UnsafePath
+    from sentinel.fsutil import UnsafePath, open_trusted
 
     path = runtime_dir / "daemon.lock"
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise UnsafePath(f"{path} is a symlink; remove it") from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UnsafePath(f"{path} is not a regular file; remove it")
-        if st.st_uid not in (0, os.geteuid()):
-            raise UnsafePath(f"{path} is owned by uid {st.st_uid}, not root; remove it")
         # a hard link to another file would have this daemon truncate that file with its pid
-        if st.st_nlink != 1 or st.st_mode & 0o022:
-            raise UnsafePath(f"{path} has other links or is writable by group or others; remove it")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise AlreadyRunning(_pid_in(os.pread(fd, 32, 0))) from None
+        fd = open_trusted(path, os.O_RDWR | os.O_CREAT, mode=0o600, owners=frozenset({0, os.geteuid()}),
+                          single_link=True)
+    except UnsafePath as exc:
+        raise UnsafePath(f"{exc}; remove it") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid = _pid_in(os.pread(fd, 32, 0))
+        os.close(fd)
+        raise AlreadyRunning(pid) from None
     except BaseException:
         os.close(fd)
         raise

@@ -70,11 +70,14 @@ def fsync_dir(directory: Path | str) -> None:
         os.close(fd)
 
 
-def read_trusted(path: Path | str, *, owners: frozenset[int] = frozenset({0}), max_bytes: int = 65536) -> bytes:
-    """Read a small regular file that must be owned by one of ``owners``, without following a
-    symlink. Raises FileNotFoundError when absent and UnsafePath when it must not be trusted."""
+def open_trusted(path: Path | str, flags: int = os.O_RDONLY, *, mode: int = 0o600,
+                 owners: frozenset[int] = frozenset({0}), single_link: bool = False) -> int:
+    """Open ``path`` without following a symlink and return the descriptor, only if it is a
+    regular file owned by one of ``owners`` and writable by nobody else (with ``single_link``,
+    also not a hard link to another file). Raises FileNotFoundError when absent (and ``flags``
+    has no O_CREAT) and UnsafePath when it must not be trusted."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise UnsafePath(f"{path} is a symlink") from None
@@ -87,6 +90,18 @@ def read_trusted(path: Path | str, *, owners: frozenset[int] = frozenset({0}), m
             raise UnsafePath(f"{path} is owned by uid {st.st_uid}, not by {'/'.join(map(str, sorted(owners)))}")
         if st.st_mode & 0o022:
             raise UnsafePath(f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})")
+        if single_link and st.st_nlink != 1:
+            raise UnsafePath(f"{path} has other links")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_trusted(path: Path | str, *, owners: frozenset[int] = frozenset({0}), max_bytes: int = 65536) -> bytes:
+    """Read a small regular file that must be owned by one of ``owners`` (:func:`open_trusted`)."""
+    fd = open_trusted(path, owners=owners)
+    try:
         return os.read(fd, max_bytes + 1)[:max_bytes]
     finally:
         os.close(fd)
