@@ -51,6 +51,22 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+def require_ebpf(*tracepoints: str) -> None:
+    """Skip (a failure under CI=true) unless this process can load BPF programs through bcc and
+    each ``category:event`` tracepoint exists (default: printk:console)."""
+    if os.geteuid() != 0:
+        pytest.skip("eBPF needs root")
+    from sentinel.sources.ebpf import EbpfUnavailable, import_bcc, tracepoint_exists
+
+    try:
+        import_bcc()
+    except EbpfUnavailable as exc:
+        pytest.skip(str(exc))
+    for tp in tracepoints or ("printk:console",):
+        if not tracepoint_exists(*tp.split(":")):
+            pytest.skip(f"tracepoint {tp} is missing (is tracefs mounted? mount -t tracefs nodev /sys/kernel/tracing)")
+
+
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05, what: str = "condition"):
     """Poll ``predicate`` until it returns a truthy value; bounded in time."""
     end = time.monotonic() + timeout

@@ -11,22 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import metric_value, register_agent, wait_for
+from conftest import metric_value, register_agent, require_ebpf, wait_for
 
 pytestmark = [pytest.mark.needs_root, pytest.mark.needs_ebpf]
-
-
-def require_ebpf():
-    if os.geteuid() != 0:
-        pytest.skip("eBPF needs root")
-    from sentinel.sources.ebpf import EbpfUnavailable, import_bcc, tracepoint_exists
-
-    try:
-        import_bcc()
-    except EbpfUnavailable as exc:
-        pytest.skip(str(exc))
-    if not tracepoint_exists("printk", "console"):
-        pytest.skip("tracefs is not mounted (mount -t tracefs nodev /sys/kernel/tracing)")
 
 
 @pytest.fixture

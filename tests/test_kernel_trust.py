@@ -15,26 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SYSTEM_PYTHON, metric_value, wait_for
+from conftest import SYSTEM_PYTHON, metric_value, require_ebpf, wait_for
 
 # The kernel's own warning (fs/exec.c) with a file name a user chose; GPU 0 of the simulated node
 # is PCI:0000:18:00.
 SPOOF = ("process 'sh' launched '/tmp/NVRM: Xid (PCI:0000:18:00): 79, pid=1, name=x, GPU has fallen off the bus.' "
          "with NULL argv: empty string added")
 XID13_GPU1 = "NVRM: Xid (PCI:0000:2a:00): 13, pid=77, name=train, Graphics Exception: marker"
-
-
-def require_root_ebpf():
-    if os.geteuid() != 0:
-        pytest.skip("needs root")
-    from sentinel.sources.ebpf import EbpfUnavailable, import_bcc, tracepoint_exists
-
-    try:
-        import_bcc()
-    except EbpfUnavailable as exc:
-        pytest.skip(str(exc))
-    if not tracepoint_exists("signal", "signal_generate") or not tracepoint_exists("printk", "console"):
-        pytest.skip("tracefs is not mounted (mount -t tracefs nodev /sys/kernel/tracing)")
 
 
 # -- (5) kernel-log spoofing --------------------------------------------------------------------
@@ -44,7 +31,7 @@ def require_root_ebpf():
 def test_spoofed_xid_in_a_real_kernel_message_is_not_counted_and_trips_nothing(path, kmsg_writer, sim_state,
                                                                                start_daemon):
     if path == "ebpf":
-        require_root_ebpf()
+        require_ebpf("signal:signal_generate", "printk:console")
     d = start_daemon("--simulate", str(sim_state), *(["--no-ebpf"] if path == "kmsg_fallback" else []),
                      ebpf=path == "ebpf")
     source = "ebpf_xid" if path == "ebpf" else "kmsg"
@@ -73,7 +60,7 @@ def test_the_printk_probe_compares_the_start_of_the_message_text(kmsg_writer):
     """printk:console hands the probe the message text itself (no timestamp, no level prefix), so the
     in-kernel comparison at offset 0 drops the spoof while a real report, even one written with a
     level prefix, passes."""
-    require_root_ebpf()
+    require_ebpf("signal:signal_generate", "printk:console")
     from sentinel.sources.xid import XidSource
 
     src = XidSource(use_ebpf=True, kmsg_fallback=False)
@@ -262,7 +249,7 @@ else:
 @pytest.mark.needs_root
 @pytest.mark.needs_ebpf
 def test_sigbus_that_is_not_a_memory_failure_carries_its_code_and_never_migrates(attacker, shared_tmp):
-    require_root_ebpf()
+    require_ebpf("signal:signal_generate", "printk:console")
     from sentinel.config import PolicyConfig
     from sentinel.policy import Policy, PolicyState
     from sentinel.sources.rank_signals import RankSignalSource
@@ -341,7 +328,7 @@ def map_size(src) -> int:
 @pytest.mark.needs_root
 @pytest.mark.needs_ebpf
 def test_1101_planted_files_do_not_overflow_the_map_or_stop_the_probe(attacker, ranks_dir):
-    require_root_ebpf()
+    require_ebpf("signal:signal_generate", "printk:console")
     from sentinel.sources.rank_signals import RankSignalSource
 
     plant(attacker, ranks_dir, 1101, junk=50)
@@ -374,7 +361,7 @@ def test_1101_planted_files_do_not_overflow_the_map_or_stop_the_probe(attacker, 
 @pytest.mark.needs_root
 @pytest.mark.needs_ebpf
 def test_a_ranks_provider_replaces_the_directory_and_its_failures_are_counted(attacker, ranks_dir):
-    require_root_ebpf()
+    require_ebpf("signal:signal_generate", "printk:console")
     from sentinel.sources.rank_signals import RankSignalSource
 
     plant(attacker, ranks_dir, 20)
@@ -402,7 +389,7 @@ def test_a_ranks_provider_replaces_the_directory_and_its_failures_are_counted(at
 @pytest.mark.needs_ebpf
 def test_a_map_update_the_kernel_refuses_is_counted_not_raised():
     """The map filled behind the source's back (it is the kernel's): the update fails with E2BIG."""
-    require_root_ebpf()
+    require_ebpf("signal:signal_generate", "printk:console")
     from sentinel.sources.rank_signals import RankSignalSource
 
     src = RankSignalSource(max_ranks=4)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import metric_value, register_agent, wait_for
+from conftest import metric_value, register_agent, require_ebpf, wait_for
 from sentinel import procs
 from sentinel.channel import Ack, DaemonEndpoint, RankEndpoint, Request
 
@@ -228,12 +228,7 @@ def test_planted_files_and_a_self_sigbus_neither_blind_nor_trigger_the_daemon(at
     """The reproduced attack end to end, with the eBPF rank-signal probe loaded: 1,101 planted
     files, a forged registration and `kill -BUS` on itself. The loop keeps publishing, nothing
     migrates, and a restart on the same directory starts."""
-    from sentinel.sources.ebpf import EbpfUnavailable, import_bcc
-
-    try:
-        import_bcc()
-    except EbpfUnavailable as exc:
-        pytest.skip(str(exc))
+    require_ebpf("signal:signal_generate")
     runtime = shared_tmp / "run"
     state = shared_tmp / "state"
     d = start_daemon("--simulate", str(sim_state), "--state-dir", str(state), runtime_dir=runtime, ebpf=True)
