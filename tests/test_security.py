@@ -20,7 +20,7 @@ import pytest
 
 from conftest import metric_value, register_agent, require_ebpf, wait_for
 from sentinel import procs
-from sentinel.channel import Ack, DaemonEndpoint, RankEndpoint, Request
+from sentinel.channel import Ack, DaemonEndpoint, RankEndpoint
 
 pytestmark = pytest.mark.needs_root
 
@@ -99,7 +99,7 @@ def test_forged_rank_registrations_are_ignored_and_counted(attacker, runtime):
     sleeper = root_child()
     try:
         # (a) no agent recorded: nothing counts, not even a real root socket
-        own = attacker.python(f"import os; print(os.getpid())")
+        own = attacker.python("import os; print(os.getpid())")
         atk = bind_as(attacker, runtime / "ranks" / "999991.sock")  # a pid that does not exist
         atk_own = bind_as(attacker, runtime / "ranks" / f"{os.getpid()}.sock.x")  # bad name
         assert ep.ranks() == {}
