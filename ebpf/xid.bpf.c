@@ -31,17 +31,17 @@ struct xid_line {
     char msg[MSG_LEN];
 };
 
-// 1 when head starts with the n characters of p (p is a string literal: the loop unrolls into
-// compares against constants).
+// 1 when head starts with the n characters of p. Branch-free (differences OR-ed together over
+// a loop that unrolls to compares against constants), so the verifier sees one straight path
+// however many prefixes there are.
 static __always_inline int starts_with(const char *head, const char *p, int n) {
+    char diff = 0;
 #pragma unroll
     for (int i = 0; i < HEAD_LEN; i++) {
-        if (i >= n)
-            return 1;
-        if (head[i] != p[i])
-            return 0;
+        if (i < n)
+            diff |= head[i] ^ p[i];
     }
-    return 1;
+    return diff == 0;
 }
 
 #define PREFIX_MATCHES(P) starts_with(head, P, sizeof(P) - 1)
@@ -56,49 +56,49 @@ TRACEPOINT_PROBE(printk, console) {
     bpf_probe_read_kernel(head, sizeof(head), (void *)args + loc);
     int pass = PREFIX_MATCHES(PREFIX_0);
 #ifdef PREFIX_1
-    pass = pass || PREFIX_MATCHES(PREFIX_1);
+    pass |= PREFIX_MATCHES(PREFIX_1);
 #endif
 #ifdef PREFIX_2
-    pass = pass || PREFIX_MATCHES(PREFIX_2);
+    pass |= PREFIX_MATCHES(PREFIX_2);
 #endif
 #ifdef PREFIX_3
-    pass = pass || PREFIX_MATCHES(PREFIX_3);
+    pass |= PREFIX_MATCHES(PREFIX_3);
 #endif
 #ifdef PREFIX_4
-    pass = pass || PREFIX_MATCHES(PREFIX_4);
+    pass |= PREFIX_MATCHES(PREFIX_4);
 #endif
 #ifdef PREFIX_5
-    pass = pass || PREFIX_MATCHES(PREFIX_5);
+    pass |= PREFIX_MATCHES(PREFIX_5);
 #endif
 #ifdef PREFIX_6
-    pass = pass || PREFIX_MATCHES(PREFIX_6);
+    pass |= PREFIX_MATCHES(PREFIX_6);
 #endif
 #ifdef PREFIX_7
-    pass = pass || PREFIX_MATCHES(PREFIX_7);
+    pass |= PREFIX_MATCHES(PREFIX_7);
 #endif
 #ifdef PREFIX_8
-    pass = pass || PREFIX_MATCHES(PREFIX_8);
+    pass |= PREFIX_MATCHES(PREFIX_8);
 #endif
 #ifdef PREFIX_9
-    pass = pass || PREFIX_MATCHES(PREFIX_9);
+    pass |= PREFIX_MATCHES(PREFIX_9);
 #endif
 #ifdef PREFIX_10
-    pass = pass || PREFIX_MATCHES(PREFIX_10);
+    pass |= PREFIX_MATCHES(PREFIX_10);
 #endif
 #ifdef PREFIX_11
-    pass = pass || PREFIX_MATCHES(PREFIX_11);
+    pass |= PREFIX_MATCHES(PREFIX_11);
 #endif
 #ifdef PREFIX_12
-    pass = pass || PREFIX_MATCHES(PREFIX_12);
+    pass |= PREFIX_MATCHES(PREFIX_12);
 #endif
 #ifdef PREFIX_13
-    pass = pass || PREFIX_MATCHES(PREFIX_13);
+    pass |= PREFIX_MATCHES(PREFIX_13);
 #endif
 #ifdef PREFIX_14
-    pass = pass || PREFIX_MATCHES(PREFIX_14);
+    pass |= PREFIX_MATCHES(PREFIX_14);
 #endif
 #ifdef PREFIX_15
-    pass = pass || PREFIX_MATCHES(PREFIX_15);
+    pass |= PREFIX_MATCHES(PREFIX_15);
 #endif
     if (!pass)
         return 0;
