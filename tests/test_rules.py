@@ -115,6 +115,7 @@ def random_polls(seed, n):
                 if rng.random() < 0.05:
                     v[k] = float(rng.randint(0, 1))
             v["temperature_celsius"] = float(rng.choice((45, 45, 95)))
+            v["recovery_action"] = float(rng.choice((0, 0, 0, 0, 2, 3)))
             crc[i] += rng.choice((0, 10_000))
             hung, lost = rng.random() < 0.15, rng.random() < 0.02
             gpus.append(GpuReading(index=i, uuid=f"GPU-{i}", pci_bus_id=f"0000:{i}:00.0", values={} if hung or lost else dict(v),
