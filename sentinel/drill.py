@@ -147,7 +147,7 @@ class Drill:
             'log_level = "info"\n'
             '[metrics]\nlisten_address = "127.0.0.1"\nport = 0\n'
             "[policy]\nlead_time_seconds = 600.0\ndebounce_samples = 3\n"
-            f"[actions]\nack_timeout_seconds = 30.0\nspare_command = {spare_cmd}\n"
+            f"[actions]\nack_timeout_seconds = 30.0\nbackend = \"command\"\nspare_command = {spare_cmd}\n"
             "[ebpf]\nenabled = false\nkmsg_fallback = false\n"  # drills must not react to the host's kernel log
         )
         if spare:
