@@ -165,6 +165,7 @@ class SlurmConfig:
     scontrol: str = "scontrol"
     squeue: str = "squeue"
     scancel: str = "scancel"
+    sinfo: str = "sinfo"
     # The circuit breaker's scope: this partition's nodes ("" = every partition this node is in).
     partition: str = ""
     # How a spare is started: this signal goes to the batch script of the job running on the node
@@ -172,7 +173,7 @@ class SlurmConfig:
     spare_signal: str = "USR1"
 
     def validate(self, prefix: str) -> None:
-        for key in ("scontrol", "squeue", "scancel"):
+        for key in ("scontrol", "squeue", "scancel", "sinfo"):
             _text(prefix, key, getattr(self, key))
             if not getattr(self, key):
                 raise ConfigError(f"{prefix}.{key}: must name the program, not be empty")

@@ -418,11 +418,13 @@ class Migrator:
         """One backend operation: an unanswered call is retried with exponential backoff; a
         refusal (permission, unknown node) is not. Counted per outcome; raises the last error."""
         delay = self.cfg.scheduler_backoff_seconds
+        scheduler = op != "stop_agent" and self.backend.has_scheduler  # the agent is stopped locally
         for attempt in range(1, self.cfg.scheduler_attempts + 1):
             try:
                 result = fn(*args)
             except BackendError as exc:
-                self.backend_up = not exc.retry
+                if scheduler:
+                    self.backend_up = not exc.retry
                 last = attempt == self.cfg.scheduler_attempts or not exc.retry
                 self.calls[(op, "failed" if last else "retried")] = self.calls.get((op, "failed" if last else "retried"), 0) + 1
                 event(log, f"{self.backend.name} {op} failed" + ("" if last else "; retrying"),
@@ -433,7 +435,8 @@ class Migrator:
                 self.sleep(delay)
                 delay *= 2
                 continue
-            self.backend_up = True
+            if scheduler:
+                self.backend_up = True
             self.calls[(op, "ok")] = self.calls.get((op, "ok"), 0) + 1
             return result
         raise AssertionError("unreachable")  # the loop returns or raises
