@@ -26,6 +26,7 @@ from sentinel.config import ActionsConfig, KubernetesConfig
 from sentinel.migration import Migrator
 from sentinel.policy import Trip
 
+pytestmark = pytest.mark.needs_kube
 DEPLOY = REPO / "deploy" / "kubernetes"
 REASON = CordonReason("ecc_uncorrected", 3, "DBE count 1 >= 1", "req1", uuid="GPU-1234")
 NEEDED = {("get", "nodes"), ("list", "nodes"), ("patch", "nodes"), ("patch", "nodes/status")}

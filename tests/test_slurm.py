@@ -26,6 +26,7 @@ from sentinel.config import ActionsConfig, SlurmConfig
 from sentinel.migration import Migrator
 from sentinel.policy import Trip
 
+pytestmark = pytest.mark.needs_slurm
 REASON = CordonReason("xid", 0, "Xid 79 on GPU 0", "req1")
 
 
