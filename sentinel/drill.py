@@ -577,9 +577,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the machine-readable result")
     p.add_argument("--workdir", help="keep everything here (default: a temporary directory, removed)")
     p.add_argument("--keep", action="store_true", help="keep the temporary work directory")
+    p.add_argument("--scheduler", choices=["local", "slurm"], default="local",
+                   help="slurm: run the job through a real Slurm cluster started here (root; slurm-wlm, munge): "
+                        "the failed node is drained in Slurm, the spare comes from the job's allocation")
 
 
 def run_drill(args: argparse.Namespace) -> int:
+    if args.scheduler == "slurm":
+        from sentinel.drill_slurm import run_slurm_drill
+
+        return run_slurm_drill(args)
     if args.spares < 1 and not args.min_nodes:
         print("sentinel drill: --spares 0 needs --min-nodes < --nodes (continue on fewer nodes)", file=sys.stderr)
     drill = Drill(args)

@@ -16,7 +16,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from slurm_cluster import free_ports
+from sentinel.drill_slurm import free_ports
 
 KUBE_APISERVER = Path(os.environ.get("SENTINEL_KUBE_BIN", "/var/cache/sentinel-ci/kube/bin")) / "kube-apiserver"
 NODES = ("node1", "node2", "node3", "node4")

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, metric_value, register_agent, wait_for
-from slurm_cluster import SlurmCluster, missing
+from slurm_cluster import slurm  # noqa: F401 - the fixture
 from sentinel.backends import make_backend
 from sentinel.backends.base import BackendContext, CordonReason, PermissionDenied, Unreachable, UnknownNode
 from sentinel.channel import DaemonEndpoint, RankEndpoint
@@ -28,22 +28,6 @@ from sentinel.policy import Trip
 
 pytestmark = pytest.mark.needs_slurm
 REASON = CordonReason("xid", 0, "Xid 79 on GPU 0", "req1")
-
-
-@pytest.fixture(scope="module")
-def slurm():
-    why = missing()
-    if why:
-        pytest.skip(f"a Slurm cluster needs {why}")
-    root = Path(tempfile.mkdtemp(prefix="sentinel-slurm-", dir="/tmp"))
-    os.chmod(root, 0o755)  # other users' scontrol reads slurm.conf
-    cluster = SlurmCluster(root)
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.stop()
-        subprocess.run(["rm", "-rf", str(root)], check=False)
 
 
 @pytest.fixture
