@@ -214,3 +214,20 @@ def test_the_breaker_refuses_past_half_the_partition_and_the_job_still_snapshots
         m.close()
         ep.close()
         rank.close()
+
+
+def test_healthcheck_drains_an_unwatched_node_and_sentinel_uncordon_resumes_it(clean, tmp_path):
+    env = {**clean.env, "PYTHONPATH": str(REPO), "SENTINEL": f"{sys.executable} -m sentinel"}
+    r = subprocess.run(["sh", str(REPO / "deploy" / "slurm" / "sentinel-healthcheck"), "--drain", "--node", "node3",
+                        "--runtime-dir", str(tmp_path / "no-daemon")], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 3 and r.stdout.startswith("SENTINEL UNKNOWN")
+    node = clean.node("node3")
+    assert "DRAIN" in node["State"] and node["Reason"].startswith("sentinel: healthcheck UNKNOWN")
+    # an admin's drain is never replaced by the health check's
+    clean.run("scontrol", "update", "nodename=node4", "state=drain", "reason=admin: cabling")
+    subprocess.run(["sh", str(REPO / "deploy" / "slurm" / "sentinel-healthcheck"), "--drain", "--node", "node4",
+                    "--runtime-dir", str(tmp_path / "no-daemon")], capture_output=True, text=True, timeout=60, env=env)
+    assert clean.node("node4")["Reason"] == "admin: cabling"
+    r = sentinel_cli(clean, "uncordon", "--config", str(write_config(tmp_path, "node3")))
+    assert r.returncode == 0 and "node3 resumed" in r.stdout
+    assert "DRAIN" not in clean.node("node3")["State"]
