@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sentinel.drill_slurm import NODES, SlurmCluster, free_ports, missing  # noqa: F401 - re-exported
+from sentinel.drill_slurm import SlurmCluster, missing
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, register_agent, wait_for
-from kube_cluster import NODES, KubeCluster, missing
+from kube_cluster import KubeCluster, missing
 from sentinel.backends import make_backend
 from sentinel.backends.base import BackendContext, CordonReason, PermissionDenied, Unreachable, UnknownNode
 from sentinel.channel import DaemonEndpoint, RankEndpoint
