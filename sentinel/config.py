@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from sentinel import rules
+from sentinel import backends, rules
 
 
 class ConfigError(ValueError):
@@ -155,7 +155,7 @@ class PolicyConfig:
                 )
 
 
-BACKENDS = ("file", "command", "slurm", "kubernetes")  # one module each in sentinel/backends/
+BACKENDS = backends.NAMES  # one module each in sentinel/backends/, found there
 _K8S_NAME = r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
 
 

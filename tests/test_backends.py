@@ -30,7 +30,7 @@ def ctx(tmp_path, run=subprocess.run):
 
 
 def test_every_configurable_backend_is_one_module(tmp_path):
-    assert NAMES == BACKENDS
+    assert NAMES == BACKENDS == ("command", "file", "kubernetes", "slurm")
     for name in ("file", "command", "slurm"):  # kubernetes needs a kubeconfig: tests/test_kubernetes.py
         b = make_backend(ActionsConfig(backend=name), ctx(tmp_path))
         assert isinstance(b, Backend) and b.name == name

@@ -1,16 +1,20 @@
 """Action backends, one module each (see :mod:`sentinel.backends.base` for the interface).
 
-The registry is the modules listed here; ``[actions] backend`` names one. A backend module is
-imported only when chosen, so ``backend = "file"`` never imports the Kubernetes client.
+The registry is the package itself: every module here other than ``base`` and ``breaker`` is a
+backend whose ``BACKEND`` class ``[actions] backend = "<module>"`` picks (``config.BACKENDS`` is
+this list). A backend module is imported only when chosen, so ``backend = "file"`` never imports
+the Kubernetes client.
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
 
 from sentinel.backends.base import Backend, BackendContext
 
-NAMES: tuple[str, ...] = ("file", "command", "slurm", "kubernetes")
+_NOT_BACKENDS = frozenset({"base", "breaker"})
+NAMES: tuple[str, ...] = tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in _NOT_BACKENDS))
 
 
 def make_backend(actions, ctx: BackendContext) -> Backend:
