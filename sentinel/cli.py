@@ -315,13 +315,25 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_uncordon(args: argparse.Namespace) -> int:
-    from sentinel.migration import uncordon
+    """Undo Sentinel's cordon through the configured backend: only what Sentinel added (its
+    Slurm drain, its taint and condition), never an admin's; then the local marker."""
+    import time
 
-    state = Path(args.state_dir)
-    if uncordon(state):
-        print(f"{state}: cordon cleared; the agent may start again")
-        return 0
-    print(f"{state}: not cordoned")
+    from sentinel.backends import make_backend
+    from sentinel.backends.base import BackendContext, BackendError
+
+    try:
+        cfg = with_overrides(load_config(args.config), args)
+    except config_mod.ConfigError as exc:
+        return fail(str(exc))
+    node = cfg.daemon.node_name or socket.gethostname()
+    ctx = BackendContext(node=node, state_dir=Path(cfg.daemon.state_dir), runtime_dir=Path(cfg.daemon.runtime_dir),
+                         timeout=cfg.actions.command_timeout_seconds, wall=time.time)
+    try:
+        said = make_backend(cfg.actions, ctx).uncordon()
+    except BackendError as exc:
+        return fail(f"uncordon {node} ({cfg.actions.backend} backend): {exc}", 1)
+    print(said)
     return 0
 
 
@@ -400,8 +412,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     else:
         sub.add_parser("drill", help=dr_help)
 
-    un = sub.add_parser("uncordon", help="operator: clear this node's cordon marker")
-    un.add_argument("--state-dir", default="/var/lib/sentinel")
+    un = sub.add_parser("uncordon", help="operator: undo Sentinel's cordon of this node (its drain/taint/condition and "
+                        "marker; never an admin's)")
+    un.add_argument("--config", help="TOML config naming the backend (default: built-in defaults, backend = file)")
+    un.add_argument("--state-dir", help="override daemon.state_dir")
+    un.add_argument("--node-name", help="override daemon.node_name (the scheduler's name for this node)")
     un.set_defaults(func=cmd_uncordon)
 
     sc = sub.add_parser("scan", help="one-shot check of this node: NVML and the kernel log; Nagios exit codes "

@@ -69,6 +69,11 @@ COUNTER_HELP = {
     "sentinel_kernel_events": "Kernel events seen, by source and kind",
     "sentinel_kmsg_malformed_lines": "Kernel log lines that looked like Xid reports but did not parse",
     "sentinel_config_reloads": "Config reloads by outcome",
+    "sentinel_backend_calls": "Calls to the action backend (scheduler), by backend, operation and outcome (ok, retried, failed)",
+    "sentinel_breaker_refusals": "Cordons the circuit breaker refused (too many nodes cordoned by Sentinel in the window)",
+    "sentinel_backend_up": "1 when the last call to the action backend's scheduler answered, 0 when it did not",
+    "sentinel_migration_steps": "Migration steps and their failures, by step",
+    "sentinel_node_cordoned": "1 while this node is cordoned by Sentinel",
 }
 
 
