@@ -333,6 +333,16 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return launch(command, Path(args.pidfile), Path(args.state_dir))
 
 
+def cmd_install(args: argparse.Namespace) -> int:
+    from sentinel.install import InstallError, default_bin, install
+
+    try:
+        sentinel_bin = args.bin or default_bin()
+        return install(Path(os.path.abspath(args.root)), sentinel_bin, reload_systemd=not args.no_reload)
+    except InstallError as exc:
+        return fail(str(exc))
+
+
 TOOLS = ("simulate", "inject", "drill")  # their modules (simulator, goodput Monte Carlo, drill harness) load lazily
 
 
@@ -404,6 +414,13 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     un.add_argument("--state-dir", default="/var/lib/sentinel")
     un.set_defaults(func=cmd_uncordon)
 
+    ins = sub.add_parser("install", help="put the systemd units, the default config and the directories in place "
+                         "(idempotent; never overwrites a changed config)")
+    ins.add_argument("--root", default="/", help="install into this tree instead of / (an image, a staging root)")
+    ins.add_argument("--bin", help="the sentinel command the units run (default: this one)")
+    ins.add_argument("--no-reload", action="store_true", help="do not run systemctl daemon-reload")
+    ins.set_defaults(func=cmd_install)
+
     la = sub.add_parser("launch", help="run the torchrun agent under a pidfile the daemon drains (refuses on a cordoned node)")
     la.add_argument("--pidfile", default=os.path.join(os.environ.get("SENTINEL_RUNTIME_DIR", "/run/sentinel"), "agent.pid"))
     la.add_argument("--state-dir", default="/var/lib/sentinel")
@@ -415,7 +432,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
-    parser = build_parser(command if command in ("run", "check-config", "status", "uncordon", "launch", *TOOLS) else None)
+    parser = build_parser(command if command in ("run", "check-config", "status", "uncordon", "launch", "install", *TOOLS) else None)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -121,3 +121,13 @@ def test_the_metric_tests_pass_with_the_lowest_prometheus_client_allowed(tmp_pat
                        capture_output=True, text=True, timeout=900, cwd=REPO, env=clean_env(PYTHONPATH=str(REPO)))
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert re.search(r"\d+ passed", r.stdout)
+
+
+def test_installed_wheel_installs_the_node_files_pointing_at_itself(wheel_venv, tmp_path):
+    sentinel = wheel_venv.parent / "sentinel"
+    r = subprocess.run([str(sentinel), "install", "--root", str(tmp_path / "node"), "--no-reload"], capture_output=True,
+                       text=True, timeout=60, cwd=tmp_path, env=clean_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    unit = (tmp_path / "node/etc/systemd/system/sentinel.service").read_text()
+    assert f"ExecStart={sentinel} run --config /etc/sentinel/sentinel.toml" in unit
+    assert (tmp_path / "node/etc/sentinel/sentinel.toml").read_text() == (REPO / "systemd/sentinel.toml").read_text()
