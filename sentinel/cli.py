@@ -330,7 +330,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from sentinel.launch import launch
 
     command = args.command[1:] if args.command and args.command[0] == "--" else args.command
-    return launch(command, Path(args.pidfile), Path(args.state_dir))
+    return launch(command, Path(args.pidfile), Path(args.state_dir), user=args.user)
 
 
 def cmd_install(args: argparse.Namespace) -> int:
@@ -424,6 +424,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     la = sub.add_parser("launch", help="run the torchrun agent under a pidfile the daemon drains (refuses on a cordoned node)")
     la.add_argument("--pidfile", default=os.path.join(os.environ.get("SENTINEL_RUNTIME_DIR", "/run/sentinel"), "agent.pid"))
     la.add_argument("--state-dir", default="/var/lib/sentinel")
+    la.add_argument("--user", default=os.environ.get("SENTINEL_AGENT_USER", ""),
+                    help="run the agent (the training job) as this user; the launcher stays root "
+                         "(default: $SENTINEL_AGENT_USER, else the launcher's own user)")
     la.add_argument("command", nargs=argparse.REMAINDER)
     la.set_defaults(func=cmd_launch)
     return p
