@@ -64,6 +64,10 @@ class Container:
             raise AssertionError(f"the container did not finish booting in {timeout}s: {self.console.read_text()[-3000:]}")
         # a host mounts tracefs at boot (sys-kernel-tracing.mount); a container skips it
         self.run(["mount", "-t", "tracefs", "nodev", "/sys/kernel/tracing"])
+        # nspawn overmounts boot_id with a random one, which a sandboxed service (its own /proc)
+        # does not see: the agent's launcher and the daemon would disagree about the boot, as
+        # they never do on a host
+        self.run(["umount", "/proc/sys/kernel/random/boot_id"])
 
     @staticmethod
     def _child_of(pid: int) -> int:

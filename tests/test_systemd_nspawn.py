@@ -208,3 +208,72 @@ def test_stop_finishes_within_its_timeout(node):
     assert props == {"ActiveState": "inactive", "Result": "success"}, c.journal(UNIT)[-2000:]
     assert elapsed < 10
     assert "timed out" not in c.journal(UNIT)
+
+
+JOB_UID = 4717  # a user that exists only inside the container
+
+
+def test_a_daemon_restart_during_a_migration_resumes_it_and_the_agent_runs_unprivileged(node):
+    """The agent template unit as shipped runs the job as a non-root user; a migration that waits
+    for that rank's ack survives `systemctl restart sentinel` (a package upgrade), then completes:
+    cordon marker written, agent drained, and the agent unit refuses to start again."""
+    c = node.container
+    node.ensure_active()
+    host = node.host
+    agent_unit = "sentinel-agent@job.service"
+    sentinel_bin = node.venv / "bin" / "sentinel"
+    for name in ("passwd", "group"):
+        path = c.path(f"/etc/{name}")
+        existing = path.read_text() if path.exists() else ""
+        root = "root:x:0:0:root:/root:/bin/sh\n" if name == "passwd" else "root:x:0:\n"
+        line = f"sntljob:x:{JOB_UID}:{JOB_UID}::/nonexistent:/usr/sbin/nologin\n" if name == "passwd" else f"sntljob:x:{JOB_UID}:\n"
+        path.write_text((existing or root) + line)
+    out = host / "out"
+    out.mkdir()
+    os.chown(out, JOB_UID, JOB_UID)
+    bindir = host / "bin"
+    bindir.mkdir()
+    (bindir / "torchrun").write_text(f"#!{node.venv / 'bin' / 'python'}\n" + (REPO / "tests/workers/fake_torchrun_rank.py").read_text())
+    os.chmod(bindir / "torchrun", 0o755)
+    (node.config.parent / "agent-job.env").write_text(
+        f"TORCHRUN_ARGS=\nSENTINEL_AGENT_USER=sntljob\nFAKE_RANK_OUT={out}\nPATH={bindir}:/usr/bin:/bin\n")
+    unit_path = c.path(f"/etc/systemd/system/{agent_unit.replace('job', '')}")
+    unit_path.write_text(shipped_unit("sentinel-agent@.service", sentinel_bin))
+    c.run(["systemctl", "daemon-reload"])
+    c.run(["systemctl", "start", agent_unit])
+    c.wait_for(lambda: (out / "registered").exists(), timeout=60, what="the rank registered")
+    assert (out / "registered").read_text().split() == [str(JOB_UID), "RankEndpoint"]
+    pidfile = c.path("/run/sentinel/agent.pid")
+    assert os.stat(pidfile).st_uid == 0 and json.loads(pidfile.read_text().splitlines()[1])["uid"] == JOB_UID
+
+    r = __import__("subprocess").run([str(sentinel_bin), "inject", str(node.state), "--gpu", "0", "xid=79"],
+                                     capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    try:
+        requests = c.wait_for(lambda: sorted(p.name for p in out.glob("request-*")), timeout=30, what="the migrate request")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{c.journal(UNIT)[-3000:]}\n{c.journal(agent_unit)[-2000:]}") from None
+    migration = c.wait_for(lambda: (node.status() or {}).get("migration"), timeout=20, what="migration in status")
+    assert migration["phase"] == "requested" and f"request-{migration['request_id']}" in requests
+
+    old_pid = node.main_pid()
+    c.run(["systemctl", "restart", UNIT], timeout=120)  # the package upgrade
+    assert node.main_pid() != old_pid
+    resumed = c.wait_for(lambda: (node.status() or {}).get("migration"), timeout=30, what="migration after restart")
+    assert resumed["request_id"] == migration["request_id"] and resumed["phase"] == "requested"
+    assert any("restarted" in n for n in resumed["notes"])
+    assert not c.path("/var/lib/sentinel/cordon.json").exists()
+
+    (out / "ack-now").write_text("")
+    c.wait_for(lambda: (node.status() or {}).get("migration", {}).get("phase") == "drained", timeout=60,
+               what="migration drained")
+    final = node.status()["migration"]
+    assert final["request_id"] == migration["request_id"] and final["snapshot_step"] == 42
+    marker = json.loads(c.path("/var/lib/sentinel/cordon.json").read_text())
+    assert marker["request_id"] == migration["request_id"]
+    c.wait_for(lambda: (out / "drained").exists(), timeout=30, what="the agent drained")
+    assert (out / "drained").read_text() == "SIGTERM\n"
+    # the agent unit does not come back on a cordoned node (ExecCondition=)
+    time.sleep(7)  # RestartSec=5s
+    assert c.show(agent_unit, "ActiveState")["ActiveState"] != "active"
+    assert "resuming migration after restart" in c.journal(UNIT)
