@@ -421,6 +421,18 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     ins.add_argument("--no-reload", action="store_true", help="do not run systemctl daemon-reload")
     ins.set_defaults(func=cmd_install)
 
+    sc = sub.add_parser("scan", help="one-shot check of this node: NVML and the kernel log; Nagios exit codes "
+                        "(0 ok, 1 warning, 2 critical, 3 unknown)")
+    ex = sub.add_parser("explain", help="what an Xid means and what Sentinel does about it")
+    ex.add_argument("xid", help="an Xid number, e.g. 79")
+    ex.add_argument("--config", help="TOML config whose [policy] Xid overrides apply")
+    if wanted("scan") or wanted("explain"):
+        from sentinel import scan
+
+        scan.add_arguments(sc)
+        sc.set_defaults(func=scan.run)
+        ex.set_defaults(func=scan.explain)
+
     la = sub.add_parser("launch", help="run the torchrun agent under a pidfile the daemon drains (refuses on a cordoned node)")
     la.add_argument("--pidfile", default=os.path.join(os.environ.get("SENTINEL_RUNTIME_DIR", "/run/sentinel"), "agent.pid"))
     la.add_argument("--state-dir", default="/var/lib/sentinel")
@@ -435,7 +447,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
-    parser = build_parser(command if command in ("run", "check-config", "status", "uncordon", "launch", "install", *TOOLS) else None)
+    parser = build_parser(command if command in ("run", "check-config", "status", "uncordon", "launch", "install", "scan",
+                                                  "explain", *TOOLS) else None)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -131,3 +131,18 @@ def test_installed_wheel_installs_the_node_files_pointing_at_itself(wheel_venv, 
     unit = (tmp_path / "node/etc/systemd/system/sentinel.service").read_text()
     assert f"ExecStart={sentinel} run --config /etc/sentinel/sentinel.toml" in unit
     assert (tmp_path / "node/etc/sentinel/sentinel.toml").read_text() == (REPO / "systemd/sentinel.toml").read_text()
+
+
+def test_installed_wheel_scans_a_kernel_log_with_its_shipped_signature_catalog(wheel_venv, tmp_path):
+    sentinel = wheel_venv.parent / "sentinel"
+    state = tmp_path / "gpus.json"
+    r = subprocess.run([str(sentinel), "simulate", "init", str(state), "--gpus", "2"], capture_output=True, text=True,
+                       timeout=60, cwd=tmp_path, env=clean_env())
+    assert r.returncode == 0, r.stderr
+    kern = tmp_path / "kern.log"
+    kern.write_text("[ 10.0] usb 1-1: new device\n[ 11.0] NVRM: GPU 0000:2a:00.0: GPU has fallen off the bus.\n")
+    r = subprocess.run([str(sentinel), "scan", "--simulate", str(state), "--kmsg", str(kern), "--json"],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path, env=clean_env())
+    assert r.returncode == 2, r.stdout + r.stderr  # critical
+    findings = json.loads(r.stdout)["findings"]
+    assert [(f["kind"], f["gpu"], f["action"]) for f in findings] == [("gpu_fallen_off_bus", 1, "migrate")]
