@@ -342,7 +342,17 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from sentinel.launch import launch
 
     command = args.command[1:] if args.command and args.command[0] == "--" else args.command
-    return launch(command, Path(args.pidfile), Path(args.state_dir))
+    return launch(command, Path(args.pidfile), Path(args.state_dir), user=args.user)
+
+
+def cmd_install(args: argparse.Namespace) -> int:
+    from sentinel.install import InstallError, default_bin, install
+
+    try:
+        sentinel_bin = args.bin or default_bin()
+        return install(Path(os.path.abspath(args.root)), sentinel_bin, reload_systemd=not args.no_reload)
+    except InstallError as exc:
+        return fail(str(exc))
 
 
 TOOLS = ("simulate", "inject", "drill")  # their modules (simulator, goodput Monte Carlo, drill harness) load lazily
@@ -419,6 +429,13 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     un.add_argument("--node-name", help="override daemon.node_name (the scheduler's name for this node)")
     un.set_defaults(func=cmd_uncordon)
 
+    ins = sub.add_parser("install", help="put the systemd units, the default config and the directories in place "
+                         "(idempotent; never overwrites a changed config)")
+    ins.add_argument("--root", default="/", help="install into this tree instead of / (an image, a staging root)")
+    ins.add_argument("--bin", help="the sentinel command the units run (default: this one)")
+    ins.add_argument("--no-reload", action="store_true", help="do not run systemctl daemon-reload")
+    ins.set_defaults(func=cmd_install)
+
     sc = sub.add_parser("scan", help="one-shot check of this node: NVML and the kernel log; Nagios exit codes "
                         "(0 ok, 1 warning, 2 critical, 3 unknown)")
     ex = sub.add_parser("explain", help="what an Xid means and what Sentinel does about it")
@@ -434,6 +451,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     la = sub.add_parser("launch", help="run the torchrun agent under a pidfile the daemon drains (refuses on a cordoned node)")
     la.add_argument("--pidfile", default=os.path.join(os.environ.get("SENTINEL_RUNTIME_DIR", "/run/sentinel"), "agent.pid"))
     la.add_argument("--state-dir", default="/var/lib/sentinel")
+    la.add_argument("--user", default=os.environ.get("SENTINEL_AGENT_USER", ""),
+                    help="run the agent (the training job) as this user; the launcher stays root "
+                         "(default: $SENTINEL_AGENT_USER, else the launcher's own user)")
     la.add_argument("command", nargs=argparse.REMAINDER)
     la.set_defaults(func=cmd_launch)
     return p
@@ -442,7 +462,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
-    parser = build_parser(command if command in ("run", "check-config", "status", "uncordon", "launch", "scan", "explain", *TOOLS) else None)
+    parser = build_parser(command if command in ("run", "check-config", "status", "uncordon", "launch", "install", "scan",
+                                                  "explain", *TOOLS) else None)
     args = parser.parse_args(argv)
     return args.func(args)
 

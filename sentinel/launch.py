@@ -9,12 +9,20 @@ agent's status. Training ranks are the agent's descendants — that is how the d
 rank of this job from any other local process (:mod:`sentinel.channel`).
 
 It refuses to start on a cordoned node (exit 3).
+
+The launcher runs as root and, with ``user`` (``--user``, or ``SENTINEL_AGENT_USER`` from the
+agent unit's environment file), runs the agent — and so the whole job — as that user: the child
+takes the user's groups, gid and uid before ``exec``, and the agent never starts if any of that
+fails. The launcher itself stays root because the daemon trusts only a root-owned pidfile (a
+pidfile the job's user could write would let that user point root's SIGTERM at any process of
+theirs, or claim another job's ranks) and because the cordon marker is root's.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import pwd
 import signal
 import sys
 from pathlib import Path
@@ -29,8 +37,17 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
-def launch(command: list[str], pidfile: Path, state_dir: Path) -> int:
+def launch(command: list[str], pidfile: Path, state_dir: Path, user: str = "") -> int:
     from sentinel.migration import read_cordon
+
+    account = None
+    if user:
+        try:
+            account = pwd.getpwnam(user)
+        except KeyError:
+            return _fail(f"--user {user}: no such user", 2)
+        if os.geteuid() != 0 and account.pw_uid != os.geteuid():
+            return _fail(f"--user {user} needs the launcher to run as root", 2)
 
     marker, problem = read_cordon(state_dir / "cordon.json")
     if marker is not None:
@@ -50,6 +67,11 @@ def launch(command: list[str], pidfile: Path, state_dir: Path) -> int:
     if pid == 0:  # the agent
         os.close(r)
         try:
+            if account is not None and account.pw_uid != os.geteuid():
+                os.initgroups(account.pw_name, account.pw_gid)
+                os.setgid(account.pw_gid)
+                os.setuid(account.pw_uid)
+                os.environ.update(USER=account.pw_name, LOGNAME=account.pw_name, HOME=account.pw_dir)
             os.execvp(command[0], command)
         except OSError as exc:
             os.write(w, str(exc.errno or errno.ENOENT).encode())
