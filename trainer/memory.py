@@ -591,7 +591,8 @@ class Replicator:
                 self.replica_newest = target
             self.copied_bytes += own.data_len
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        if _collective(2):
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         if int(flag.item()) == 1:
             self.agreed_step, self.agreed_slot = job.step, own
             return True
@@ -627,7 +628,11 @@ class Replicator:
 
 
 def _rank() -> int:
-    return dist.get_rank()
+    return dist.get_rank() if _collective(2) else 0
+
+
+def _collective(world: int) -> bool:
+    return world > 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 # -- the tier -------------------------------------------------------------------------------------
@@ -744,6 +749,8 @@ class MemoryTier:
         return self.replicas[index]
 
     def _gather(self, obj: Any) -> list[Any]:
+        if not _collective(self.world):
+            return [obj]
         out: list[Any] = [None] * self.world
         dist.all_gather_object(out, obj, group=self.group)
         return out
@@ -888,7 +895,8 @@ class MemoryTier:
             error = f"{type(exc).__name__}: {exc}"
             log.error("restore from memory at step %d failed on rank %d: %s", plan.step, self.rank, error)
         flag = torch.tensor([0 if error else 1], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        if _collective(self.world):
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         if not int(flag.item()):
             result.reason = error or "the restore from memory failed on another rank"
             return result
