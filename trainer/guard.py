@@ -604,6 +604,8 @@ class SnapshotGuard:
         beats = max(1, math.ceil(seconds / HOLD_BEAT))
         flag = torch.zeros(1, dtype=torch.int32)
         for _ in range(beats):
+            if self._inflight is not None and self._inflight.upload.done():
+                self._reap()  # the migrate snapshot committed in memory is now on disk: its marker
             self._answer_while_holding()
             if self.distributed and self.world > 1:
                 try:
