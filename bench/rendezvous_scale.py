@@ -199,7 +199,7 @@ def main() -> int:
         figures[f"restart_n{r['n']}_seconds"] = round(r["restart"], 3)
     if len(ok) >= 2:
         ns, ys = [r["n"] for r in ok], [r["restart"] for r in ok]
-        print(f"\nfits of kill -> first all-reduce, extrapolated to 2,048 nodes:")
+        print("\nfits of kill -> first all-reduce, extrapolated to 2,048 nodes:")
         for name, tf in (("linear", float), ("log2", math.log2)):
             a, b, rms = fit(ns, ys, tf)
             print(f"  {name:<7} {a:7.2f} + {b:6.3f} * {'N' if name == 'linear' else 'log2 N':<7} rms {rms:5.2f} s  "
