@@ -63,7 +63,7 @@ def measure(mb: int, repeats: int, work: Path) -> dict[str, float]:
             floor[k].copy_(v)
         memcpy.append(time.perf_counter() - t0)
 
-        guard._pending.append(type("R", (), {"type": "snapshot", "id": f"b{i}"})())  # as if the daemon asked
+        guard._pending[f"b{i}"] = type("R", (), {"type": "snapshot", "id": f"b{i}"})()  # as if the daemon asked
         t0 = time.perf_counter()
         guard.step(i)
         blocked = time.perf_counter() - t0
