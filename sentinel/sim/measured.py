@@ -157,8 +157,8 @@ def load_all(paths: list[str]) -> list[Report]:
         if not any(uses(r) for r in reports):
             benches = ", ".join(sorted({r.bench for r in reports}))
             raise _fail(path, f"{benches} measures none of the simulator's inputs; it takes "
-                              f"{', '.join(sorted({n for i in INPUTS for n, _ in i.figures}))} and restart_n<N>_seconds "
-                              "(bench/rendezvous_scale.py)")
+                              f"{', '.join(sorted({n for i in INPUTS for n, _ in i.figures}))} and restart_n<N>_seconds for "
+                              "two or more N (bench/rendezvous_scale.py)")
         out.extend(reports)
     return out
 
