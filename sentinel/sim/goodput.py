@@ -740,8 +740,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--stall-seconds-per-gb", type=float, help="async snapshot stall per GB of state per rank")
     g.add_argument("--write-minutes", type=float, help="fix the checkpoint write time (overrides the bandwidth model)")
     g.add_argument("--detect-seconds", type=float)
-    g.add_argument("--restart-fit", choices=("best", "linear", "log2"), default="best",
-                   help="growth form of the measured restart curve")
+    g.add_argument("--restart-fit", choices=("log2", "linear", "best"), default="log2",
+                   help="growth form of the measured restart curve (default log2: the linear growth measured on one "
+                        "machine is CPU contention, an upper bound; best: the lower residual; docs/goodput.md)")
     g.add_argument("--restart-extra-seconds", type=float, default=120.0,
                    help="restart cost one machine cannot measure: scheduler, NCCL init at scale, warm-up")
     g.add_argument("--restart-minutes", type=float, help="fix the whole restart from disk (overrides the parts)")
