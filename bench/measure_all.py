@@ -35,7 +35,7 @@ BENCHES = (
     ("snapshot_stall", ["--sizes-mb", "256", "1024", "--repeats", "5"], 900, False),
     ("migration", ["--runs", "3"], 1500, False),
     ("rendezvous_scale", ["--agents", "2", "4", "8", "16", "--repeats", "3"], 1200, False),
-    ("ebpf_latency", ["--lines", "300"], 600, True),
+    ("ebpf_latency", ["--lines", "300"], 900, True),
     ("predict_eval", [], 300, False),
     ("memory_tier", [], 1200, False),  # issue 15's bench, once it exists
     ("poll_overhead", ["--seconds", "10", "--gpus", "8"], 600, False),
@@ -109,7 +109,8 @@ def tables(path: Path, runs: int, plot: bool) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", nargs="+", choices=[b[0] for b in BENCHES], help="run only these benches")
+    ap.add_argument("--only", nargs="*", choices=[b[0] for b in BENCHES],
+                    help="run only these benches (none: only re-bundle --include files)")
     ap.add_argument("--include", nargs="+", default=[], metavar="FILE", help="also bundle these bench reports")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--tables-only", action="store_true", help="do not run benches: tables and plot from --out")
@@ -118,14 +119,18 @@ def main() -> int:
     args = ap.parse_args()
     if not args.tables_only:
         with tempfile.TemporaryDirectory(prefix="sentinel-measure-") as d:
-            reports, notes = run_benches(set(args.only) if args.only else None, Path(d))
+            reports, notes = run_benches(set(args.only) if args.only is not None else None, Path(d))
         for path in args.include:
             try:
                 rs = measured.load(path)
             except measured.MeasuredError as exc:
                 sys.exit(f"measure_all: {exc}")
             doc = json.loads(Path(path).read_text())
-            reports.extend(doc["reports"] if doc.get("kind") == measured.BUNDLE_KIND else [doc])
+            if doc.get("kind") == measured.BUNDLE_KIND:
+                reports.extend(doc["reports"])
+                notes.extend(doc.get("notes", []))
+            else:
+                reports.append(doc)
             print(f"included {path}: {', '.join(r.bench for r in rs)}")
         if not reports:
             sys.exit("measure_all: no bench gave a report; nothing written")

@@ -666,8 +666,9 @@ def sensitivity(base: Params, target: float, strategy: str = "sentinel_memory_sp
     reqs.append(Requirement("predictable share of failures (lead >= 2 min)", f"{share0:.1%}",
                             "not reachable" if x is None else f">= {predictable_share(_scaled_classes(best, x)):.1%}"))
     r0 = best.restart_h("peer") * H
-    x = _threshold(lambda e: ettr(replace(best, restart_extra_seconds=e)) >= target, 0.0, 3600.0, increasing=False)
-    need = None if x is None else replace(best, restart_extra_seconds=x).restart_h("peer") * H
+    # the whole restart from disk, whatever its parts; memory and peer restarts follow from it
+    x = _threshold(lambda r: ettr(replace(best, restart_hours=r)) >= target, best.restore_disk_h(), 2.0, increasing=False)
+    need = None if x is None else replace(best, restart_hours=x).restart_h("peer") * H
     reqs.append(Requirement("restart after a node loss (from the peer replica)", f"{r0:.0f} s",
                             "not reachable" if need is None else f"<= {need:,.0f} s"))
     k0 = best.memory_interval_steps
