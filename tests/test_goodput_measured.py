@@ -245,3 +245,19 @@ def test_llama3_published_effective_training_time_is_reproduced():
     assert p.write_h() * HOUR == pytest.approx(16384 * 4 / 2000)  # 32.8 s: all GPUs at the 2 TB/s ceiling
     assert ettr(3.0) > 0.90
     assert ettr(15.0) < 0.90
+
+
+def test_the_memory_tier_bench_file_is_taken_with_nulls_and_noise(tmp_path):
+    """bench/memory_tier.py (issue 15) writes null for a restore it could not measure, and a
+    step-time overhead that noise can push below zero."""
+    path = report(tmp_path / "memory_tier.json", "memory_tier", {
+        "reference_step_seconds": 0.05, "memory_snapshot_overhead_fraction": -0.02, "restore_from_memory_seconds": 0.4,
+        "restore_from_peer_seconds": 1.1, "restore_from_disk_seconds": None, "big_stall_to_memcpy_ratio": 1.1})
+    defaults = {f: getattr(Params(), f) for f in ("stall_seconds_per_gb", "node_write_gbps", "memory_overhead_fraction",
+                                                  "migrate_seconds", "migrate_warm_seconds", "restore_memory_seconds",
+                                                  "restore_peer_seconds", "restore_disk_seconds", "detect_seconds",
+                                                  "restart_curve")}
+    values, where = measured.resolve(measured.load_all([path]), {}, defaults, nodes=2048)
+    assert values["memory_overhead_fraction"] == 0.0 and "within noise" in where["memory_overhead_fraction"]
+    assert values["restore_peer_seconds"] == 1.1 and values["restore_memory_seconds"] == 0.4
+    assert where["restore_disk_seconds"].startswith("default")
