@@ -187,7 +187,7 @@ def test_measured_files_fill_inputs_say_where_from_and_typed_flags_override(tmp_
     (json.dumps({"bench": "poll_overhead", "version": 1, "created": "", "host": {"cpus": 2},
                  "figures": {"cpu_8gpus_fleet_core_fraction": 0.01}}), "measures none of the simulator's inputs"),
     (json.dumps({"bench": "memory_tier", "version": 1, "created": "", "host": {},
-                 "figures": {"memory_snapshot_overhead_fraction": -0.1}}), "outside what"),
+                 "figures": {"memory_snapshot_overhead_fraction": -0.9}}), "outside what"),
 ])
 def test_a_file_it_cannot_use_is_refused_naming_the_file_and_the_fault(tmp_path, content, says):
     path = tmp_path / "bad.json"
