@@ -2,7 +2,12 @@
 step on the spare, lost steps; side by side with a plain crash (kill -9, no warning) restarted on
 the spare from a periodic snapshot every M steps.
 
-    python bench/migration.py [--runs 5] [--interval-steps 10]
+    python bench/migration.py [--runs 5] [--interval-steps 10] [--json PATH]
+
+``--json`` figures (medians over the drills that succeeded): ``migration_trip_to_first_step_seconds``,
+``migration_fault_to_first_step_seconds``, ``migration_stage_<stage>_seconds`` per timeline stage,
+``migration_lost_steps``, and for the plain crash ``crash_fault_to_first_step_seconds`` and
+``crash_lost_steps``.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report  # noqa: E402
 
 
 def drill(fault: str, interval: int, extra: list[str]) -> dict:
@@ -30,6 +37,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--interval-steps", type=int, default=10)
     ap.add_argument("--fault", default="xid79")
+    _report.add_json_argument(ap)
     args, extra = ap.parse_known_args()
     planned, crashed = [], []
     for _ in range(args.runs):  # interleaved, so both see the same machine noise
@@ -60,6 +68,23 @@ def main() -> None:
           f"{summary(ok, 'trip_to_first_step_seconds'):>20} {lost(ok):>27}")
     print(f"{'plain crash, periodic every %d steps' % args.interval_steps:<38} {len(ok_c)}/{len(crashed):<3} "
           f"{summary(ok_c, 'fault_to_first_step_seconds'):>30} {'-':>20} {lost(ok_c):>27}")
+
+    def median_of(rows: list[dict], key: str) -> float | None:
+        vals = [r[key] for r in rows if r.get(key) is not None]
+        return statistics.median(vals) if vals else None
+
+    figures = {
+        "migration_trip_to_first_step_seconds": median_of(ok, "trip_to_first_step_seconds"),
+        "migration_fault_to_first_step_seconds": median_of(ok, "fault_to_first_step_seconds"),
+        "migration_lost_steps": statistics.median([len(r["recomputed_steps"]) for r in ok]) if ok else None,
+        "migration_ok_fraction": len(ok) / len(planned) if planned else None,
+        "crash_fault_to_first_step_seconds": median_of(ok_c, "fault_to_first_step_seconds"),
+        "crash_lost_steps": statistics.median([len(r["recomputed_steps"]) for r in ok_c]) if ok_c else None,
+        "crash_ok_fraction": len(ok_c) / len(crashed) if crashed else None,
+    }
+    for stage, vals in durations.items():
+        figures[f"migration_stage_{stage.replace(' ', '_').replace('-', '_')}_seconds"] = statistics.median(vals)
+    _report.write(args.json, "migration", figures)
 
 
 if __name__ == "__main__":

@@ -395,7 +395,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     init.add_argument("state")
     init.add_argument("--gpus", type=int, default=8)
     init.set_defaults(func=cmd_simulate_init)
-    gp = simsub.add_parser("goodput", help="Monte Carlo of ETTR at scale: periodic vs async vs Sentinel, spare pool sizing")
+    gp = simsub.add_parser("goodput", help="Monte Carlo of ETTR at scale from measured figures (--measured): periodic, async, "
+                           "Sentinel, + memory tier, + warm spare; intervals searched; spares; sensitivity")
     if wanted("simulate"):
         from sentinel.sim import goodput
 
