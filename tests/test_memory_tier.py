@@ -297,3 +297,51 @@ def test_ranks_racing_to_create_the_holder_id_all_read_the_same_whole_id(tmp_pat
             p.join(30)
         assert len(ids) == 1 and len(next(iter(ids))) == 24, ids
         assert sorted(os.listdir(d)) == ["holder-id"]  # no temporary file left behind
+
+
+def committed_steps(snaps: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in snaps.glob("step-*") if p.name[5:].isdigit() and (p / "COMMITTED").is_file())
+
+
+def resume_from_disk_only(tmp_path: Path, run_id: str) -> list[dict]:
+    """Wipe every node's memory and run the job again to its end: it resumes from the newest disk
+    snapshot, so its final state is that snapshot's (nothing left to train when it is the last)."""
+    import shutil
+
+    shutil.rmtree(tmp_path / "holders")
+    rows, r = job(tmp_path, "--steps", "12", "--interval-steps", "3", run_id=run_id)
+    assert len(rows) == 4, r.stdout[-2000:] + r.stderr[-3000:]
+    return rows
+
+
+@pytest.mark.slow
+def test_a_disk_snapshot_due_while_a_replica_copy_runs_is_written_at_its_step(tmp_path, reference):
+    """Disk every 3 steps (due at 2, 5, 8, 11) with a partner whose copies take ~10 steps: the
+    disk snapshots are no longer put off until a copy ends (it used to be never for the one due at
+    the end); each is staged for the disk tier on its own. The last one restores bitwise."""
+    rows, r = job(tmp_path, "--steps", "12", "--interval-steps", "3", "--slow-rank", "2",
+                  "--slow-bytes-per-second", "2e6", "--step-seconds", "0.02", run_id="due-busy")
+    assert len(rows) == 4, r.stderr[-3000:]
+    mem = rows[0]["memory"]
+    assert mem["late"] >= 4 and mem["disk_only"] >= 1, mem  # due while a copy ran: staged on its own
+    disk = [rec["step"] for rec in rows[0]["records"] if rec["tier"] == "disk" and rec["ok"]]
+    assert 11 in disk and len(disk) >= 3, rows[0]["records"]
+    assert committed_steps(tmp_path / "snaps")[-1] == 11
+    again = resume_from_disk_only(tmp_path, "due-busy-2")
+    assert again[0]["restore"]["tier"] == "disk" and again[0]["start"] == 12
+    assert again[0]["params"] == reference["params"] and again[0]["optim"] == reference["optim"]
+
+
+@pytest.mark.slow
+def test_the_disk_snapshot_owed_at_the_end_is_written_by_close(tmp_path, reference):
+    """Disk every 3 steps on a slow filesystem (each write takes 2 s more): the one due at step 11
+    finds the previous write still running, so it is owed when training ends; close() writes it
+    from memory (it used to be lost). It restores bitwise."""
+    rows, r = job(tmp_path, "--steps", "12", "--interval-steps", "3", "--slow-disk-seconds", "2", run_id="owed-end")
+    assert len(rows) == 4, r.stderr[-3000:]
+    assert {row["memory"]["flushed_at_close"] for row in rows} == {11}
+    assert any(rec["step"] == 11 and rec["tier"] == "disk" and rec["ok"] for rec in rows[0]["records"])
+    assert committed_steps(tmp_path / "snaps")[-1] == 11
+    again = resume_from_disk_only(tmp_path, "owed-end-2")
+    assert again[0]["restore"]["tier"] == "disk" and again[0]["start"] == 12
+    assert again[0]["params"] == reference["params"] and again[0]["optim"] == reference["optim"]
