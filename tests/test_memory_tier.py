@@ -345,3 +345,50 @@ def test_the_disk_snapshot_owed_at_the_end_is_written_by_close(tmp_path, referen
     again = resume_from_disk_only(tmp_path, "owed-end-2")
     assert again[0]["restore"]["tier"] == "disk" and again[0]["start"] == 12
     assert again[0]["params"] == reference["params"] and again[0]["optim"] == reference["optim"]
+
+
+def test_the_reused_state_dict_follows_the_training_and_an_lr_schedule(tmp_path):
+    """The memory tier reuses the state dict of an (unsharded) model + optimizer while its tensors
+    are the live ones; every snapshot must still hold the step's parameters, optimizer state and
+    learning rate (a scheduler changes it each step). A fresh guard restores exactly those."""
+    from sentinel.channel import NullEndpoint
+    from trainer.guard import ModelOptimState, SnapshotGuard
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(optim, step_size=1, gamma=0.5)
+        return model, optim, sched
+
+    def train(model, optim, sched, step):
+        g = torch.Generator().manual_seed(step)
+        model(torch.randn(4, 8, generator=g)).square().mean().backward()
+        optim.step()
+        optim.zero_grad()
+        sched.step()
+
+    kw = dict(memory_interval_steps=1, memory_dir=tmp_path / "holder", memory_run_id="reuse", endpoint=NullEndpoint())
+    model, optim, sched = make()
+    guard = SnapshotGuard(tmp_path / "snaps", {"app": ModelOptimState(model, optim)}, **kw)
+    for step in range(6):
+        train(model, optim, sched, step)
+        guard.step(step)
+        assert guard.memory.wait_idle()
+    assert guard.memory_summary()["snapshots"] == 6 and guard.memory.agreed_step == 5
+    want_params = [p.detach().clone() for p in model.parameters()]
+    want_avg = [optim.state[p]["exp_avg"].clone() for p in model.parameters()]
+    assert optim.param_groups[0]["lr"] == 0.1 * 0.5 ** 6
+    guard.close(flush=False)
+
+    model2, optim2, sched2 = make()
+    guard2 = SnapshotGuard(tmp_path / "snaps", {"app": ModelOptimState(model2, optim2)}, **kw)
+    assert guard2.resume() == 6 and guard2.restore_summary()["tier"] == "memory"
+    assert all(torch.equal(a, b) for a, b in zip(want_params, model2.parameters()))
+    assert all(torch.equal(a, optim2.state[p]["exp_avg"]) for a, p in zip(want_avg, model2.parameters()))
+    assert optim2.param_groups[0]["lr"] == 0.1 * 0.5 ** 6
+    # after the load the live tensors are others: the next snapshot rebuilds and still follows them
+    train(model2, optim2, sched2, 6)
+    guard2.step(6)
+    assert guard2.memory.wait_idle() and guard2.memory.agreed_step == 6
+    guard2.close(flush=False)
