@@ -330,7 +330,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from sentinel.launch import launch
 
     command = args.command[1:] if args.command and args.command[0] == "--" else args.command
-    return launch(command, Path(args.pidfile), Path(args.state_dir))
+    return launch(command, Path(args.pidfile), Path(args.state_dir), warm=args.warm)
+
+
+def cmd_admit(args: argparse.Namespace) -> int:
+    """Admit a warm spare: its agent joins the rendezvous now (see sentinel.launch.admit)."""
+    from sentinel.launch import admit
+
+    return admit(Path(args.pidfile))
 
 
 TOOLS = ("simulate", "inject", "drill")  # their modules (simulator, goodput Monte Carlo, drill harness) load lazily
@@ -407,15 +414,21 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     la = sub.add_parser("launch", help="run the torchrun agent under a pidfile the daemon drains (refuses on a cordoned node)")
     la.add_argument("--pidfile", default=os.path.join(os.environ.get("SENTINEL_RUNTIME_DIR", "/run/sentinel"), "agent.pid"))
     la.add_argument("--state-dir", default="/var/lib/sentinel")
+    la.add_argument("--warm", action="store_true",
+                    help="a warm spare: the agent starts but joins the rendezvous only on `sentinel admit`")
     la.add_argument("command", nargs=argparse.REMAINDER)
     la.set_defaults(func=cmd_launch)
+
+    ad = sub.add_parser("admit", help="let a warm spare's agent (sentinel launch --warm) join the rendezvous")
+    ad.add_argument("--pidfile", default=os.path.join(os.environ.get("SENTINEL_RUNTIME_DIR", "/run/sentinel"), "agent.pid"))
+    ad.set_defaults(func=cmd_admit)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
-    parser = build_parser(command if command in ("run", "check-config", "status", "uncordon", "launch", *TOOLS) else None)
+    parser = build_parser(command if command in ("run", "check-config", "status", "uncordon", "launch", "admit", *TOOLS) else None)
     args = parser.parse_args(argv)
     return args.func(args)
 

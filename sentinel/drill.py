@@ -1,9 +1,14 @@
 """`sentinel drill`: the whole path on one machine, no GPU.
 
-A rendezvous store, N "nodes" — each a Sentinel daemon with its own simulated GPUs, runtime and
-state directories and metrics port, plus a torchrun agent running ``trainer/train.py`` — and S
-cold spare nodes (daemon running, agent started only when a migration begins: a running spare
-plus any rank crash starts an endless 3-nodes-for-2-slots re-rendezvous loop). A fault is
+A rendezvous store (a c10d TCPStore, or etcd with ``--rdzv-backend etcd-v2``), N "nodes" — each
+a Sentinel daemon with its own simulated GPUs, runtime and state directories and metrics port,
+plus an elastic agent running ``trainer/train.py`` — and S spare nodes. With ``--agent warm``
+(the default) every agent is ``python -m trainer.elastic`` under ``sentinel launch``, and a spare's
+agent is started at once with ``--warm``: torch and the training module imported, forkserver up,
+*outside* the rendezvous until the migration admits it (``sentinel admit``: a spare inside the
+rendezvous plus any rank crash starts an endless 3-nodes-for-2-slots re-rendezvous loop). With
+``--agent torchrun`` the agents are plain torchrun and spares are cold (the agent starts only
+when a migration begins): the "before" of ``bench/migration.py``. A fault is
 injected at step K into one node's simulated GPU; the timeline of every stage is printed; the
 exit status is 0 only when the job finished with a spare in place of the failed node and no
 step was lost (``--verify`` also compares the final parameters bitwise with an uninterrupted
@@ -111,20 +116,39 @@ class Drill:
         return p
 
     def start_store(self) -> None:
-        self.spawn([sys.executable, "-m", "trainer.store", "--port", str(self.store_port)], self.work / "store.log")
+        if self.args.rdzv_backend == "etcd-v2":
+            etcd = shutil.which("etcd")
+            if etcd is None:
+                raise DrillError("--rdzv-backend etcd-v2 needs etcd (Debian package etcd-server)")
+            peer = free_port()
+            url, peer_url = f"http://127.0.0.1:{self.store_port}", f"http://127.0.0.1:{peer}"
+            self.spawn([etcd, "--name", "drill", "--data-dir", str(self.work / "etcd"), "--enable-v2=true",
+                        "--listen-client-urls", url, "--advertise-client-urls", url, "--listen-peer-urls", peer_url,
+                        "--initial-advertise-peer-urls", peer_url, "--initial-cluster", f"drill={peer_url}",
+                        "--log-level", "warn"], self.work / "store.log")
+        else:
+            self.spawn([sys.executable, "-m", "trainer.store", "--port", str(self.store_port)], self.work / "store.log")
         _wait(lambda: _port_open(self.store_port), 30, "rendezvous store")
 
     def agent_argv(self, node: Node) -> list[str]:
         a = self.args
         nnodes = f"{a.min_nodes or a.nodes}:{a.nodes}"
-        rdzv_conf = ("is_host=false,keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2,"
-                     f"join_timeout={int(a.timeout)}")
+        if a.rdzv_backend == "etcd-v2":
+            rdzv_conf = f"protocol=http,last_call_timeout=2,timeout={int(a.timeout)}"
+        else:
+            rdzv_conf = ("is_host=false,keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2,"
+                         f"join_timeout={int(a.timeout)}")
+        launch = [sys.executable, "-m", "sentinel", "launch", "--pidfile", str(node.pidfile), "--state-dir", str(node.state_dir)]
+        if a.agent == "warm":
+            launch += ["--warm"] if node.spare else []
+            agent = [sys.executable, "-m", "trainer.elastic", "--preload", "trainer.train",
+                     "--ready-file", str(node.runtime / "warm.json"), "--"]
+        else:
+            agent = [sys.executable, "-m", "torch.distributed.run", f"--start-method={a.start_method}"]
         return [
-            sys.executable, "-m", "sentinel", "launch", "--pidfile", str(node.pidfile), "--state-dir", str(node.state_dir), "--",
-            sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={a.procs_per_node}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.store_port}", f"--rdzv-id={self.run_id}",
+            *launch, "--", *agent, f"--nnodes={nnodes}", f"--nproc-per-node={a.procs_per_node}",
+            f"--rdzv-backend={a.rdzv_backend}", f"--rdzv-endpoint=127.0.0.1:{self.store_port}", f"--rdzv-id={self.run_id}",
             f"--rdzv-conf={rdzv_conf}", f"--max-restarts={a.max_restarts}", "--monitor-interval=0.1",
-            f"--start-method={a.start_method}",
             "-m", "trainer.train", "--steps", str(a.steps), "--snapshot-dir", str(self.snapshots),
             "--interval-steps", str(a.interval_steps), "--step-seconds", str(a.step_seconds),
             "--progress", str(self.progress), "--final", str(self.work / "final.json"),
@@ -155,6 +179,7 @@ class Drill:
             (self.pool / f"{name}.json").write_text(json.dumps({
                 "name": name, "argv": self.agent_argv(node), "env": self.node_env(node),
                 "log": str(node.root / "agent.log"), "cwd": str(_repo_root()),
+                "warm": self.args.agent == "warm", "pidfile": str(node.pidfile),
             }))
             (self.pool / f"{name}.free").write_text("")
         return node
@@ -247,8 +272,16 @@ class Drill:
         for n in self.nodes:
             self.wait_daemon(n)
         for n in self.nodes:
-            if not n.spare:
+            if not n.spare or a.agent == "warm":  # warm spares start now and wait outside the rendezvous
                 self.start_agent(n)
+        if a.agent == "warm":
+            for n in (n for n in self.nodes if n.spare):
+                ready, agent = n.runtime / "warm.json", n.agent
+                _wait(lambda: ready.exists() or agent.poll() is not None, max(1.0, t_start + a.timeout - time.time()),
+                      f"{n.name}'s agent to be warm")
+                if agent.poll() is not None:
+                    raise DrillError(f"{n.name}'s agent exited before it was warm: "
+                                     f"{(n.root / 'agent.log').read_text()[-1500:]}")
         victims = self.nodes[1:1 + a.victims] if a.nodes > a.victims else self.nodes[:a.victims]
         victim = victims[0]
         deadline = t_start + a.timeout
@@ -529,6 +562,14 @@ def claim_spare(pool: Path) -> int:
         except FileNotFoundError:
             continue  # another node claimed it first
         spec = json.loads(free.with_suffix(".json").read_text())
+        if spec.get("warm"):  # its agent is running and warm: let it join the rendezvous
+            from sentinel.launch import admit
+
+            if admit(Path(spec["pidfile"])) != 0:
+                os.rename(claimed, free.with_suffix(".dead"))
+                continue  # it died while waiting: the next one
+            print(f"admitted warm spare {spec['name']}")
+            return 0
         with open(spec["log"], "a") as out:
             subprocess.Popen(spec["argv"], env=spec["env"], stdout=out, stderr=subprocess.STDOUT, cwd=spec["cwd"],
                              start_new_session=True)
@@ -570,8 +611,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the disk is full when the migrate snapshot is written (root: a small tmpfs is filled)")
     p.add_argument("--min-nodes", type=int, default=0, help="--nnodes minimum (default: --nodes)")
     p.add_argument("--max-restarts", type=int, default=3)
+    p.add_argument("--agent", choices=["warm", "torchrun"], default="warm",
+                   help="warm: python -m trainer.elastic, preloaded forkserver, warm spares, graceful leave;"
+                        " torchrun: plain torchrun and cold spares (the before)")
+    p.add_argument("--rdzv-backend", choices=["c10d", "etcd-v2"], default="c10d",
+                   help="c10d: a standalone TCPStore; etcd-v2: a local etcd (Debian etcd-server) on loopback")
     p.add_argument("--start-method", choices=["spawn", "fork", "forkserver"], default="spawn",
-                   help="torchrun worker start method")
+                   help="torchrun worker start method (--agent torchrun; a -m module ignores it)")
     p.add_argument("--timeout", type=float, default=180.0)
     p.add_argument("--verify", action="store_true", help="also run uninterrupted and compare final parameters bitwise")
     p.add_argument("--json", action="store_true", help="print the machine-readable result")

@@ -111,6 +111,31 @@ def read_cordon(path: Path) -> tuple[dict | None, str]:
     return marker, ""
 
 
+def leaving_reason(state_dir: Path) -> str:
+    """Why this node is leaving the job, or "" when it is not: a cordon marker (or one that cannot
+    be trusted: fail safe, as ``sentinel launch`` does), or a migration record in any phase (from
+    the trip on, every path of a migration ends with the node drained). The agent asks this
+    before it re-joins the rendezvous after its workers failed: a node being drained must not
+    come back as a participant for the seconds until its own drain signal arrives."""
+    marker, problem = read_cordon(state_dir / "cordon.json")
+    if marker is not None:
+        return f"node is cordoned: {marker['reason']}"
+    if problem:
+        return f"node is cordoned ({problem})"
+    try:
+        raw = read_trusted(state_dir / "migration.json", owners=frozenset({0, os.geteuid()}), max_bytes=1 << 20)
+    except FileNotFoundError:
+        return ""
+    except (UnsafePath, OSError) as exc:
+        return f"untrusted migration record: {exc}"
+    try:
+        record = json.loads(raw)
+        phase = Phase(record["phase"])
+    except (ValueError, KeyError, TypeError):
+        return "unreadable migration record"
+    return f"migration {record.get('request_id', '?')} is {phase.value}: {record.get('rule', '')}: {record.get('reason', '')}"
+
+
 class Migrator:
     def __init__(
         self,
