@@ -70,6 +70,7 @@ def attach_actions(daemon: Daemon) -> None:
                         node=cfg.daemon.node_name or socket.gethostname())
     daemon.endpoint = endpoint
     daemon.migrator = migrator
+    migrator.wake = daemon.wake  # a finished cordon/drain step moves the migration on at once
     daemon.executor = Executor(trainer=endpoint, migrator=migrator)
     daemon.extra_counters += [endpoint.metric_counters, migrator.metric_counters]
     daemon.extra_gauges.append(migrator.gauges)

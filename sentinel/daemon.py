@@ -134,6 +134,10 @@ class Daemon:
         self._stop.set()
         self._wake.set()
 
+    def wake(self) -> None:
+        """Decide and act now instead of at the next poll (thread-safe: an action finished, an event came)."""
+        self._wake.set()
+
     def close(self) -> None:
         self.notifier.stopping()
         if self.httpd is not None:

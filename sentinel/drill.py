@@ -381,11 +381,15 @@ class Drill:
         loaded = [e for e in events if e["event"] == "resumed" and e["node"] in spares and e["time"] >= t_fault]
         if not loaded:  # no spare joined: the job went on with the nodes it had (or did not resume at all)
             loaded = [e for e in events if e["event"] == "resumed" and e["time"] >= t_fault]
+        left = [e for e in events if e["event"] == "drained" and e["time"] >= t_fault]
+        tl.add("survivors left the hold", min((e["time"] for e in left), default=None))
+        started = [e.get("process_started") for e in admitted if e.get("process_started")]
+        tl.add("spare workers started", min(started, default=None), warm=self.args.agent == "warm")
         t_admit = min((e["time"] for e in admitted), default=None)
         tl.add("spare admitted", t_admit, node=admitted[0]["node"] if admitted else None)
         t_loaded = min((e["time"] for e in loaded), default=None)
         tl.add("snapshot loaded", t_loaded, start_step=loaded[0]["start"] if loaded else None,
-               source=loaded[0]["source"] if loaded else None)
+               source=loaded[0]["source"] if loaded else None, phases=loaded[0].get("phases") if loaded else None)
         steps = [e for e in events if e["event"] == "step"]
         after = [e for e in steps if t_loaded is not None and e["time"] >= t_loaded]
         t_first = after[0]["time"] if after else None

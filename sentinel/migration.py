@@ -172,6 +172,9 @@ class Migrator:
         self._cordoned_mem = False
         self._resend = False
         self.cordon_problem = ""
+        # Called (from the worker thread) when a cordon/drain step finishes, so the daemon ticks
+        # now instead of at its next poll: each poll interval saved is saved on every migration.
+        self.wake: Callable[[], None] = lambda: None
         self._restore()
 
     def reconfigure(self, actions: ActionsConfig) -> None:
@@ -303,6 +306,8 @@ class Migrator:
             self._job = self.workers.submit(self._stop_agent) if self.cfg.drain else None
             if self._job is None:
                 self._mark(Phase.DRAINED)
+        if self._job is not None:
+            self._job.add_done_callback(lambda _job: self.wake())
 
     def _collect(self, rec: MigrationRecord, acks: list) -> None:
         for ack in acks:

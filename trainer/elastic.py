@@ -9,8 +9,9 @@ rendezvous handler; what differs answers one measured slow path of a node replac
 
 * **Workers start from a preloaded forkserver.** A worker started by torchrun is a fresh
   interpreter that imports torch (1-3 s on a loaded 2-core host). Here the ``-m`` module runs as
-  a function entry point under the ``forkserver`` start method, and the forkserver imports torch
-  and every ``--preload`` module once, when the agent starts: a worker is a ``fork()`` of it. Only
+  a function entry point under the ``forkserver`` start method, and the forkserver imports torch,
+  what torch imports lazily on a worker's first steps (:mod:`trainer.warmup`) and every
+  ``--preload`` module once, when the agent starts: a worker is a ``fork()`` of it. Only
   preload a training module that can be imported without side effects (its work is under
   ``if __name__ == "__main__"``); the forkserver never initialises CUDA, so forking it is safe.
 * **--warm: a spare that does not join.** The agent starts completely — torch imported,
@@ -253,15 +254,35 @@ def _make_agent_class():
                 self._stop_workers(worker_group)
                 self._sentinel_leave(f"not re-joining ({reason})")
                 raise NodeLeaving(reason)
+            log.info("restarting the worker group (%s)", worker_group.state.name)
             super()._restart_workers(worker_group)
 
-        def _shutdown(self, death_sig=signal.SIGTERM, timeout: int = 30) -> None:
-            # Called with the signal on SIGTERM/SIGINT (before torch stops the workers) and at
-            # the end of run(). Leave first, so the survivors' re-rendezvous does not wait for
-            # this node's keep-alive to expire; not after success (the job is over).
-            if self._worker_group.state != WorkerState.SUCCEEDED:
+        def _rendezvous(self, worker_group) -> None:
+            t = time.monotonic()
+            super()._rendezvous(worker_group)
+            log.info("rendezvous: group rank %d of %d in %.3f s", worker_group.group_rank,
+                     worker_group.group_world_size, time.monotonic() - t)
+
+        def _start_workers(self, worker_group):
+            t = time.monotonic()
+            pids = super()._start_workers(worker_group)
+            log.info("started %d worker(s) in %.3f s", len(pids), time.monotonic() - t)
+            return pids
+
+        def _shutdown(self, death_sig=None, timeout: int = 30) -> None:
+            # torch calls this with the signal when the agent got SIGTERM/SIGINT (before it stops
+            # the workers), and without one from _stop_workers and at the end of run(). On a
+            # signal, leave first, so the survivors' re-rendezvous does not wait for this node's
+            # keep-alive to expire.
+            if death_sig is not None and self._worker_group.state != WorkerState.SUCCEEDED:
                 self._sentinel_leave(f"stopping ({getattr(death_sig, 'name', death_sig)})")
-            super()._shutdown(death_sig, timeout)
+            super()._shutdown(signal.SIGTERM if death_sig is None else death_sig, timeout)
+
+        def _monitor_workers(self, worker_group):
+            result = super()._monitor_workers(worker_group)
+            if result.state != WorkerState.HEALTHY:
+                log.info("worker group %s", result.state.name)
+            return result
 
     return FastAgent
 
@@ -272,6 +293,19 @@ def _draining_check(state_dir: Path | None) -> Callable[[], str]:
     from sentinel.migration import leaving_reason
 
     return lambda: leaving_reason(state_dir)
+
+
+class _NoAgentTraceback(logging.Filter):
+    """torch logs every worker exit with ``logger.exception``: a traceback through the agent's
+    own polling code (the worker's error is in its error file and its own stderr). Formatting it
+    took 1.3-2.7 s of a loaded 2-core host — between a worker's exit and its agent's restart,
+    on every survivor of every migration. The message (exit code, pid, local rank) stays."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and "failed (exitcode" in str(record.msg):
+            record.exc_info = None
+            record.exc_text = None
+        return True
 
 
 class _Signals:
@@ -334,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     signals = _Signals()  # first: an early SIGUSR1 must not kill the agent (its default action)
     ours, torchrun_argv = parse(argv)
-    logging.basicConfig(level=logging.INFO, format="[sentinel.elastic] %(asctime)s %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format="[sentinel.elastic] %(asctime)s.%(msecs)03d %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S")
     t0 = time.monotonic()
 
     import multiprocessing
@@ -347,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousGracefulExitError
     from torch.distributed.launcher.api import _get_addr_and_port
 
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_NoAgentTraceback())
     targs = torchrun.parse_args(torchrun_argv)
     if targs.standalone or targs.rdzv_backend == "static":
         print("trainer.elastic: needs a shared rendezvous (--rdzv-backend c10d or etcd-v2 with --rdzv-endpoint)",
@@ -363,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     if targs.start_method not in ("spawn", "forkserver"):
         log.warning("--start-method %s ignored: workers start from the preloaded forkserver", targs.start_method)
     config.start_method = "forkserver"
-    preload = ["torch", "torch.distributed", *ours.preload]
+    preload = ["torch", "torch.distributed", "trainer.warmup", *ours.preload]
     for name in ours.preload:
         if importlib.util.find_spec(name) is None:
             print(f"trainer.elastic: --preload {name}: no such module", file=sys.stderr)
