@@ -414,6 +414,9 @@ class Drill:
             "spare_in_place": bool(admitted) and victim.name not in final_nodes,
             "final_nodes": final_nodes,
             "recomputed_steps": lost,
+            # worker groups formed after the fault (rank 0 admitted once per re-rendezvous)
+            "membership_changes": sum(1 for e in events if e["event"] == "admitted" and e["rank"] == 0
+                                      and e["time"] >= t_fault),
             "trip_to_first_step_seconds": round(t_first - times["tripped"], 3) if t_first and "tripped" in times else None,
             "fault_to_first_step_seconds": round(t_first - t_fault, 3) if t_first else None,
             "migration_notes": mig.get("notes", []),
