@@ -133,11 +133,9 @@ class Drill:
     def agent_argv(self, node: Node) -> list[str]:
         a = self.args
         nnodes = f"{a.min_nodes or a.nodes}:{a.nodes}"
-        if a.rdzv_backend == "etcd-v2":
-            rdzv_conf = f"protocol=http,last_call_timeout=2,timeout={int(a.timeout)}"
-        else:
-            rdzv_conf = ("is_host=false,keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2,"
-                         f"join_timeout={int(a.timeout)}")
+        # etcd-v2 is torch's dynamic rendezvous (as c10d) with its state in etcd: the same settings
+        rdzv_conf = ("protocol=http," if a.rdzv_backend == "etcd-v2" else "is_host=false,") + (
+            f"keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2,join_timeout={int(a.timeout)}")
         launch = [sys.executable, "-m", "sentinel", "launch", "--pidfile", str(node.pidfile), "--state-dir", str(node.state_dir)]
         if a.agent == "warm":
             launch += ["--warm"] if node.spare else []
