@@ -120,6 +120,10 @@ class Drill:
             etcd = shutil.which("etcd")
             if etcd is None:
                 raise DrillError("--rdzv-backend etcd-v2 needs etcd (Debian package etcd-server)")
+            import importlib.util
+
+            if importlib.util.find_spec("etcd") is None:
+                raise DrillError("--rdzv-backend etcd-v2 needs the python-etcd package: pip install python-etcd==0.4.5")
             peer = free_port()
             url, peer_url = f"http://127.0.0.1:{self.store_port}", f"http://127.0.0.1:{peer}"
             self.spawn([etcd, "--name", "drill", "--data-dir", str(self.work / "etcd"), "--enable-v2=true",
