@@ -231,10 +231,13 @@ class Drill:
                 except ProcessLookupError:
                     pass
         elif fault == "rank-crash" and victim.agent is not None:
-            workers = [p for p in descendants(victim.agent.pid)  # a rank, not torchrun (its argv names the module too)
-                       if b"trainer.train" in _cmdline(p) and b"torch.distributed.run" not in _cmdline(p)]
-            if workers:
-                os.kill(workers[0], signal.SIGKILL)
+            # a rank of this node, by the pid it logged: argv cannot tell a rank from its agent (a
+            # warm agent's and its forkserver's argv name the training module too)
+            below = set(descendants(victim.agent.pid))
+            ranks = [e["pid"] for e in reversed(self.events())
+                     if e["event"] == "admitted" and e["node"] == victim.name and e.get("pid") in below]
+            if ranks:
+                os.kill(ranks[0], signal.SIGKILL)
         return t
 
     def ramp(self, victim: Node, until: float) -> None:
@@ -538,13 +541,6 @@ def descendants(pid: int) -> list[int]:
             out.append(child)
             todo.append(child)
     return out
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
 
 
 def _port_open(port: int) -> bool:

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     def record(event: str, **fields) -> None:
         if args.progress:
             with open(args.progress, "a") as f:  # O_APPEND: whole lines from many ranks
-                f.write(json.dumps({"event": event, "rank": rank, "world": world, "node": node,
+                f.write(json.dumps({"event": event, "rank": rank, "world": world, "node": node, "pid": os.getpid(),
                                     "time": time.time(), **fields}) + "\n")
 
     t_admitted = time.time()
