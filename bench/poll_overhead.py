@@ -2,7 +2,9 @@
 for 8 and 64 simulated GPUs (18 NVLink links each); and what one scrape costs a fleet: series
 and bytes per node and per GPU, extrapolated to 2,048 nodes, for the default export
 (``[metrics] detail = "fleet"``) and the opt-in ``"full"`` one side by side. A real
-`sentinel run --simulate` process is measured from /proc.
+`sentinel run --simulate` process is measured from /proc. First, NVML device calls per GPU per
+poll, one call per field and counter (before) against batched nvmlDeviceGetFieldValues (after),
+counted in-process over the simulated backend.
 
     python bench/poll_overhead.py [--seconds 20] [--gpus 8 64] [--detail fleet full] [--json out.json]
 """
@@ -10,6 +12,7 @@ and bytes per node and per GPU, extrapolated to 2,048 nodes, for the default exp
 from __future__ import annotations
 
 import argparse
+import datetime
 import gzip
 import json
 import os
@@ -66,6 +69,43 @@ def cardinality(port: int, gpus: int) -> dict[str, float]:
     }
 
 
+class CountingNvml:
+    """Counts the device calls a source makes through a pynvml look-alike."""
+
+    def __init__(self, nvml) -> None:
+        self._nvml = nvml
+        self.calls = 0
+
+    def __getattr__(self, name):
+        value = getattr(self._nvml, name)
+        if callable(value) and name.startswith("nvmlDevice") and not isinstance(value, type):
+            def counted(*args, **kw):
+                self.calls += 1
+                return value(*args, **kw)
+            return counted
+        return value
+
+
+def nvml_calls(gpus: int, batch: bool, polls: int = 5) -> float:
+    """NVML device calls per GPU per poll, steady state (after the start-up probe)."""
+    from sentinel.sources.nvml import NvmlSource
+
+    with tempfile.TemporaryDirectory() as d:
+        state = Path(d) / "gpus.json"
+        simulated.write_state(state, simulated.healthy_state(gpus))
+        counted = CountingNvml(simulated.SimulatedNvml(state))
+        src = NvmlSource(counted, deadline_seconds=5.0, batch=batch)
+        src.start()
+        try:
+            src.poll()
+            counted.calls = 0
+            for _ in range(polls):
+                src.poll()
+            return counted.calls / gpus / polls
+        finally:
+            src.close()
+
+
 def measure(gpus: int, seconds: float, detail: str = "fleet") -> dict[str, float]:
     with tempfile.TemporaryDirectory() as d:
         state = Path(d) / "gpus.json"
@@ -119,8 +159,11 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, nargs="+", default=[8, 64], help="simulated GPUs per node")
     ap.add_argument("--detail", nargs="+", choices=("fleet", "full"), default=["fleet", "full"],
                     help="[metrics] detail: fleet (the default export) and/or full (every link and state)")
-    ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
+    ap.add_argument("--json", metavar="PATH", help='also write {"bench", "version", "created", "host", "figures"} to PATH')
     args = ap.parse_args()
+    before, after = nvml_calls(8, batch=False), nvml_calls(8, batch=True)
+    print(f"NVML calls per GPU per poll (8 simulated H100s, 18 NVLink links each): {before:.1f} one call per field "
+          f"and counter, {after:.1f} batched (nvmlDeviceGetFieldValues), {before / after:.1f}x fewer; target <= 10\n")
     rows = [measure(n, args.seconds, detail) for n in args.gpus for detail in args.detail]
     print(f"{'GPUs':>5} {'detail':>6} {'CPU ms/poll':>12} {'% of 1 core':>12} {'RSS MB':>8} {'scrape p50 ms':>14} "
           f"{'scrape max ms':>14} {'scrape KB':>10}")
@@ -137,7 +180,18 @@ def main() -> None:
     print("targets: <= 1 % of one core for 8 GPUs at 1 Hz; RSS <= 60 MB; "
           "default export <= 40 series per GPU and <= 30 KB per scrape for 8 GPUs")
     if args.json:
-        Path(args.json).write_text(json.dumps({"fleet_nodes": FLEET_NODES, "rows": rows}, indent=2) + "\n")
+        figures = {"nvml_calls_per_gpu_poll_before_count": before, "nvml_calls_per_gpu_poll_after_count": after,
+                   "nvml_calls_per_gpu_poll_reduction_ratio": before / after}
+        for r in rows:
+            tag = f"{r['gpus']}gpu_{r['detail']}"
+            figures.update({f"cpu_per_poll_{tag}_ms": r["cpu_ms_per_poll"], f"core_{tag}_percent": r["core_percent"],
+                            f"rss_{tag}_mb": r["rss_mb"], f"scrape_p50_{tag}_ms": r["scrape_p50_ms"],
+                            f"scrape_{tag}_bytes": r["scrape_bytes"], f"series_{tag}_count": r["series"],
+                            f"fleet_scrape_{tag}_mb": r["fleet_scrape_mb"]})
+        Path(args.json).write_text(json.dumps({
+            "bench": "poll_overhead", "version": 1,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "host": {"cpus": os.cpu_count()}, "figures": figures}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -52,7 +52,11 @@ def attach_actions(daemon: Daemon) -> None:
     import socket
     from pathlib import Path
 
+    import time
+
     from sentinel.actions import Executor
+    from sentinel.backends import make_backend
+    from sentinel.backends.base import BackendContext, BackendError
     from sentinel.channel import DaemonEndpoint
     from sentinel.daemon import StartupError, check_directories
     from sentinel.migration import Migrator
@@ -66,14 +70,51 @@ def attach_actions(daemon: Daemon) -> None:
         endpoint = DaemonEndpoint(runtime, agent_pidfile=pidfile)
     except OSError as exc:
         raise StartupError(f"cannot open the control channel in {runtime}: {exc.strerror}") from None
-    migrator = Migrator(cfg.actions, endpoint, state_dir=state, runtime_dir=runtime,
-                        node=cfg.daemon.node_name or socket.gethostname())
+    node = cfg.daemon.node_name or socket.gethostname()
+    try:
+        backend = make_backend(cfg.actions, BackendContext(node=node, state_dir=state, runtime_dir=runtime,
+                                                           timeout=cfg.actions.command_timeout_seconds, wall=time.time))
+    except BackendError as exc:
+        endpoint.close()
+        raise StartupError(f"actions.backend = {cfg.actions.backend!r}: {exc}") from None
+    try:
+        up = check_backend(backend)
+    except StartupError:
+        endpoint.close()
+        raise
+    migrator = Migrator(cfg.actions, endpoint, state_dir=state, runtime_dir=runtime, node=node, backend=backend,
+                        wake=daemon._wake.set)
+    migrator.backend_up = up
     daemon.endpoint = endpoint
     daemon.migrator = migrator
-    migrator.wake = daemon.wake  # a finished cordon/drain step moves the migration on at once
     daemon.executor = Executor(trainer=endpoint, migrator=migrator)
     daemon.extra_counters += [endpoint.metric_counters, migrator.metric_counters]
     daemon.extra_gauges.append(migrator.gauges)
     for src in daemon.event_sources:  # rank signals watch the verified ranks only
         if getattr(src, "name", "") == "rank_signals":
             src.ranks_provider = lambda: endpoint.ranks().keys()
+
+
+def check_backend(backend) -> bool | None:
+    """At start, once: the scheduler must know this node and let the daemon act on it
+    (StartupError naming the node, the missing RBAC verb / Slurm privilege, or the missing
+    client). A scheduler that does not answer is no reason to stay blind: the daemon starts, logs
+    it and exports ``sentinel_backend_up 0``; every later call is retried. Returns whether the
+    scheduler answered (None: the backend has none)."""
+    import logging
+
+    from sentinel.backends.base import BackendError, Unreachable
+    from sentinel.daemon import StartupError
+    from sentinel.log import event
+
+    if not backend.has_scheduler:
+        return None
+    try:
+        backend.check()
+    except Unreachable as exc:
+        event(logging.getLogger("sentinel.daemon"), "scheduler unreachable at start; starting anyway", logging.ERROR,
+              backend=backend.name, error=str(exc))
+        return False
+    except BackendError as exc:
+        raise StartupError(f"refusing to start: {backend.name} backend: {exc}") from None
+    return True

@@ -315,13 +315,25 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_uncordon(args: argparse.Namespace) -> int:
-    from sentinel.migration import uncordon
+    """Undo Sentinel's cordon through the configured backend: only what Sentinel added (its
+    Slurm drain, its taint and condition), never an admin's; then the local marker."""
+    import time
 
-    state = Path(args.state_dir)
-    if uncordon(state):
-        print(f"{state}: cordon cleared; the agent may start again")
-        return 0
-    print(f"{state}: not cordoned")
+    from sentinel.backends import make_backend
+    from sentinel.backends.base import BackendContext, BackendError
+
+    try:
+        cfg = with_overrides(load_config(args.config), args)
+    except config_mod.ConfigError as exc:
+        return fail(str(exc))
+    node = cfg.daemon.node_name or socket.gethostname()
+    ctx = BackendContext(node=node, state_dir=Path(cfg.daemon.state_dir), runtime_dir=Path(cfg.daemon.runtime_dir),
+                         timeout=cfg.actions.command_timeout_seconds, wall=time.time)
+    try:
+        said = make_backend(cfg.actions, ctx).uncordon()
+    except BackendError as exc:
+        return fail(f"uncordon {node} ({cfg.actions.backend} backend): {exc}", 1)
+    print(said)
     return 0
 
 
@@ -330,7 +342,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from sentinel.launch import launch
 
     command = args.command[1:] if args.command and args.command[0] == "--" else args.command
-    return launch(command, Path(args.pidfile), Path(args.state_dir), warm=args.warm)
+    return launch(command, Path(args.pidfile), Path(args.state_dir), user=args.user, warm=args.warm)
 
 
 def cmd_admit(args: argparse.Namespace) -> int:
@@ -338,6 +350,16 @@ def cmd_admit(args: argparse.Namespace) -> int:
     from sentinel.launch import admit
 
     return admit(Path(args.pidfile))
+
+
+def cmd_install(args: argparse.Namespace) -> int:
+    from sentinel.install import InstallError, default_bin, install
+
+    try:
+        sentinel_bin = args.bin or default_bin()
+        return install(Path(os.path.abspath(args.root)), sentinel_bin, reload_systemd=not args.no_reload)
+    except InstallError as exc:
+        return fail(str(exc))
 
 
 TOOLS = ("simulate", "inject", "drill")  # their modules (simulator, goodput Monte Carlo, drill harness) load lazily
@@ -407,13 +429,38 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     else:
         sub.add_parser("drill", help=dr_help)
 
-    un = sub.add_parser("uncordon", help="operator: clear this node's cordon marker")
-    un.add_argument("--state-dir", default="/var/lib/sentinel")
+    un = sub.add_parser("uncordon", help="operator: undo Sentinel's cordon of this node (its drain/taint/condition and "
+                        "marker; never an admin's)")
+    un.add_argument("--config", help="TOML config naming the backend (default: built-in defaults, backend = file)")
+    un.add_argument("--state-dir", help="override daemon.state_dir")
+    un.add_argument("--node-name", help="override daemon.node_name (the scheduler's name for this node)")
     un.set_defaults(func=cmd_uncordon)
+
+    ins = sub.add_parser("install", help="put the systemd units, the default config and the directories in place "
+                         "(idempotent; never overwrites a changed config)")
+    ins.add_argument("--root", default="/", help="install into this tree instead of / (an image, a staging root)")
+    ins.add_argument("--bin", help="the sentinel command the units run (default: this one)")
+    ins.add_argument("--no-reload", action="store_true", help="do not run systemctl daemon-reload")
+    ins.set_defaults(func=cmd_install)
+
+    sc = sub.add_parser("scan", help="one-shot check of this node: NVML and the kernel log; Nagios exit codes "
+                        "(0 ok, 1 warning, 2 critical, 3 unknown)")
+    ex = sub.add_parser("explain", help="what an Xid means and what Sentinel does about it")
+    ex.add_argument("xid", help="an Xid number, e.g. 79")
+    ex.add_argument("--config", help="TOML config whose [policy] Xid overrides apply")
+    if wanted("scan") or wanted("explain"):
+        from sentinel import scan
+
+        scan.add_arguments(sc)
+        sc.set_defaults(func=scan.run)
+        ex.set_defaults(func=scan.explain)
 
     la = sub.add_parser("launch", help="run the torchrun agent under a pidfile the daemon drains (refuses on a cordoned node)")
     la.add_argument("--pidfile", default=os.path.join(os.environ.get("SENTINEL_RUNTIME_DIR", "/run/sentinel"), "agent.pid"))
     la.add_argument("--state-dir", default="/var/lib/sentinel")
+    la.add_argument("--user", default=os.environ.get("SENTINEL_AGENT_USER", ""),
+                    help="run the agent (the training job) as this user; the launcher stays root "
+                         "(default: $SENTINEL_AGENT_USER, else the launcher's own user)")
     la.add_argument("--warm", action="store_true",
                     help="a warm spare: the agent starts but joins the rendezvous only on `sentinel admit`")
     la.add_argument("command", nargs=argparse.REMAINDER)
@@ -428,7 +475,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
-    parser = build_parser(command if command in ("run", "check-config", "status", "uncordon", "launch", "admit", *TOOLS) else None)
+    parser = build_parser(command if command in ("run", "check-config", "status", "uncordon", "launch", "admit", "install",
+                                                  "scan", "explain", *TOOLS) else None)
     args = parser.parse_args(argv)
     return args.func(args)
 

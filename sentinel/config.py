@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from sentinel import rules
+from sentinel import backends, rules
 
 
 class ConfigError(ValueError):
@@ -155,33 +155,105 @@ class PolicyConfig:
                 )
 
 
+BACKENDS = backends.NAMES  # one module each in sentinel/backends/, found there
+_K8S_NAME = r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+
+
+@dataclass(frozen=True)
+class SlurmConfig:
+    # The Slurm client programs (PATH is searched); SLURM_CONF in the daemon's environment picks the cluster.
+    scontrol: str = "scontrol"
+    squeue: str = "squeue"
+    scancel: str = "scancel"
+    sinfo: str = "sinfo"
+    # The circuit breaker's scope: this partition's nodes ("" = every partition this node is in).
+    partition: str = ""
+    # How a spare is started: this signal goes to the batch script of the job running on the node
+    # (deploy/slurm/train.sbatch traps it and starts an agent on an idle node of its allocation).
+    spare_signal: str = "USR1"
+
+    def validate(self, prefix: str) -> None:
+        for key in ("scontrol", "squeue", "scancel", "sinfo"):
+            _text(prefix, key, getattr(self, key))
+            if not getattr(self, key):
+                raise ConfigError(f"{prefix}.{key}: must name the program, not be empty")
+        _text(prefix, "partition", self.partition)
+        if self.spare_signal not in ("USR1", "USR2", "URG", "CONT"):
+            raise ConfigError(f"{prefix}.spare_signal: must be one of USR1, USR2, URG, CONT (got {_printable(self.spare_signal)!r})")
+
+
+@dataclass(frozen=True)
+class KubernetesConfig:
+    # "" = in-cluster config (the DaemonSet's ServiceAccount token); a kubeconfig path otherwise.
+    kubeconfig: str = ""
+    # The taint Sentinel adds (value = the rule, effect NoSchedule) and the only one it removes.
+    taint_key: str = "sentinel.dev/gpu-failure"
+    # The Node condition Sentinel sets (status False while cordoned, True once uncordoned).
+    condition_type: str = "GPUHealthy"
+    # The circuit breaker's scope: nodes matching this label selector ("" = every node).
+    node_selector: str = ""
+
+    def validate(self, prefix: str) -> None:
+        import re
+
+        _path(prefix, "kubeconfig", self.kubeconfig, required=False)
+        if not re.match(_K8S_NAME, self.taint_key) or len(self.taint_key) > 316:
+            raise ConfigError(f"{prefix}.taint_key: not a Kubernetes label key (prefix/name): {_printable(self.taint_key)!r}")
+        if not re.match(r"^[A-Za-z][A-Za-z0-9]{0,62}$", self.condition_type):
+            raise ConfigError(f"{prefix}.condition_type: must be a CamelCase word (got {_printable(self.condition_type)!r})")
+        _text(prefix, "node_selector", self.node_selector)
+
+
 @dataclass(frozen=True)
 class ActionsConfig:
     # Seconds to wait for the ranks' acknowledgement of a snapshot/migrate request.
     ack_timeout_seconds: float = 120.0
-    # Shell command run (argv list) after cordoning, e.g. ["scontrol", "update", "nodename={node}", "state=drain"].
+    # How a node is cordoned, uncordoned and drained, and a spare started: "file" | "command" | "slurm" | "kubernetes".
+    backend: str = "file"
+    # backend = "command": run (argv list) after cordoning, e.g. ["scontrol", "update", "nodename={node}", "state=drain"].
     cordon_command: tuple[str, ...] = ()
+    # backend = "command": run by `sentinel uncordon`.
+    uncordon_command: tuple[str, ...] = ()
     # How the node's torchrun agent is found: a pidfile the launcher writes ("" = <runtime_dir>/agent.pid).
     agent_pidfile: str = ""
-    # Alternatively a command that stops the agent, e.g. ["systemctl", "stop", "sentinel-agent@train.service"].
+    # backend = "command": a command that stops the agent, e.g. ["systemctl", "stop", "sentinel-agent@train.service"].
     agent_stop_command: tuple[str, ...] = ()
-    # Command run when a migration begins, to bring a cold spare's agent up, e.g. a Slurm or Kubernetes call.
+    # backend = "command": run when a migration begins, to bring a cold spare's agent up.
     spare_command: tuple[str, ...] = ()
     drain: bool = True
-    # Each cordon/drain/spare command runs off the daemon's loop and is killed after this long.
+    # Each backend call (command, scontrol, API request) runs off the daemon's loop and is killed after this long.
     command_timeout_seconds: float = 30.0
+    # A call the scheduler did not answer (timeout, refused, 5xx) is tried this often in all ...
+    scheduler_attempts: int = 3
+    # ... waiting this long before the second try, twice as long before each next one.
+    scheduler_backoff_seconds: float = 1.0
+    # Circuit breaker: refuse to cordon when that would put more than this fraction of the
+    # job's / partition's nodes under a Sentinel cordon made in the last breaker_window_seconds.
+    breaker_max_fraction: float = 0.5
+    breaker_window_seconds: float = 300.0
     # Once every rank has staged its snapshot, the ack deadline grows by staged bytes / this rate
     # (the slowest per-node write bandwidth worth waiting for; 50 MB/s is a loaded shared filesystem).
     snapshot_min_bytes_per_second: float = 50e6
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
 
     def validate(self, prefix: str) -> None:
         _number(prefix, "ack_timeout_seconds", self.ack_timeout_seconds, 0, HOUR, low_open=True)
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"{prefix}.backend: must be one of {', '.join(BACKENDS)} (got {_printable(self.backend)!r})")
         _number(prefix, "command_timeout_seconds", self.command_timeout_seconds, 0, HOUR, low_open=True)
+        _integer(prefix, "scheduler_attempts", self.scheduler_attempts, 1, 100)
+        _number(prefix, "scheduler_backoff_seconds", self.scheduler_backoff_seconds, 0, HOUR)
+        _number(prefix, "breaker_max_fraction", self.breaker_max_fraction, 0, 1, low_open=True)
+        _number(prefix, "breaker_window_seconds", self.breaker_window_seconds, 0, DAY)
         _number(prefix, "snapshot_min_bytes_per_second", self.snapshot_min_bytes_per_second, 0, 1e13, low_open=True)
-        _command(prefix, "cordon_command", self.cordon_command)
+        for key in ("cordon_command", "uncordon_command", "agent_stop_command", "spare_command"):
+            _command(prefix, key, getattr(self, key))
+            if getattr(self, key) and self.backend != "command":
+                raise ConfigError(f"{prefix}.{key}: commands run only with backend = \"command\" (backend is {self.backend!r})")
         _path(prefix, "agent_pidfile", self.agent_pidfile, required=False)
-        _command(prefix, "agent_stop_command", self.agent_stop_command)
-        _command(prefix, "spare_command", self.spare_command)
+        self.slurm.validate(f"{prefix}.slurm")
+        self.kubernetes.validate(f"{prefix}.kubernetes")
 
 
 @dataclass(frozen=True)
@@ -221,6 +293,9 @@ class Config:
 LIVE_ON_RELOAD = frozenset({
     "policy", "actions", "daemon.poll_interval_seconds", "daemon.nvml_deadline_seconds", "daemon.log_level",
 })
+# Keys inside a live section that still need a restart: the backend is built and checked
+# against the scheduler (node known, permissions) once, at start.
+RESTART_ONLY = frozenset({"actions.backend", "actions.slurm", "actions.kubernetes"})
 
 
 def _changed(old: Config, new: Config) -> list[tuple[str, bool]]:
@@ -230,8 +305,12 @@ def _changed(old: Config, new: Config) -> list[tuple[str, bool]]:
         before, after = getattr(old, f.name), getattr(new, f.name)
         if before == after:
             continue
+        restart = [k.name for k in dataclasses.fields(before) if f"{f.name}.{k.name}" in RESTART_ONLY
+                   and getattr(before, k.name) != getattr(after, k.name)]
         if f.name in LIVE_ON_RELOAD:
-            out.append((f.name, True))
+            if dataclasses.replace(before, **{k: getattr(after, k) for k in restart}) != after:
+                out.append((f.name, True))
+            out.extend((f"{f.name}.{k}", False) for k in restart)
             continue
         for key in dataclasses.fields(before):
             if getattr(before, key.name) != getattr(after, key.name):
@@ -256,8 +335,12 @@ def live_part(old: Config, new: Config) -> Config:
     sections = {}
     for f in dataclasses.fields(Config):
         before, after = getattr(old, f.name), getattr(new, f.name)
-        if f.name in LIVE_ON_RELOAD or before == after:
+        if before == after:
             sections[f.name] = after
+            continue
+        if f.name in LIVE_ON_RELOAD:
+            keep = {k.name: getattr(before, k.name) for k in dataclasses.fields(before) if f"{f.name}.{k.name}" in RESTART_ONLY}
+            sections[f.name] = dataclasses.replace(after, **keep)
             continue
         keep = {k.name: getattr(after, k.name) for k in dataclasses.fields(after) if f"{f.name}.{k.name}" in LIVE_ON_RELOAD}
         sections[f.name] = dataclasses.replace(before, **keep)

@@ -134,10 +134,6 @@ class Daemon:
         self._stop.set()
         self._wake.set()
 
-    def wake(self) -> None:
-        """Decide and act now instead of at the next poll (thread-safe: an action finished, an event came)."""
-        self._wake.set()
-
     def close(self) -> None:
         self.notifier.stopping()
         if self.httpd is not None:

@@ -173,7 +173,7 @@ class Drill:
             'log_level = "info"\n'
             '[metrics]\nlisten_address = "127.0.0.1"\nport = 0\n'
             "[policy]\nlead_time_seconds = 600.0\ndebounce_samples = 3\n"
-            f"[actions]\nack_timeout_seconds = 30.0\nspare_command = {spare_cmd}\n"
+            f"[actions]\nack_timeout_seconds = 30.0\nbackend = \"command\"\nspare_command = {spare_cmd}\n"
             "[ebpf]\nenabled = false\nkmsg_fallback = false\n"  # drills must not react to the host's kernel log
         )
         if spare:
@@ -628,9 +628,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the machine-readable result")
     p.add_argument("--workdir", help="keep everything here (default: a temporary directory, removed)")
     p.add_argument("--keep", action="store_true", help="keep the temporary work directory")
+    p.add_argument("--scheduler", choices=["local", "slurm"], default="local",
+                   help="slurm: run the job through a real Slurm cluster started here (root; slurm-wlm, munge): "
+                        "the failed node is drained in Slurm, the spare comes from the job's allocation")
 
 
 def run_drill(args: argparse.Namespace) -> int:
+    if args.scheduler == "slurm":
+        from sentinel.drill_slurm import run_slurm_drill
+
+        return run_slurm_drill(args)
     if args.spares < 1 and not args.min_nodes:
         print("sentinel drill: --spares 0 needs --min-nodes < --nodes (continue on fewer nodes)", file=sys.stderr)
     drill = Drill(args)

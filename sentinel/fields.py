@@ -8,7 +8,12 @@ derived from that table, so a new field is one declaration here:
 * the Prometheus metric the collector in :mod:`sentinel.metrics` exports (:func:`metric_table`);
 * the simulated backend: where its state file keeps the value, the value of a healthy GPU, and
   the pynvml look-alike function that serves it (:func:`serve`);
-* the test fake of pynvml (``tests/fake_pynvml.py``), which serves the same look-alike functions.
+* the test fake of pynvml (``tests/fake_pynvml.py``), which serves the same look-alike functions;
+* the batched read: a field with a ``field_id`` (an ``NVML_FI_*`` constant) is read with every other
+  such field, and the NVLink counters, in one ``nvmlDeviceGetFieldValues`` call per GPU per poll
+  (:func:`nvlink_field_id` for the counters); the field's ``call`` is the fallback where the
+  driver does not answer the field id. A field with a ``field_id`` and no ``call`` (the GPU
+  recovery action) exists only as a field value.
 
 A declaration names the pynvml function and the pynvml constants passed after the handle, so
 several fields can share one call (``nvmlDeviceGetTotalEccErrors`` by error and counter type),
@@ -88,6 +93,9 @@ class NvmlField:
     sim_path: tuple[str, ...] = ()
     sim_default: float | int | bool = 0
     monotonic: bool = False
+    field_id: str = ""  # the NVML_FI_* constant that reads it through nvmlDeviceGetFieldValues (batched)
+    field_codec: Codec | None = None  # the field value's number -> reading (default: as the call's codec would be NUMBER)
+    omit_zero: bool = False  # export only where nonzero (an "all is well" series a fleet need not scrape)
 
     @property
     def state_path(self) -> tuple[str, ...]:
@@ -100,6 +108,11 @@ class NvmlField:
             if fn is not None:
                 return fn
         raise AttributeError(f"{self.name}: the NVML module has none of {', '.join((self.call, *self.older_calls))}")
+
+    @property
+    def value_codec(self) -> Codec:
+        """How the number nvmlDeviceGetFieldValues returns maps to the reading (and back)."""
+        return self.field_codec or NUMBER
 
     def read(self, nvml: Any, handle: Any) -> float:
         """The reading, through ``nvml`` (pynvml, the simulated backend or a fake); raises NVMLError."""
@@ -120,9 +133,10 @@ _ROWS, _BANKS = "nvmlDeviceGetRemappedRows", "nvmlDeviceGetRowRemapperHistogram"
 _ROWS_HELP = "Remapped memory rows by kind (pending/failure are 0/1)"
 
 
-def _ecc(kind: str, scope: str, err: str, counter: str, help_: str = "") -> NvmlField:
+def _ecc(kind: str, scope: str, err: str, counter: str, field_id: str, help_: str = "") -> NvmlField:
     return NvmlField(f"ecc_{kind}_{scope}", _ECC, "sentinel_gpu_ecc_errors", help_, "counter",
-                     (("type", kind), ("scope", scope)), (err, counter), sim_path=("ecc", f"{kind}_{scope}"), monotonic=True)
+                     (("type", kind), ("scope", scope)), (err, counter), sim_path=("ecc", f"{kind}_{scope}"), monotonic=True,
+                     field_id=field_id)
 
 
 def _banks(availability: str, default: int = 0, help_: str = "") -> NvmlField:
@@ -133,35 +147,37 @@ def _banks(availability: str, default: int = 0, help_: str = "") -> NvmlField:
 
 # In probe order (the order a slow GPU's fields are read in, and the order of FIELDS).
 NVML_FIELDS: tuple[NvmlField, ...] = (
-    _ecc("corrected", "volatile", _CORRECTED, _VOLATILE, "ECC errors reported by NVML"),
-    _ecc("uncorrected", "volatile", _UNCORRECTED, _VOLATILE),
-    _ecc("corrected", "aggregate", _CORRECTED, _AGGREGATE),
-    _ecc("uncorrected", "aggregate", _UNCORRECTED, _AGGREGATE),
+    _ecc("corrected", "volatile", _CORRECTED, _VOLATILE, "NVML_FI_DEV_ECC_SBE_VOL_TOTAL", "ECC errors reported by NVML"),
+    _ecc("uncorrected", "volatile", _UNCORRECTED, _VOLATILE, "NVML_FI_DEV_ECC_DBE_VOL_TOTAL"),
+    _ecc("corrected", "aggregate", _CORRECTED, _AGGREGATE, "NVML_FI_DEV_ECC_SBE_AGG_TOTAL"),
+    _ecc("uncorrected", "aggregate", _UNCORRECTED, _AGGREGATE, "NVML_FI_DEV_ECC_DBE_AGG_TOTAL"),
     NvmlField("retired_pages_sbe", "nvmlDeviceGetRetiredPages", "sentinel_gpu_retired_pages",
               "Retired framebuffer pages by cause", labels=(("cause", "sbe"),),
               args=("NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS",), codec=LIST_LENGTH,
-              sim_path=("retired_pages", "sbe"), monotonic=True),
+              sim_path=("retired_pages", "sbe"), monotonic=True, field_id="NVML_FI_DEV_RETIRED_SBE"),
     NvmlField("retired_pages_dbe", "nvmlDeviceGetRetiredPages", "sentinel_gpu_retired_pages",
               labels=(("cause", "dbe"),), args=("NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR",),
-              codec=LIST_LENGTH, sim_path=("retired_pages", "dbe"), monotonic=True),
+              codec=LIST_LENGTH, sim_path=("retired_pages", "dbe"), monotonic=True, field_id="NVML_FI_DEV_RETIRED_DBE"),
     NvmlField("retired_pages_pending", "nvmlDeviceGetRetiredPagesPendingStatus", "sentinel_gpu_retired_pages_pending",
               "1 when a page retirement awaits a reset", codec=FEATURE_ENABLED,
-              sim_path=("retired_pages", "pending"), sim_default=False),
+              sim_path=("retired_pages", "pending"), sim_default=False, field_id="NVML_FI_DEV_RETIRED_PENDING", field_codec=FLAG),
     NvmlField("remapped_rows_correctable", _ROWS, "sentinel_gpu_remapped_rows", _ROWS_HELP,
-              labels=(("kind", "correctable"),), part=0, sim_path=("remapped_rows", "correctable"), monotonic=True),
+              labels=(("kind", "correctable"),), part=0, sim_path=("remapped_rows", "correctable"), monotonic=True, field_id="NVML_FI_DEV_REMAPPED_COR"),
     NvmlField("remapped_rows_uncorrectable", _ROWS, "sentinel_gpu_remapped_rows", labels=(("kind", "uncorrectable"),),
-              part=1, sim_path=("remapped_rows", "uncorrectable"), monotonic=True),
+              part=1, sim_path=("remapped_rows", "uncorrectable"), monotonic=True, field_id="NVML_FI_DEV_REMAPPED_UNC"),
     NvmlField("remapped_rows_pending", _ROWS, "sentinel_gpu_remapped_rows", labels=(("kind", "pending"),),
-              part=2, codec=FLAG, sim_path=("remapped_rows", "pending"), sim_default=False),
+              part=2, codec=FLAG, sim_path=("remapped_rows", "pending"), sim_default=False, field_id="NVML_FI_DEV_REMAPPED_PENDING",
+              field_codec=FLAG),
     NvmlField("remapped_rows_failure", _ROWS, "sentinel_gpu_remapped_rows", labels=(("kind", "failure"),),
-              part=3, codec=FLAG, sim_path=("remapped_rows", "failure"), sim_default=False),
+              part=3, codec=FLAG, sim_path=("remapped_rows", "failure"), sim_default=False, field_id="NVML_FI_DEV_REMAPPED_FAILURE",
+              field_codec=FLAG),
     _banks("max", 640, "Memory banks by remaining remap availability"),
     _banks("high"),
     _banks("partial"),
     _banks("low"),
     _banks("none"),
     NvmlField("pcie_replay", "nvmlDeviceGetPcieReplayCounter", "sentinel_gpu_pcie_replay", "PCIe replay counter",
-              "counter", sim_path=("pcie", "replay"), monotonic=True),
+              "counter", sim_path=("pcie", "replay"), monotonic=True, field_id="NVML_FI_DEV_PCIE_REPLAY_COUNTER"),
     NvmlField("pcie_link_gen", "nvmlDeviceGetCurrPcieLinkGeneration", "sentinel_gpu_pcie_link_generation",
               "Current PCIe link generation", sim_path=("pcie", "gen"), sim_default=5),
     NvmlField("pcie_link_width", "nvmlDeviceGetCurrPcieLinkWidth", "sentinel_gpu_pcie_link_width_lanes",
@@ -172,9 +188,14 @@ NVML_FIELDS: tuple[NvmlField, ...] = (
               "sentinel_gpu_slowdown_temperature_celsius", "Temperature at which the GPU slows down",
               args=("NVML_TEMPERATURE_THRESHOLD_SLOWDOWN",), sim_default=87),
     NvmlField("power_watts", "nvmlDeviceGetPowerUsage", "sentinel_gpu_power_watts", "Power draw",
-              codec=MILLI, sim_default=120.0),
+              codec=MILLI, sim_default=120.0, field_id="NVML_FI_DEV_POWER_AVERAGE", field_codec=MILLI),
     NvmlField("throttle_reasons", "nvmlDeviceGetCurrentClocksEventReasons", "sentinel_gpu_clock_event_reasons",
               "NVML clock event (throttle) reasons bitmask", older_calls=("nvmlDeviceGetCurrentClocksThrottleReasons",)),
+    # Drivers >= 570: what the driver says the GPU needs (NVML_GPU_RECOVERY_ACTION_*). Field id 230 in
+    # nvml.h and nvidia-ml-py 13 (NVIDIA's resiliency extension reads the same field).
+    NvmlField("recovery_action", "", "sentinel_gpu_recovery_action",
+              "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION where it is not 0 (none): 1 GPU reset, 2 node reboot, "
+              "3 drain P2P, 4 drain and reset", field_id="NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", omit_zero=True),
 )
 
 
@@ -193,8 +214,77 @@ def metric_table(fields: Sequence[NvmlField]) -> dict[str, tuple[str, str, dict[
 
 
 def calls(fields: Sequence[NvmlField]) -> frozenset[str]:
-    """The pynvml functions a look-alike must provide to serve ``fields``."""
-    return frozenset(f.call for f in fields)
+    """The pynvml functions a look-alike must provide to serve ``fields`` (besides
+    nvmlDeviceGetFieldValues, see :func:`serve_field_values`)."""
+    return frozenset(f.call for f in fields if f.call)
+
+
+# NVLink error counters as field values: scopeId = the link. NVML has no data-CRC field per link
+# beyond the 12 legacy per-link ids (NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_L0..L11): those
+# counters are read with nvmlDeviceGetNvLinkErrorCounter, one call each, where supported.
+NVLINK_FIELD_IDS = {"replay": "NVML_FI_DEV_NVLINK_ERROR_DL_REPLAY", "recovery": "NVML_FI_DEV_NVLINK_ERROR_DL_RECOVERY",
+                    "crc_flit": "NVML_FI_DEV_NVLINK_ERROR_DL_CRC"}
+NVLINK_LEGACY_LINKS = 12
+FIELD_VALUES_PER_CALL = 128  # entries per nvmlDeviceGetFieldValues call
+
+
+def nvlink_field_id(nvml: Any, link: int, kind: str) -> tuple[int, int] | None:
+    """(fieldId, scopeId) that reads one NVLink counter as a field value, or None when NVML has none."""
+    if kind in NVLINK_FIELD_IDS:
+        fid = getattr(nvml, NVLINK_FIELD_IDS[kind], None)
+        return None if fid is None else (int(fid), link)
+    if kind == "crc_data" and link < NVLINK_LEGACY_LINKS:
+        fid = getattr(nvml, f"NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_L{link}", None)
+        return None if fid is None else (int(fid), 0)
+    return None
+
+
+def field_value_number(nvml: Any, fv: Any) -> float:
+    """The number in one nvmlFieldValue_t, by its valueType."""
+    kind = int(fv.valueType)
+    attr = {getattr(nvml, "NVML_VALUE_TYPE_DOUBLE", 0): "dVal", getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_INT", 1): "uiVal",
+            getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_LONG", 2): "ulVal",
+            getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG", 3): "ullVal",
+            getattr(nvml, "NVML_VALUE_TYPE_SIGNED_LONG_LONG", 4): "sllVal", getattr(nvml, "NVML_VALUE_TYPE_SIGNED_INT", 5): "siVal",
+            getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_SHORT", 6): "usVal"}.get(kind)
+    if attr is None:
+        raise ValueError(f"field {fv.fieldId}: unknown NVML value type {kind}")
+    return float(getattr(fv.value, attr))
+
+
+def make_field_value(nvml: Any, field_id: int, scope: int, ret: int, number: float | int = 0) -> SimpleNamespace:
+    """A look-alike nvmlFieldValue_t (for the simulated backend and the test fake)."""
+    whole = float(number).is_integer()
+    value = SimpleNamespace(dVal=float(number), uiVal=int(number), ulVal=int(number), ullVal=int(number),
+                            sllVal=int(number), siVal=int(number), usVal=int(number))
+    return SimpleNamespace(fieldId=field_id, scopeId=scope, timestamp=0, latencyUsec=0, nvmlReturn=ret, value=value,
+                           valueType=nvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG if whole else nvml.NVML_VALUE_TYPE_DOUBLE)
+
+
+def serve_field_values(fields: Sequence[NvmlField], nvml: Any, requests: Sequence[Any],
+                       scalar: Callable[[NvmlField], tuple[int, Any]],
+                       nvlink: Callable[[int, str], tuple[int, Any]]) -> list[SimpleNamespace]:
+    """For a look-alike of nvmlDeviceGetFieldValues: one field value per request (a field id, or
+    a (field id, scope id) pair). ``scalar(field)`` / ``nvlink(link, kind)`` return (nvmlReturn,
+    stored value); a field id nothing declares answers NOT_SUPPORTED, as NVML does."""
+    by_id = {int(getattr(nvml, f.field_id)): f for f in fields if f.field_id and hasattr(nvml, f.field_id)}
+    link_kinds = {int(getattr(nvml, c)): k for k, c in NVLINK_FIELD_IDS.items() if hasattr(nvml, c)}
+    legacy = {int(getattr(nvml, f"NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_L{i}")): i for i in range(NVLINK_LEGACY_LINKS)
+              if hasattr(nvml, f"NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_L{i}")}
+    out = []
+    for req in requests:
+        fid, scope = (int(req[0]), int(req[1])) if isinstance(req, tuple) else (int(req), 0)
+        if fid in by_id:
+            f = by_id[fid]
+            ret, stored = scalar(f)
+            number = f.value_codec.encode(nvml, stored) if ret == nvml.NVML_SUCCESS else 0
+        elif fid in link_kinds or fid in legacy:
+            link, kind = (scope, link_kinds[fid]) if fid in link_kinds else (legacy[fid], "crc_data")
+            ret, number = nvlink(link, kind)
+        else:
+            ret, number = nvml.NVML_ERROR_NOT_SUPPORTED, 0
+        out.append(make_field_value(nvml, fid, scope, ret, number if ret == nvml.NVML_SUCCESS else 0))
+    return out
 
 
 def serve(fields: Sequence[NvmlField], nvml: Any, call: str, args: tuple[Any, ...],
@@ -225,8 +315,8 @@ def check(fields: Iterable[NvmlField]) -> None:
     by_call: dict[tuple[str, tuple[str, ...]], list[NvmlField]] = {}
     paths: dict[tuple[str, ...], str] = {}
     for f in fields:
-        if not f.name or not f.call or not f.metric:
-            raise FieldDeclarationError(f"{f.name or f!r}: a field needs a name, a pynvml call and a metric")
+        if not f.name or not (f.call or f.field_id) or not f.metric:
+            raise FieldDeclarationError(f"{f.name or f!r}: a field needs a name, a pynvml call or field id, and a metric")
         if f.name in seen:
             raise FieldDeclarationError(f"{f.name}: declared twice")
         seen[f.name] = f
@@ -236,7 +326,8 @@ def check(fields: Iterable[NvmlField]) -> None:
         if {"gpu", "uuid"} & set(label_names) or len(set(label_names)) != len(label_names):
             raise FieldDeclarationError(f"{f.name}: labels repeat one another or gpu/uuid")
         by_metric.setdefault(f.metric, []).append(f)
-        by_call.setdefault((f.call, f.args), []).append(f)
+        if f.call:
+            by_call.setdefault((f.call, f.args), []).append(f)
         for path, other in paths.items():
             shorter = min(len(path), len(f.state_path))
             if path[:shorter] == f.state_path[:shorter]:

@@ -12,12 +12,20 @@ It refuses to start on a cordoned node (exit 3). The agent gets ``SENTINEL_STATE
 agent that understands it, ``python -m trainer.elastic``, never re-joins the rendezvous while
 its node is being drained) and, with ``--warm``, ``SENTINEL_WARM=1``: the agent starts completely
 but waits outside the rendezvous until ``sentinel admit`` sends it SIGUSR1 (a warm spare).
+
+The launcher runs as root and, with ``user`` (``--user``, or ``SENTINEL_AGENT_USER`` from the
+agent unit's environment file), runs the agent — and so the whole job — as that user: the child
+takes the user's groups, gid and uid before ``exec``, and the agent never starts if any of that
+fails. The launcher itself stays root because the daemon trusts only a root-owned pidfile (a
+pidfile the job's user could write would let that user point root's SIGTERM at any process of
+theirs, or claim another job's ranks) and because the cordon marker is root's.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import pwd
 import signal
 import sys
 from pathlib import Path
@@ -32,8 +40,17 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
-def launch(command: list[str], pidfile: Path, state_dir: Path, *, warm: bool = False) -> int:
+def launch(command: list[str], pidfile: Path, state_dir: Path, user: str = "", *, warm: bool = False) -> int:
     from sentinel.migration import read_cordon
+
+    account = None
+    if user:
+        try:
+            account = pwd.getpwnam(user)
+        except KeyError:
+            return _fail(f"--user {user}: no such user", 2)
+        if os.geteuid() != 0 and account.pw_uid != os.geteuid():
+            return _fail(f"--user {user} needs the launcher to run as root", 2)
 
     marker, problem = read_cordon(state_dir / "cordon.json")
     if marker is not None:
@@ -56,6 +73,11 @@ def launch(command: list[str], pidfile: Path, state_dir: Path, *, warm: bool = F
     if pid == 0:  # the agent
         os.close(r)
         try:
+            if account is not None and account.pw_uid != os.geteuid():
+                os.initgroups(account.pw_name, account.pw_gid)
+                os.setgid(account.pw_gid)
+                os.setuid(account.pw_uid)
+                env.update(USER=account.pw_name, LOGNAME=account.pw_name, HOME=account.pw_dir)
             os.execvpe(command[0], command, env)
         except OSError as exc:
             os.write(w, str(exc.errno or errno.ENOENT).encode())

@@ -69,6 +69,11 @@ COUNTER_HELP = {
     "sentinel_kernel_events": "Kernel events seen, by source and kind",
     "sentinel_kmsg_malformed_lines": "Kernel log lines that looked like Xid reports but did not parse",
     "sentinel_config_reloads": "Config reloads by outcome",
+    "sentinel_backend_calls": "Calls to the action backend (scheduler), by backend, operation and outcome (ok, retried, failed)",
+    "sentinel_breaker_refusals": "Cordons the circuit breaker refused (too many nodes cordoned by Sentinel in the window)",
+    "sentinel_backend_up": "1 when the last call to the action backend's scheduler answered, 0 when it did not",
+    "sentinel_migration_steps": "Migration steps and their failures, by step",
+    "sentinel_node_cordoned": "1 while this node is cordoned by Sentinel",
 }
 
 
@@ -95,6 +100,7 @@ class SentinelCollector(Collector):
         up.add_metric([], 1.0)
         if r is not None:
             field_metrics = _field_metrics()
+            omit_zero = {f.name for f in nvml_fields.NVML_FIELDS if f.omit_zero}
             info = family("sentinel_gpu_info", "GPU identity", base + ["pci_bus_id", "name", "serial", "driver_version"], False)
             supported = family("sentinel_gpu_field_supported", "0 where NVML reports the field not supported on this GPU", base + ["field"], False)
             lost = family("sentinel_gpu_lost", "1 when NVML reports the GPU lost (fallen off the bus)", base, False)
@@ -108,6 +114,8 @@ class SentinelCollector(Collector):
                     if full or fname in g.unsupported:
                         supported.add_metric(ids + [fname], 0.0 if fname in g.unsupported else 1.0)
                 for fname, value in g.values.items():
+                    if value == 0 and fname in omit_zero and not full:
+                        continue  # e.g. the recovery action "none": absent means nothing to do
                     if fname not in field_metrics:
                         self._skip_undeclared(fname)  # one bad field never fails the scrape
                         continue

@@ -8,18 +8,31 @@ reboots: the agent unit's ``ExecCondition=`` refuses to start while it exists, a
 operator clears it (``sentinel uncordon``).
 
 A write that fails (full or read-only disk) never stops a migration: the node is still cordoned
-through the configured command and the agent still stopped; the failure is logged and counted
+through the backend and the agent still stopped; the failure is logged and counted
 (``sentinel_migration_steps_total{step="state_write_failed"}``) and kept in memory.
 
-Cordon and drain commands run on a worker thread with their own timeout, never on the daemon's
-loop, so the systemd watchdog keeps being pinged while ``scontrol`` or ``systemctl stop`` blocks.
-Every deadline is on the monotonic clock; wall-clock times are only recorded.
+Cordon, drain and spare go through the configured backend (:mod:`sentinel.backends`: file,
+command, Slurm, Kubernetes) on a worker thread, never on the daemon's loop, so the systemd
+watchdog keeps being pinged while ``scontrol`` or the API server is slow. Each call is bounded by
+``command_timeout_seconds``; a call the scheduler did not answer is retried with exponential
+backoff (``scheduler_attempts``, ``scheduler_backoff_seconds``), and a cordon that still failed is
+retried at later polls (backoff doubling up to 5 min) until the scheduler takes it. Every call is
+counted (``sentinel_backend_calls_total{backend,op,outcome}``) and ``sentinel_backend_up`` says
+whether the last one reached the scheduler. Every deadline is on the monotonic clock; wall-clock
+times are only recorded.
 
 Phases (:class:`Phase`), the only transitions allowed::
 
+    TRIPPED      --the circuit breaker allows a cordon (or the backend has no fleet view)---> REQUESTED
+    TRIPPED      --the breaker refuses: the ranks are told to snapshot, nothing is cordoned--> REFUSED
     REQUESTED    --every rank committed / the ranks exited / the deadline passed / no rank--> ACKNOWLEDGED
-    ACKNOWLEDGED --cordon marker written (or failed, loudly) and cordon command run-----------> CORDONED
+    ACKNOWLEDGED --cordon marker written (or failed, loudly) and the backend's cordon-------> CORDONED
     CORDONED     --agent stopped (or drain disabled)----------------------------------------> DRAINED
+
+The breaker (:mod:`sentinel.backends.breaker`) asks the scheduler how many nodes Sentinel cordoned
+lately, on the worker thread; the migrate request leaves once it answered. When it cannot answer
+(the scheduler is unreachable) the migration goes ahead: the node is failing, and a cordon that
+cannot reach the scheduler cannot drain the fleet either.
 
 The deadline: ``ack_timeout_seconds`` for the ranks to answer at all ("staged" acks carry the
 snapshot's size), extended once every expected rank has staged by the time the staged bytes need
@@ -35,11 +48,11 @@ rendezvous, so the surviving agents re-form it with a spare.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import enum
 import json
 import logging
 import os
-import signal
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field
@@ -49,6 +62,10 @@ from typing import Any, Callable
 from sentinel import procs
 from sentinel.channel import DaemonEndpoint
 from sentinel.config import ActionsConfig
+from sentinel.backends import make_backend
+from sentinel.backends.base import (Backend, BackendContext, BackendError, CordonReason,
+                                    read_cordon)
+from sentinel.backends.breaker import decide as breaker_decide
 from sentinel.fsutil import UnsafePath, read_trusted, write_json_atomic
 from sentinel.log import event
 
@@ -58,6 +75,8 @@ log = logging.getLogger("sentinel.migration")
 class Phase(str, enum.Enum):
     """A migration's phase; see the module docstring for the transitions."""
 
+    TRIPPED = "tripped"
+    REFUSED = "refused"
     REQUESTED = "requested"
     ACKNOWLEDGED = "acknowledged"
     CORDONED = "cordoned"
@@ -65,6 +84,8 @@ class Phase(str, enum.Enum):
 
 
 ALLOWED: dict[Phase, frozenset[Phase]] = {
+    Phase.TRIPPED: frozenset({Phase.REQUESTED, Phase.REFUSED}),
+    Phase.REFUSED: frozenset(),
     Phase.REQUESTED: frozenset({Phase.ACKNOWLEDGED}),
     Phase.ACKNOWLEDGED: frozenset({Phase.CORDONED}),
     Phase.CORDONED: frozenset({Phase.DRAINED}),
@@ -91,24 +112,8 @@ class MigrationRecord:
     snapshot_ok: bool | None = None
     notes: list[str] = field(default_factory=list)
     staged_bytes: int = 0
-
-
-def read_cordon(path: Path) -> tuple[dict | None, str]:
-    """(marker, "") for a valid cordon marker; (None, problem) for a file that must not be
-    trusted (symlink, wrong owner, not JSON, fields missing); (None, "") when there is none."""
-    try:
-        raw = read_trusted(path, owners=frozenset({0, os.geteuid()}))
-    except FileNotFoundError:
-        return None, ""
-    except (UnsafePath, OSError) as exc:
-        return None, f"untrusted cordon marker: {exc}"
-    try:
-        marker = json.loads(raw)
-    except ValueError:
-        return None, f"cordon marker {path} is not JSON"
-    if not isinstance(marker, dict) or not all(isinstance(marker.get(k), str) for k in ("node", "reason", "request_id")):
-        return None, f"cordon marker {path} lacks node/reason/request_id"
-    return marker, ""
+    reason_long: str = ""  # the text sent to the ranks: "<rule>: <message> (<where>)"
+    scheduler_cordoned: bool | None = None  # None: not tried yet; False: the backend's cordon failed (retried)
 
 
 def leaving_reason(state_dir: Path) -> str:
@@ -117,15 +122,20 @@ def leaving_reason(state_dir: Path) -> str:
     the trip on, every path of a migration ends with the node drained). The agent asks this
     before it re-joins the rendezvous after its workers failed: a node being drained must not
     come back as a participant for the seconds until its own drain signal arrives."""
-    marker, problem = read_cordon(state_dir / "cordon.json")
+    if not os.access(state_dir, os.X_OK):
+        return ""  # the job's user (sentinel launch --user) may not look: torch's own behaviour
+    cordon = state_dir / "cordon.json"
+    if cordon.exists() and not os.access(cordon, os.R_OK):
+        return "node is cordoned (its cordon marker exists but this user cannot read it)"
+    marker, problem = read_cordon(cordon)
     if marker is not None:
         return f"node is cordoned: {marker['reason']}"
     if problem:
         return f"node is cordoned ({problem})"
     try:
         raw = read_trusted(state_dir / "migration.json", owners=frozenset({0, os.geteuid()}), max_bytes=1 << 20)
-    except FileNotFoundError:
-        return ""
+    except (FileNotFoundError, PermissionError):
+        return ""  # none, or not this user's to read: torch's own behaviour
     except (UnsafePath, OSError) as exc:
         return f"untrusted migration record: {exc}"
     try:
@@ -151,6 +161,9 @@ class Migrator:
         signal_agent: Callable[[procs.AgentRecord, int], None] = procs.signal_agent,
         read_agent: Callable[[Path], procs.AgentRecord] | None = None,
         workers: concurrent.futures.Executor | None = None,
+        backend: Backend | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        wake: Callable[[], None] | None = None,
     ) -> None:
         self.cfg = actions
         self.endpoint = endpoint
@@ -158,30 +171,40 @@ class Migrator:
         self.node = node
         self.wall = wall
         self.clock = clock or (wall if wall is not time.time else time.monotonic)
-        self.run = run
-        self.signal_agent = signal_agent
-        self.read_agent = read_agent or (lambda p: procs.read_agent_record(p, owners=frozenset({0, os.geteuid()})))
+        self.sleep = sleep
+        self.wake = wake or (lambda: None)  # the daemon's loop: a finished backend call is acted on at once
         self.workers = workers or concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="sentinel-action")
         self.pidfile = Path(actions.agent_pidfile) if actions.agent_pidfile else runtime_dir / "agent.pid"
+        self.backend = backend or make_backend(actions, BackendContext(
+            node=node, state_dir=state_dir, runtime_dir=runtime_dir, timeout=actions.command_timeout_seconds,
+            wall=wall, run=run, signal_agent=signal_agent, read_agent=read_agent))
         self.record: MigrationRecord | None = None
         self.counts: dict[str, int] = {}
+        self.calls: dict[tuple[str, str], int] = {}  # (op, outcome) -> backend calls
+        self.backend_up: bool | None = None  # did the last backend call reach the scheduler?
+        self.breaker_refusals = 0
         self._job: concurrent.futures.Future | None = None
         self._requested_at = 0.0  # monotonic
         self._deadline = 0.0
         self._extended = False
         self._cordoned_mem = False
         self._resend = False
+        self._retry_at = 0.0  # monotonic: next retry of a failed scheduler cordon
+        self._retry_delay = 0.0
         self.cordon_problem = ""
-        # Called (from the worker thread) when a cordon/drain step finishes, so the daemon ticks
-        # now instead of at its next poll: each poll interval saved is saved on every migration.
-        self.wake: Callable[[], None] = lambda: None
         self._restore()
 
     def reconfigure(self, actions: ActionsConfig) -> None:
-        """SIGHUP: new timeouts and commands apply from now on (a running step keeps its own)."""
+        """SIGHUP: new timeouts and commands apply from now on (a running step keeps its own).
+        The backend itself (``actions.backend``, ``[actions.slurm]``, ``[actions.kubernetes]``)
+        changes only with a restart (:data:`sentinel.config.RESTART_ONLY`)."""
         self.cfg = actions
+        self.backend.cfg = dataclasses.replace(actions, backend=self.backend.cfg.backend, slurm=self.backend.cfg.slurm,
+                                               kubernetes=self.backend.cfg.kubernetes)
+        self.backend.ctx.timeout = actions.command_timeout_seconds
         if actions.agent_pidfile:
             self.pidfile = Path(actions.agent_pidfile)
+            self.backend.pidfile = self.pidfile
 
     # -- persistence ----------------------------------------------------------------------------
     @property
@@ -213,12 +236,16 @@ class Migrator:
             self.record = None
             event(log, "unreadable migration record ignored", logging.ERROR, error=str(exc))
             return
-        if self.record.phase != Phase.DRAINED.value:
+        if self.record.phase == Phase.DRAINED.value and self.record.scheduler_cordoned is False:
+            self._retry_at = self.clock()  # the scheduler never took the cordon: try again now
+        if self.active:
             self.record.notes.append("daemon restarted mid-migration; resuming, not starting a second one")
             event(log, "resuming migration after restart", request_id=self.record.request_id, phase=self.record.phase)
             self._requested_at = self.clock()
             self._deadline = self._requested_at + self.cfg.ack_timeout_seconds
             self._resend = self.record.phase == Phase.REQUESTED.value
+            if self.record.phase == Phase.TRIPPED.value:
+                self._job = self._submit(self._breaker_check)
             self._save()
 
     def _save(self) -> None:
@@ -250,42 +277,98 @@ class Migrator:
 
     @property
     def active(self) -> bool:
-        return self.record is not None and self.record.phase != Phase.DRAINED.value
+        return self.record is not None and self.record.phase not in (Phase.DRAINED.value, Phase.REFUSED.value)
+
+    @property
+    def call_budget_seconds(self) -> float:
+        """The longest one backend operation may take: every attempt times out, with backoff between."""
+        n = self.cfg.scheduler_attempts
+        return n * self.cfg.command_timeout_seconds + self.cfg.scheduler_backoff_seconds * (2 ** (n - 1) - 1)
 
     @property
     def hold_seconds(self) -> float:
         """How long a rank must hold after its commit for the drain to find it holding."""
-        return self.cfg.ack_timeout_seconds + 2 * self.cfg.command_timeout_seconds + 10.0
+        return self.cfg.ack_timeout_seconds + 2 * self.call_budget_seconds + 10.0
+
+    def _reason(self, rec: MigrationRecord) -> CordonReason:
+        return CordonReason(rec.rule, rec.gpu, rec.reason, rec.request_id)
+
+    def _submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        job = self.workers.submit(fn)
+        job.add_done_callback(lambda _f: self.wake())
+        return job
 
     # -- the sequence ---------------------------------------------------------------------------
     def begin(self, request_id: str, trip: Any) -> None:
         if self.cordoned or self.active:
             self._count("already_migrating")
             return
-        self.record = MigrationRecord(request_id, self.node, trip.gpu, trip.rule, trip.message)
+        self.record = MigrationRecord(request_id, self.node, trip.gpu, trip.rule, trip.message, phase=Phase.TRIPPED.value)
+        self.record.reason_long = f"{trip.rule}: {trip.message} ({trip.where})"
         self.record.times["tripped"] = self.wall()
-        self.record.times[Phase.REQUESTED.value] = self.wall()
         self._save()  # the trip is on disk before anything acts on it
+        self._count("started")
+        if self.backend.has_fleet:
+            self._job = self._submit(self._breaker_check)  # a scheduler query: off the loop
+        else:
+            self._request()
+
+    def _breaker_check(self) -> Any:
+        fleet = self._call("fleet", self.backend.fleet, self.wall())
+        return breaker_decide(fleet, self.node, self.wall(), max_fraction=self.cfg.breaker_max_fraction,
+                              window_seconds=self.cfg.breaker_window_seconds)
+
+    def _request(self) -> None:
+        rec = self.record
+        assert rec is not None
+        self._mark(Phase.REQUESTED)
         self._requested_at = self.clock()
         self._deadline = self._requested_at + self.cfg.ack_timeout_seconds
         self._extended = False
-        self.record.ranks = self.endpoint.request("migrate", request_id, f"{trip.rule}: {trip.message} ({trip.where})",
-                                                  hold_seconds=self.hold_seconds)
+        rec.ranks = self.endpoint.request("migrate", rec.request_id, rec.reason_long, hold_seconds=self.hold_seconds)
         self._save()
-        event(log, "migration requested", request_id=request_id, node=self.node, ranks=self.record.ranks)
-        self._count("started")
-        if self.cfg.spare_command:
-            self.workers.submit(self._run_command, "spare", self.cfg.spare_command)
+        event(log, "migration requested", request_id=rec.request_id, node=self.node, ranks=rec.ranks)
+        self._submit(self._start_spare)  # not awaited: the spare warms up while the snapshot is written
+
+    def _refuse(self, why: str) -> None:
+        """The circuit breaker is open: no cordon, no drain; the job still snapshots."""
+        rec = self.record
+        assert rec is not None
+        self.breaker_refusals += 1
+        rec.notes.append(f"circuit breaker open, not cordoning: {why}; the job was told to snapshot")
+        self._mark(Phase.REFUSED)
+        rec.ranks = self.endpoint.request("snapshot", rec.request_id, rec.reason_long)
+        self._save()
+        event(log, "circuit breaker open: refusing to cordon; snapshot requested", logging.ERROR,
+              request_id=rec.request_id, node=self.node, backend=self.backend.name, why=why, ranks=rec.ranks)
 
     def tick(self, acks: list | None = None) -> None:
         """Advance an active migration with the acknowledgements received this poll. Never blocks."""
+        self._retry_cordon()
         if not self.active:
             return
         rec = self.record
         assert rec is not None
+        if rec.phase == Phase.TRIPPED.value:
+            if self._job is None:
+                self._job = self._submit(self._breaker_check)
+            if not self._job.done():
+                return
+            job, self._job = self._job, None
+            try:
+                verdict = job.result()
+            except BackendError as exc:
+                rec.notes.append(f"circuit breaker could not count the fleet ({exc}); cordoning")
+                event(log, "circuit breaker could not count the fleet; going ahead", logging.WARNING, error=str(exc))
+                verdict = None
+            if verdict is not None and not verdict.allowed:
+                self._refuse(verdict.why)
+                return
+            self._request()
+            return
         if self._resend:  # restarted mid-request: the same id again; a holding rank answers at once
             self._resend = False
-            rec.ranks = max(rec.ranks, self.endpoint.request("migrate", rec.request_id, rec.reason,
+            rec.ranks = max(rec.ranks, self.endpoint.request("migrate", rec.request_id, rec.reason_long,
                                                              hold_seconds=self.hold_seconds))
         if rec.phase == Phase.REQUESTED.value:
             self._collect(rec, acks or [])
@@ -301,13 +384,23 @@ class Migrator:
                 event(log, "migration action failed", logging.ERROR, phase=rec.phase, error=str(exc))
             self._mark(Phase.CORDONED if rec.phase == Phase.ACKNOWLEDGED.value else Phase.DRAINED)
         if rec.phase == Phase.ACKNOWLEDGED.value:
-            self._job = self.workers.submit(self._cordon)
+            self._job = self._submit(self._cordon)
         elif rec.phase == Phase.CORDONED.value:
-            self._job = self.workers.submit(self._stop_agent) if self.cfg.drain else None
+            self._job = self._submit(self._stop_agent) if self.cfg.drain else None
             if self._job is None:
                 self._mark(Phase.DRAINED)
-        if self._job is not None:
-            self._job.add_done_callback(lambda _job: self.wake())
+
+    def _retry_cordon(self) -> None:
+        """A drained node whose scheduler cordon failed: retry it, backing off up to 5 min."""
+        rec = self.record
+        if (rec is None or rec.phase != Phase.DRAINED.value or rec.scheduler_cordoned is not False
+                or self._job is not None or self.clock() < self._retry_at):
+            if self._job is not None and rec is not None and rec.phase == Phase.DRAINED.value and self._job.done():
+                self._job = None
+            return
+        self._retry_delay = min(300.0, max(self.cfg.scheduler_backoff_seconds, 1.0, 2 * self._retry_delay))
+        self._retry_at = self.clock() + self._retry_delay
+        self._job = self._submit(self._cordon_scheduler)
 
     def _collect(self, rec: MigrationRecord, acks: list) -> None:
         for ack in acks:
@@ -346,72 +439,104 @@ class Migrator:
             self._save()
 
     def wait_actions(self, timeout: float = 30.0) -> None:
-        """Tests and shutdown: wait for the running cordon/drain step (bounded)."""
+        """Tests and shutdown: wait for the running backend step (bounded)."""
         if self._job is not None:
             concurrent.futures.wait([self._job], timeout=timeout)
 
     # -- actions (worker thread) ----------------------------------------------------------------
+    def _call(self, op: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """One backend operation: an unanswered call is retried with exponential backoff; a
+        refusal (permission, unknown node) is not. Counted per outcome; raises the last error."""
+        delay = self.cfg.scheduler_backoff_seconds
+        scheduler = op != "stop_agent" and self.backend.has_scheduler  # the agent is stopped locally
+        for attempt in range(1, self.cfg.scheduler_attempts + 1):
+            try:
+                result = fn(*args)
+            except BackendError as exc:
+                if scheduler:
+                    self.backend_up = not exc.retry
+                last = attempt == self.cfg.scheduler_attempts or not exc.retry
+                self.calls[(op, "failed" if last else "retried")] = self.calls.get((op, "failed" if last else "retried"), 0) + 1
+                event(log, f"{self.backend.name} {op} failed" + ("" if last else "; retrying"),
+                      logging.ERROR if last else logging.WARNING, backend=self.backend.name, op=op,
+                      attempt=attempt, error=str(exc))
+                if last:
+                    raise
+                self.sleep(delay)
+                delay *= 2
+                continue
+            if scheduler:
+                self.backend_up = True
+            self.calls[(op, "ok")] = self.calls.get((op, "ok"), 0) + 1
+            return result
+        raise AssertionError("unreachable")  # the loop returns or raises
+
     def _cordon(self) -> None:
         rec = self.record
         assert rec is not None
-        marker = {"node": self.node, "reason": f"{rec.rule}: {rec.reason}", "gpu": rec.gpu,
-                  "request_id": rec.request_id, "time": self.wall()}
         self._cordoned_mem = True
         try:
-            write_json_atomic(self.cordon_path, marker)
+            self.backend.write_marker(self._reason(rec))
         except OSError as exc:
             self._count("state_write_failed")
-            rec.notes.append(f"cordon marker not written ({exc.strerror or exc}); cordoned through the command only")
-            event(log, "cannot write the cordon marker; the node is cordoned in memory and through the command",
+            rec.notes.append(f"cordon marker not written ({exc.strerror or exc}); cordoned through the backend only")
+            event(log, "cannot write the cordon marker; the node is cordoned in memory and through the backend",
                   logging.ERROR, path=str(self.cordon_path), error=exc.strerror or str(exc))
-        if self.cfg.cordon_command:
-            self._run_command("cordon", self.cfg.cordon_command)
+        self._cordon_scheduler()
+
+    def _cordon_scheduler(self) -> None:
+        rec = self.record
+        assert rec is not None
+        if not self.backend.has_scheduler:
+            return
+        try:
+            self._call("cordon", self.backend.cordon_scheduler, self._reason(rec))
+        except BackendError as exc:
+            first = rec.scheduler_cordoned is None
+            rec.scheduler_cordoned = False
+            if first:
+                rec.notes.append(f"{self.backend.name} cordon failed ({exc}); retried until it succeeds")
+            self._save()
+            raise
+        rec.scheduler_cordoned = True
+        rec.notes.extend(self.backend.take_notes())
+        self._retry_delay = 0.0
+        self._save()
 
     def _stop_agent(self) -> None:
         rec = self.record
         assert rec is not None
-        if self.cfg.agent_stop_command:
-            self._run_command("agent_stop", self.cfg.agent_stop_command)
-            return
         try:
-            agent = self.read_agent(self.pidfile)
-        except FileNotFoundError:
-            rec.notes.append(f"no agent to stop: {self.pidfile} does not exist")
-            self._count("agent_missing")
+            note = self._call("stop_agent", self.backend.stop_agent)
+        except BackendError as exc:
+            rec.notes.append(str(exc))
+            self._count("agent_untrusted" if "not stopped" in str(exc) else "agent_stop_failed")
+            event(log, "agent not stopped", logging.ERROR, pidfile=str(self.pidfile), error=str(exc))
             return
-        except (procs.NotTrusted, OSError) as exc:
-            rec.notes.append(f"agent not stopped: {exc}")
-            self._count("agent_untrusted")
-            event(log, "refusing to signal the agent", logging.ERROR, pidfile=str(self.pidfile), error=str(exc))
-            return
-        try:
-            self.signal_agent(agent, signal.SIGTERM)
-            rec.notes.append(f"sent SIGTERM to torchrun agent pid {agent.pid}")
-            self._count("agent_stopped")
-        except ProcessLookupError:
-            rec.notes.append(f"agent pid {agent.pid} had already exited")
-            self._count("agent_missing")
-        except procs.NotTrusted as exc:
-            rec.notes.append(f"agent not stopped: {exc}")
-            self._count("agent_untrusted")
+        rec.notes.append(note)
+        self._count("agent_stopped" if note.startswith(("sent SIGTERM", "agent_stop command")) else "agent_missing")
 
-    def _run_command(self, what: str, argv: tuple[str, ...]) -> None:
-        args = [a.replace("{node}", self.node) for a in argv]
+    def _start_spare(self) -> None:
         try:
-            r = self.run(args, capture_output=True, text=True, timeout=self.cfg.command_timeout_seconds)
-            ok = r.returncode == 0
-            self._count(f"{what}_command_{'ok' if ok else 'failed'}")
-            if not ok:
-                event(log, f"{what} command failed", logging.ERROR, argv=args, rc=r.returncode, stderr=r.stderr[-500:])
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            self._count(f"{what}_command_failed")
-            event(log, f"{what} command failed", logging.ERROR, argv=args, error=str(exc))
+            note = self._call("start_spare", self.backend.start_spare)
+        except BackendError as exc:
+            note = f"no spare started: {exc}"
+        if self.record is not None:
+            self.record.notes.append(note)
+        event(log, "spare", backend=self.backend.name, result=note)
 
     def metric_counters(self) -> dict:
-        return {("sentinel_migration_steps", (("step", k),)): float(v) for k, v in dict(self.counts).items()}
+        out = {("sentinel_migration_steps", (("step", k),)): float(v) for k, v in dict(self.counts).items()}
+        for (op, outcome), n in dict(self.calls).items():
+            out[("sentinel_backend_calls", (("backend", self.backend.name), ("op", op), ("outcome", outcome)))] = float(n)
+        out[("sentinel_breaker_refusals", (("backend", self.backend.name),))] = float(self.breaker_refusals)
+        return out
 
     def gauges(self) -> dict:
-        return {("sentinel_node_cordoned", ()): float(self.cordoned)}
+        out = {("sentinel_node_cordoned", ()): float(self.cordoned)}
+        if self.backend_up is not None:
+            out[("sentinel_backend_up", (("backend", self.backend.name),))] = float(self.backend_up)
+        return out
 
     def close(self) -> None:
         self.workers.shutdown(wait=False, cancel_futures=True)
@@ -428,7 +553,8 @@ def _alive(pid: int) -> bool:
 
 
 def uncordon(state_dir: Path) -> bool:
-    """Operator action: clear the cordon marker and the finished migration record."""
+    """Operator action (file backend): clear the cordon marker and the finished migration record.
+    ``sentinel uncordon`` goes through the configured backend (:meth:`Backend.uncordon`)."""
     removed = False
     for name in ("cordon.json", "migration.json"):
         try:

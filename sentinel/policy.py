@@ -200,6 +200,9 @@ class Policy:
             trips.extend(gpu_trips)
         node_trips, cooldown = self._decide_node(readings, dict(state.node_cooldown), now)
         trips.extend(node_trips)
+        for t in node_trips:  # a kernel event that migrates one GPU (fallen off the bus, no Xid) fails it
+            if t.gpu != NODE and t.action == "migrate":
+                gpus[t.gpu] = dataclasses.replace(gpus.get(t.gpu, GpuState()), health=Health.FAILED)
         return PolicyState(MappingProxyType(gpus), recent, MappingProxyType(cooldown), MappingProxyType(xid_counts)), trips
 
     def _decide_node(self, readings: NodeReadings, cooldown: dict[str, float], now: float) -> tuple[list[Trip], dict[str, float]]:

@@ -14,7 +14,7 @@ A scenario (``tests/scenarios/*.toml``) has:
 * ``[[set]]``: ``at``, ``field``, ``value`` (a reset is a set to a lower value).
 * ``[[xid]]``: ``at``, ``xid``, ``count``.
 * ``[[hung]]``/``[[lost]]``: ``start``, ``end``.
-* ``[[kernel]]``: ``at``, ``kind`` (``rank_signal``, ``mc_error``, ``aer``), optional ``gpu``, and a
+* ``[[kernel]]``: ``at``, ``kind`` (``rank_signal``, ``mc_error``, ``aer``, ``kernel_log``), optional ``gpu``, and a
   ``[kernel.detail]`` table (what the kernel source would report, e.g. ``signal``/``code``).
 * ``[[expect]]``: ``rule``, ``action``, ``at`` — the exact trips, in order.
 """
@@ -40,7 +40,7 @@ HEALTHY = {
     "remapped_rows_failure": 0, "remap_histogram_max": 640, "remap_histogram_high": 0, "remap_histogram_partial": 0,
     "remap_histogram_low": 0, "remap_histogram_none": 0, "pcie_replay": 0, "pcie_link_gen": 5, "pcie_link_width": 16,
     "temperature_celsius": 45, "slowdown_temperature_celsius": 87, "power_watts": 400.0, "throttle_reasons": 0,
-    "nvlink_crc": 0,
+    "nvlink_crc": 0, "recovery_action": 0,
 }
 
 

@@ -248,3 +248,37 @@ def kmsg_writer():
     yield write
     os.close(fd)
     knob.write_text(old + "\n")
+
+
+# -- the package as a user installs it ---------------------------------------------------------------
+@pytest.fixture(scope="session")
+def built_wheel(tmp_path_factory) -> Path:
+    """The wheel that `pip wheel .` builds from a copy of this checkout (the copy keeps build/ and
+    *.egg-info out of the working tree). Built once per session."""
+    import shutil
+
+    src = tmp_path_factory.mktemp("src") / "sentinel"
+    shutil.copytree(REPO, src, symlinks=True,
+                    ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", ".venv", ".pytest_cache",
+                                                  ".hypothesis", "out"))
+    out = tmp_path_factory.mktemp("dist")
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
+                        str(src)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (wheel,) = out.glob("sentinel_gpu-*.whl")
+    return wheel
+
+
+def make_venv(path: Path, *packages: str, python: str = SYSTEM_PYTHON, system_site_packages: bool = False) -> Path:
+    """A fresh virtual environment at ``path`` with ``packages`` pip-installed; returns its python."""
+    argv = [python, "-m", "venv", str(path)] + (["--system-site-packages"] if system_site_packages else [])
+    # the venv must see only what is installed in it: not this checkout through PYTHONPATH
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, f"{' '.join(argv)}: {r.stdout}{r.stderr}"
+    py = path / "bin" / "python"
+    if packages:
+        r = subprocess.run([str(py), "-m", "pip", "install", "-q", *packages], capture_output=True, text=True,
+                           timeout=600, env=env)
+        assert r.returncode == 0, f"pip install {' '.join(packages)}: {r.stdout}{r.stderr}"
+    return py

@@ -48,6 +48,7 @@ class FakePynvml:
         # gpu index -> seconds every device call on that GPU takes (a slow but working GPU)
         self.delay: dict[int, float] = {}
         self.calls: Counter[int] = Counter()  # device calls started, per GPU index
+        self.field_value_calls = 0  # nvmlDeviceGetFieldValues calls (each also counted in calls)
         self.fields = nvml_fields.NVML_FIELDS
         self._field_calls = nvml_fields.calls(self.fields)
 
@@ -119,6 +120,30 @@ class FakePynvml:
 
     def nvmlDeviceGetPciInfo(self, h):
         return self._do("pci_info", h, SimpleNamespace(busId=f"00000000:{0x07 + h.index:02X}:00.0".encode()))
+
+    def nvmlDeviceGetFieldValues(self, h, field_ids):
+        """One device call for every requested field id (counted once); each entry answers with its
+        field's behaviour: a value, Err(code) for that entry, or "hang" (the whole call hangs)."""
+        outcomes = []
+
+        def scalar(f):
+            b = self.behaviour.get((f.name, h.index), self.behaviour.get((f.name, -1)))
+            outcomes.append(b)
+            if isinstance(b, Err):
+                return b.code, 0
+            return pynvml.NVML_SUCCESS, FAKE_DEFAULTS.get(f.name, f.sim_default) if b is None or b == "hang" else b
+
+        def nvlink(link, kind):
+            key = f"nvlink{getattr(pynvml, 'NVML_NVLINK_ERROR_DL_' + kind.upper())}"
+            b = self.behaviour.get((key, h.index), self.behaviour.get((key, -1)))
+            outcomes.append(b)
+            if isinstance(b, Err):
+                return b.code, 0
+            return pynvml.NVML_SUCCESS, 0 if b is None or b == "hang" else b
+
+        result = nvml_fields.serve_field_values(self.fields, pynvml, field_ids, scalar, nvlink)
+        self.field_value_calls += 1
+        return self._respond(h, "hang" if "hang" in outcomes else result, result)
 
     def nvmlDeviceGetNvLinkState(self, h, link):
         return self._do("nvlink_state", h, pynvml.NVML_FEATURE_ENABLED if link < 2 else pynvml.NVML_FEATURE_DISABLED)

@@ -17,10 +17,20 @@ def test_every_key_is_documented_in_the_default_file():
     text = (REPO / "systemd" / "sentinel.toml").read_text()
     import dataclasses
 
+    def check(name, cls):
+        assert f"[{name}]" in text
+        for f in dataclasses.fields(cls):
+            sub = getattr(config.Config(), name.split(".")[0])
+            for part in name.split(".")[1:]:
+                sub = getattr(sub, part)
+            value = getattr(sub, f.name)
+            if dataclasses.is_dataclass(value):  # a nested table: [actions.slurm]
+                check(f"{name}.{f.name}", type(value))
+            else:
+                assert f"\n{f.name} = " in text, f"{name}.{f.name} is not documented"
+
     for section in dataclasses.fields(config.Config):
-        assert f"[{section.name}]" in text
-        for f in dataclasses.fields(section.type if isinstance(section.type, type) else getattr(config, section.type)):
-            assert f"\n{f.name} = " in text, f"{section.name}.{f.name} is not documented"
+        check(section.name, type(getattr(config.Config(), section.name)))
 
 
 @pytest.mark.parametrize("text,key", [
@@ -34,6 +44,11 @@ def test_every_key_is_documented_in_the_default_file():
     ("[policy]\ndisabled_rules = [\"no_such_rule\"]\n", "policy.disabled_rules"),
     ("[policy]\nxid_skip = [\"13\"]\n", "policy.xid_skip[0]"),
     ("[actions]\ndrain = 1\n", "actions.drain"),
+    ("[actions]\nbackend = \"pbs\"\n", "actions.backend"),
+    ("[actions]\ncordon_command = [\"x\"]\n", "actions.cordon_command"),
+    ("[actions]\nbreaker_max_fraction = 1.5\n", "actions.breaker_max_fraction"),
+    ("[actions.slurm]\nscontorl = \"x\"\n", "actions.slurm.scontorl"),
+    ("[actions.kubernetes]\ntaint_key = \"a b\"\n", "actions.kubernetes.taint_key"),
 ])
 def test_bad_config_names_the_key(text, key):
     with pytest.raises(config.ConfigError) as exc:
@@ -201,3 +216,14 @@ def test_live_part_keeps_restart_keys_at_their_running_values():
     assert running.daemon.state_dir == old.daemon.state_dir and running.metrics.port == old.metrics.port
     # so the next reload of the same file reports the pending restart again, and nothing to apply
     assert config.reload_plan(running, new) == ([], ["daemon.state_dir", "metrics.port"])
+
+
+def test_backend_keys_need_a_restart_but_the_rest_of_actions_reloads_live():
+    old = config.Config()
+    new = config.parse('[actions]\nbackend = "slurm"\nack_timeout_seconds = 5.0\n[actions.slurm]\npartition = "gpu"\n')
+    live, restart = config.reload_plan(old, new)
+    assert live == ["actions"] and sorted(restart) == ["actions.backend", "actions.slurm"]
+    running = config.live_part(old, new)
+    assert running.actions.backend == "file" and running.actions.slurm.partition == ""
+    assert running.actions.ack_timeout_seconds == 5.0
+    assert config.reload_plan(running, new)[1] == restart  # still pending at the next reload

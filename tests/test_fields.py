@@ -55,7 +55,11 @@ def scrape(gpus: list[GpuReading], detail: str = "fleet") -> str:
 def test_builtin_table_names_real_pynvml_calls_and_constants():
     assert FIELDS == nvml_fields.names(nvml_fields.NVML_FIELDS)
     for f in nvml_fields.NVML_FIELDS + NEW_FIELDS:
-        assert callable(getattr(pynvml, f.call)), f.name  # a typo here would only show on a GPU
+        assert f.call or f.field_id, f.name
+        if f.call:
+            assert callable(getattr(pynvml, f.call)), f.name  # a typo here would only show on a GPU
+        if f.field_id:
+            assert isinstance(getattr(pynvml, f.field_id), int), (f.name, f.field_id)
         for const in f.args:
             assert isinstance(getattr(pynvml, const), int), (f.name, const)
 

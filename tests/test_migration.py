@@ -37,6 +37,8 @@ def make(tmp_path, endpoint, clock=None, kills=None, runs=None, **actions):
     (tmp_path / "state").mkdir(exist_ok=True)
     # the agent: a fake record (pid 4242) for the signal, which the tests capture instead of sending
     agent = AgentRecord(4242, 1, "/usr/bin/python3", 0, "")
+    if any(k.endswith("_command") for k in actions):
+        actions.setdefault("backend", "command")
     return Migrator(ActionsConfig(**actions), endpoint, state_dir=tmp_path / "state", runtime_dir=tmp_path / "run",
                     node="n1", wall=clock or Clock(), run=run, read_agent=lambda _p: agent,
                     signal_agent=lambda rec, sig: kills.append((rec.pid, sig)), workers=Inline())

@@ -20,7 +20,7 @@ def test_alert_rules_pass_promtool():
     if promtool is None:
         pytest.skip("promtool not installed (apt-get install prometheus)")
     r = subprocess.run([promtool, "check", "rules", str(MON / "alerts.yml")], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and "SUCCESS: 7 rules found" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "SUCCESS: 9 rules found" in r.stdout, r.stdout + r.stderr
     r = subprocess.run([promtool, "test", "rules", "alerts_test.yml"], capture_output=True, text=True, timeout=60, cwd=MON)
     assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
 

@@ -13,6 +13,9 @@ from sentinel.sources.nvml import NvmlSource, NvmlUnavailable, normalize_bus_id
 
 
 def started(fake: FakePynvml, **kw) -> NvmlSource:
+    """The tests of the per-call budget (slow, hung, resumed reads) pass batch=False: one NVML call
+    per field and counter, as on a driver without nvmlDeviceGetFieldValues. Batched reads under
+    the same budget: tests/test_nvml_batch.py."""
     src = NvmlSource(fake, deadline_seconds=kw.pop("deadline", 0.3), event_wait_ms=20, **kw)
     src.start()
     return src
@@ -130,7 +133,7 @@ def test_slow_gpu_costs_one_budget_per_poll_and_is_not_hung():
     fake = FakePynvml(3)
     fake.behaviour[("ecc_corrected_volatile", 1)] = 5
     fake.behaviour[("temperature_celsius", 1)] = 61
-    src = started(fake, deadline=0.3)
+    src = started(fake, deadline=0.3, batch=False)
     try:
         fake.delay[1] = 0.25  # every call on GPU 1 works, slowly: the 23 declared fields + 2 links x 4 counters
         t0 = time.monotonic()
@@ -145,7 +148,7 @@ def test_slow_gpu_costs_one_budget_per_poll_and_is_not_hung():
             assert value == EXPECTED_GPU1.get(name, value) and name in src.gpus[1].supported
         for g in (r[0], r[2]):  # the other GPUs are complete and untouched
             assert not g.hung and g.errors == {}
-            assert len(g.values) == len(FIELDS) and len(g.nvlink) == 8
+            assert len(g.values) == len(FIELDS) - 1 and len(g.nvlink) == 8  # per call: no recovery action
         assert src.errors[("poll_budget", pynvml.NVML_ERROR_TIMEOUT)] == 1
         assert ("deadline", pynvml.NVML_ERROR_TIMEOUT) not in src.errors  # no call passed its deadline
     finally:
@@ -155,7 +158,7 @@ def test_slow_gpu_costs_one_budget_per_poll_and_is_not_hung():
 
 def test_all_gpus_slow_still_one_budget_not_one_per_gpu():
     fake = FakePynvml(4)
-    src = started(fake, deadline=0.3)
+    src = started(fake, deadline=0.3, batch=False)
     try:
         for i in range(4):
             fake.delay[i] = 0.25
@@ -175,7 +178,7 @@ def test_slow_gpu_reads_every_field_over_a_few_polls_then_recovers_at_once():
     fake = FakePynvml(2)
     fake.behaviour[("ecc_corrected_volatile", 1)] = 5
     fake.behaviour[("temperature_celsius", 1)] = 61
-    src = started(fake, deadline=0.2)
+    src = started(fake, deadline=0.2, batch=False)
     try:
         fake.behaviour[(f"nvlink{pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT}", 1)] = 9
         fake.delay[1] = 0.06  # about 3 of the 31 calls fit in one budget
@@ -188,14 +191,14 @@ def test_slow_gpu_reads_every_field_over_a_few_polls_then_recovers_at_once():
             # a partial set of NVLink counters would make the policy's sum over links jump
             assert g.nvlink == {}
             seen.update(g.values)
-            if len(seen) == len(FIELDS):
+            if len(seen) == len(FIELDS) - 1:  # per call: every field but the recovery action (a field value only)
                 break
         # the read resumes after the last call that returned, so no field is starved
         assert set(seen) == set(src.gpus[1].supported)
         assert all(seen[name] == value for name, value in EXPECTED_GPU1.items())
         fake.delay.clear()  # fast again: the next poll is complete (after the one call still in flight)
         g = src.poll()[1]
-        assert g.errors == {} and not g.hung and len(g.values) == len(FIELDS) and len(g.nvlink) == 8
+        assert g.errors == {} and not g.hung and len(g.values) == len(FIELDS) - 1 and len(g.nvlink) == 8
         assert g.values["temperature_celsius"] == 61 and g.nvlink[(1, "crc_flit")] == 9
     finally:
         fake.delay.clear()
@@ -204,7 +207,7 @@ def test_slow_gpu_reads_every_field_over_a_few_polls_then_recovers_at_once():
 
 def test_hung_call_counted_once_and_reported_hung_every_poll_until_it_returns():
     fake = FakePynvml(2)
-    src = started(fake, deadline=0.2)
+    src = started(fake, deadline=0.2, batch=False)
     try:
         fake.behaviour[("power_watts", 1)] = "hang"
         polls = [src.poll() for _ in range(4)]
@@ -326,7 +329,7 @@ def test_simulated_slow_fault_through_the_nvml_source(tmp_path):
     for bad in ("slow=-1", "slow=abc", "slow=nan", "slow"):
         with pytest.raises(simulated.SimulatedStateError, match="slow: expects =SECONDS"):
             simulated.inject(state, 1, [bad])
-    src = NvmlSource(simulated.SimulatedNvml(state, recheck_seconds=0), deadline_seconds=0.3, event_wait_ms=20)
+    src = NvmlSource(simulated.SimulatedNvml(state, recheck_seconds=0), deadline_seconds=0.3, event_wait_ms=20, batch=False)
     src.start()
     try:
         assert simulated.inject(state, 1, ["slow=0.2"])["slow_seconds"] == 0.2
@@ -337,6 +340,6 @@ def test_simulated_slow_fault_through_the_nvml_source(tmp_path):
         assert r[0].errors == {} and r[0].values["temperature_celsius"] == 38
         simulated.inject(state, 1, ["slow=0"])
         g = src.poll()[1]
-        assert g.errors == {} and g.values["temperature_celsius"] == 38 and len(g.nvlink) == 18 * 4
+        assert g.errors == {} and g.values["temperature_celsius"] == 38 and len(g.nvlink) == 18 * 4 - 6  # links 12-17 (NVLink 4) have no data-CRC counter
     finally:
         src.close()

@@ -115,6 +115,7 @@ def random_polls(seed, n):
                 if rng.random() < 0.05:
                     v[k] = float(rng.randint(0, 1))
             v["temperature_celsius"] = float(rng.choice((45, 45, 95)))
+            v["recovery_action"] = float(rng.choice((0, 0, 0, 0, 2, 3)))
             crc[i] += rng.choice((0, 10_000))
             hung, lost = rng.random() < 0.15, rng.random() < 0.02
             gpus.append(GpuReading(index=i, uuid=f"GPU-{i}", pci_bus_id=f"0000:{i}:00.0", values={} if hung or lost else dict(v),
@@ -125,6 +126,8 @@ def random_polls(seed, n):
             KernelEvent("rank_signal", "t", {"signal": "SIGBUS", "code": rng.choice((0, 4)), "pid": 1, "comm": "p"}),
             KernelEvent("mc_error", "t", {"type": "uncorrected", "count": 1, "mc": 0}),
             KernelEvent("aer", "t", {"severity": "fatal", "device": "0000:0:00.0"}, gpu=0),
+            KernelEvent("kernel_log", "t", {"kind": "gpu_fallen_off_bus", "severity": "critical", "action": "migrate",
+                                            "message": "NVRM: GPU 0000:01:00.0: GPU has fallen off the bus."}, gpu=1),
         )) for _ in range(rng.choice((0, 0, 0, 1))))
         yield t, NodeReadings(time=t, driver_version="t", gpus=tuple(gpus), xid_events=xids, kernel_events=kernel,
                               events_only=rng.random() < 0.1)

@@ -351,6 +351,8 @@ def test_a_planted_cordon_marker_does_not_block_migrations(tmp_path):
 # -- 9, 10, 11. faults: a full disk, slow commands, a clock step ----------------------------------------
 def _config(path: Path, **actions) -> Path:
     lines = ["[daemon]", "poll_interval_seconds = 0.5", "[actions]"]
+    if any(k.endswith("_command") for k in actions):
+        actions.setdefault("backend", "command")
     for k, v in actions.items():
         lines.append(f"{k} = {json.dumps(v)}")
     path.write_text("\n".join(lines) + "\n")

@@ -1,4 +1,4 @@
-"""Shared loader for Sentinel's BPF programs (``ebpf/*.bpf.c``) through bcc.
+"""Shared loader for Sentinel's BPF programs (``ebpf/*.bpf.c``, shipped as package data) through bcc.
 
 Each probe: check that its tracepoint exists, compile with settings as ``-D`` cflags, read a
 ring buffer on a thread of its own, and count what the kernel could not deliver (the program's
@@ -11,6 +11,7 @@ Python over libbcc, so it loads into any Python 3; only that one package is take
 from __future__ import annotations
 
 import importlib
+import importlib.resources
 import logging
 import os
 import sys
@@ -29,8 +30,19 @@ class EbpfUnavailable(RuntimeError):
 
 
 def ebpf_dir() -> Path:
+    """Where the ``*.bpf.c`` programs and ``events.h`` are: package data of ``sentinel``
+    (``sentinel/ebpf``, a symlink to the top-level ``ebpf/`` in a checkout, real files in a
+    wheel), found through ``importlib.resources``; ``SENTINEL_EBPF_DIR`` overrides it.
+
+    bcc compiles from a directory (``-I`` for ``events.h``), so the resources must be files on
+    disk: an install that left them inside a zip raises :class:`EbpfUnavailable`."""
     env = os.environ.get("SENTINEL_EBPF_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "ebpf"
+    if env:
+        return Path(env)
+    resource = importlib.resources.files("sentinel") / "ebpf"
+    if not isinstance(resource, Path):
+        raise EbpfUnavailable(f"the BPF programs are not files on disk ({resource}); install sentinel unpacked")
+    return resource
 
 
 def import_bcc() -> Any:

@@ -209,10 +209,26 @@ class _Gpu:
     supported: list[str] = field(default_factory=list)
     unsupported: set[str] = field(default_factory=set)
     nvlinks: list[int] = field(default_factory=list)
+    # batched reads: (what, key, (fieldId, scopeId)); what is "field" (key: the field's name) or
+    # "link" (key: (link, kind)); in chunks of FIELD_VALUES_PER_CALL
+    batch: list[list[tuple[str, Any, tuple[int, int]]]] = field(default_factory=list)
+    link_calls: list[tuple[int, str]] = field(default_factory=list)  # NVLink counters read one call each
     lost: bool = False
     pending: _Job | None = None  # the latest job, until it is done
     cut_short: _PollRead | None = None  # the last read, when the poll budget ended it
     counted_stuck_call: float | None = None  # start time of the stuck call already counted
+
+
+class _Code:
+    """An NVML return code from one field value, recorded as an NVMLError would be."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def gpu_link_count(gpu: _Gpu) -> int:
+    """How many NVLink counters one complete read of ``gpu`` returns."""
+    return len(gpu.link_calls) + sum(1 for chunk in gpu.batch for what, _, _ in chunk if what == "link")
 
 
 def _text(value: Any) -> str:
@@ -232,14 +248,19 @@ class NvmlSource:
         clock: Callable[[], float] = time.monotonic,
         event_wait_ms: int = 500,
         source_name: str = "nvml",
+        batch: bool = True,
     ) -> None:
         self.nvml = nvml
+        # read every field that has an NVML field id, and the NVLink counters, through
+        # nvmlDeviceGetFieldValues (one call per GPU per poll); False: one call per field and counter
+        self.batch = batch
         self.deadline = deadline_seconds
         self.clock = clock
         self.event_wait_ms = event_wait_ms
         self.name = source_name
         # field -> reader, in probe order, from the declarations in sentinel/fields.py
-        self.readers: dict[str, Callable[[Any, Any], float]] = {f.name: f.read for f in nvml_fields.NVML_FIELDS}
+        self.readers: dict[str, Callable[[Any, Any], float]] = {f.name: f.read for f in nvml_fields.NVML_FIELDS if f.call}
+        self.declared = {f.name: f for f in nvml_fields.NVML_FIELDS}
         self.driver_version = ""
         self.gpus: list[_Gpu] = []
         self.errors: Counter[tuple[str, int]] = Counter()
@@ -314,15 +335,6 @@ class NvmlSource:
             gpu.pci_bus_id = normalize_bus_id(_text(w.call(nvml.nvmlDeviceGetPciInfo, gpu.handle).busId))
         except nvml.NVMLError as exc:
             self._record_error(gpu, "pci_info", exc)
-        for name, reader in self.readers.items():
-            try:
-                w.call(reader, nvml, gpu.handle)
-            except nvml.NVMLError as exc:
-                if exc.value == nvml.NVML_ERROR_NOT_SUPPORTED:
-                    gpu.unsupported.add(name)
-                    continue
-                self._record_error(gpu, name, exc)
-            gpu.supported.append(name)
         for link in range(nvml.NVML_NVLINK_MAX_LINKS):
             try:
                 if w.call(nvml.nvmlDeviceGetNvLinkState, gpu.handle, link) == nvml.NVML_FEATURE_ENABLED:
@@ -330,10 +342,123 @@ class NvmlSource:
             except nvml.NVMLError as exc:
                 if exc.value not in (nvml.NVML_ERROR_NOT_SUPPORTED, nvml.NVML_ERROR_INVALID_ARGUMENT):
                     self._record_error(gpu, "nvlink_state", exc)
+        batched, batch_unsupported = self._probe_batch(gpu) if self.batch else (set(), set())
+        for name, f in self.declared.items():
+            if name in batched:
+                gpu.supported.append(name)
+                continue
+            if not f.call:
+                gpu.unsupported.add(name)  # a field value only (the recovery action): no other way to read it
+                continue
+            try:
+                w.call(self.readers[name], nvml, gpu.handle)
+            except nvml.NVMLError as exc:
+                if exc.value == nvml.NVML_ERROR_NOT_SUPPORTED:
+                    gpu.unsupported.add(name)
+                    continue
+                self._record_error(gpu, name, exc)
+            gpu.supported.append(name)
+        batched_links = {key for chunk in gpu.batch for what, key, _ in chunk if what == "link"}
+        for link in gpu.nvlinks:
+            for kind, const in NVLINK_COUNTERS.items():
+                if (link, kind) in batched_links:
+                    continue
+                try:
+                    w.call(nvml.nvmlDeviceGetNvLinkErrorCounter, gpu.handle, link, getattr(nvml, const))
+                except nvml.NVMLError as exc:
+                    if exc.value == nvml.NVML_ERROR_NOT_SUPPORTED:
+                        continue  # this link has no such counter (NVLink 4: no data CRC): never read
+                    self._record_error(gpu, f"nvlink_{kind}", exc)
+                gpu.link_calls.append((link, kind))
         if not gpu.nvlinks:
             gpu.unsupported.add("nvlink")
         if gpu.unsupported:
             log.info("GPU %d: not supported: %s", gpu.index, ", ".join(sorted(gpu.unsupported)))
+
+    def _probe_batch(self, gpu: _Gpu) -> tuple[set[str], set[str]]:
+        """Try every field id once in nvmlDeviceGetFieldValues; keep in the batch what the driver
+        answers (or fails on with anything but NOT_SUPPORTED: retried, as any field is). Returns
+        (fields batched, fields whose id the driver does not support). A driver without the call,
+        or one whose call fails as a whole, leaves every field to its own call."""
+        nvml, w = self.nvml, gpu.worker
+        fn = getattr(nvml, "nvmlDeviceGetFieldValues", None)
+        wanted: list[tuple[str, Any, tuple[int, int]]] = []
+        for name, f in self.declared.items():
+            fid = getattr(nvml, f.field_id, None) if f.field_id else None
+            if fid is not None:
+                wanted.append(("field", name, (int(fid), 0)))
+        for link in gpu.nvlinks:
+            for kind in NVLINK_COUNTERS:
+                spec = nvml_fields.nvlink_field_id(nvml, link, kind)
+                if spec is not None:
+                    wanted.append(("link", (link, kind), spec))
+        if fn is None or not wanted:
+            return set(), set()
+        kept: list[tuple[str, Any, tuple[int, int]]] = []
+        unsupported: set[str] = set()
+        step = nvml_fields.FIELD_VALUES_PER_CALL
+        for start in range(0, len(wanted), step):
+            chunk = wanted[start:start + step]
+            try:
+                values = w.call(fn, gpu.handle, [spec for _, _, spec in chunk])
+            except nvml.NVMLError as exc:
+                if exc.value not in (nvml.NVML_ERROR_NOT_SUPPORTED, getattr(nvml, "NVML_ERROR_FUNCTION_NOT_FOUND", -1)):
+                    self._record_error(gpu, "field_values", exc)
+                return set(), set()
+            for (what, key, spec), fv in zip(chunk, values):
+                ret = int(fv.nvmlReturn)
+                if ret == nvml.NVML_ERROR_NOT_SUPPORTED:
+                    if what == "field":
+                        unsupported.add(key)
+                    continue
+                if ret != nvml.NVML_SUCCESS:
+                    self._record_error(gpu, key if what == "field" else f"nvlink_{key[1]}", _Code(ret))
+                kept.append((what, key, spec))
+        gpu.batch = [kept[i:i + step] for i in range(0, len(kept), step)]
+        return {key for what, key, _ in kept if what == "field"}, unsupported
+
+    def _read_batch(self, gpu: _Gpu, chunk: list[tuple[str, Any, tuple[int, int]]], read: _PollRead) -> bool:
+        """One nvmlDeviceGetFieldValues call; each entry's outcome is its field's. True when the GPU is lost."""
+        nvml = self.nvml
+        try:
+            values = gpu.worker.call(nvml.nvmlDeviceGetFieldValues, gpu.handle, [spec for _, _, spec in chunk])
+        except nvml.NVMLError as exc:
+            for what, key, _ in chunk:
+                name = key if what == "field" else f"nvlink_{key[1]}"
+                read.put("errors", name, int(exc.value))
+                self._record_error(gpu, name, exc)
+            return exc.value == nvml.NVML_ERROR_GPU_IS_LOST
+        lost = False
+        for (what, key, _), fv in zip(chunk, values):
+            name = key if what == "field" else f"nvlink_{key[1]}"
+            ret = int(fv.nvmlReturn)
+            if ret != nvml.NVML_SUCCESS:
+                read.put("errors", name, ret)
+                self._record_error(gpu, name, _Code(ret))
+                lost = lost or ret == nvml.NVML_ERROR_GPU_IS_LOST
+                continue
+            number = nvml_fields.field_value_number(nvml, fv)
+            if what == "field":
+                read.put("values", name, float(self.declared[name].value_codec.decode(nvml, number)))
+            else:
+                read.put("links", key, int(number))
+        return lost
+
+    def _read_group(self, gpu: _Gpu, names: list[str], read: _PollRead) -> bool:
+        """One call for the fields that share it (each takes its part); True when the GPU is lost."""
+        nvml = self.nvml
+        first = self.declared[names[0]]
+        try:
+            raw = gpu.worker.call(first.function(nvml), gpu.handle, *(getattr(nvml, a) for a in first.args))
+        except nvml.NVMLError as exc:
+            for name in names:
+                read.put("errors", name, int(exc.value))
+                self._record_error(gpu, name, exc)
+            return exc.value == nvml.NVML_ERROR_GPU_IS_LOST
+        for name in names:
+            f = self.declared[name]
+            read.put("values", name, float(f.codec.decode(nvml, nvml_fields.pick(raw, f.part))))
+        return False
 
     def _count(self, key: tuple[str, int]) -> None:
         with self._errors_lock:  # GPU workers count concurrently
@@ -360,9 +485,18 @@ class NvmlSource:
                 read.put("errors", "handle", -1)
                 read.finish()
                 return
-        items: list[tuple[str, tuple[int, str, str] | None]] = [(name, None) for name in gpu.supported]
-        items += [(f"nvlink_{kind}", (link, kind, const))
-                  for link in gpu.nvlinks for kind, const in NVLINK_COUNTERS.items()]
+        batched = {key for chunk in gpu.batch for what, key, _ in chunk if what == "field"}
+        items: list[tuple[str, Any]] = [("field_values", chunk) for chunk in gpu.batch]
+        if self.batch:  # fields that share one call (the remapper histogram's five) make it once
+            groups: dict[tuple[str, tuple[str, ...]], list[str]] = {}
+            for name in gpu.supported:
+                if name not in batched:
+                    f = self.declared[name]
+                    groups.setdefault((f.call, f.args), []).append(name)
+            items += [(names[0], ("group", names)) if len(names) > 1 else (names[0], None) for names in groups.values()]
+        else:
+            items += [(name, None) for name in gpu.supported if name not in batched]
+        items += [(f"nvlink_{kind}", (link, kind, NVLINK_COUNTERS[kind])) for link, kind in gpu.link_calls]
         first = cut_short.resume(read, len(items)) if cut_short is not None else 0
         lost = False
         for step in range(len(items)):
@@ -370,6 +504,16 @@ class NvmlSource:
             if not read.begin(position):
                 return  # this poll has reported the GPU already
             name, link = items[position]
+            if name == "field_values":
+                if self._read_batch(gpu, link, read):
+                    lost = True
+                    break
+                continue
+            if isinstance(link, tuple) and link[0] == "group":
+                if self._read_group(gpu, link[1], read):
+                    lost = True
+                    break
+                continue
             try:
                 if link is None:
                     read.put("values", name, float(w.call(self.readers[name], nvml, gpu.handle)))
@@ -448,7 +592,7 @@ class NvmlSource:
                     self._count(("deadline", self.nvml.NVML_ERROR_TIMEOUT))
                 errors["poll_budget"] = self.nvml.NVML_ERROR_TIMEOUT
                 self._count(("poll_budget", self.nvml.NVML_ERROR_TIMEOUT))
-                if len(links) < len(gpu.nvlinks) * len(NVLINK_COUNTERS):
+                if len(links) < gpu_link_count(gpu):
                     links = {}  # the policy sums the counters over links: a partial sum would read as a jump
             with self._xid_lock:
                 xids = dict(self._xid_counts.get(gpu.index, {}))

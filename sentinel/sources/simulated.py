@@ -49,7 +49,10 @@ def _base_state(index: int) -> dict[str, Any]:
         "pci_bus_id": f"00000000:{bus.upper()}:00.0",
         "name": "NVIDIA H100 80GB HBM3 (simulated)",
         "serial": f"SIM{index:010d}",
-        "nvlink": [{"crc_flit": 0, "crc_data": 0, "replay": 0, "recovery": 0} for _ in range(NVLINK_LINKS)],
+        # NVML reads a data-CRC counter on the 12 links NVLink 3 has (NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_L0..L11);
+        # links 12-17 exist only on NVLink 4, which reports replay, recovery and one CRC counter
+        "nvlink": [{"crc_flit": 0, "crc_data": 0, "replay": 0, "recovery": 0} if link < 12 else
+                   {"crc_flit": 0, "replay": 0, "recovery": 0} for link in range(NVLINK_LINKS)],
         "xid_events": [],
         "lost": False,
         "hang": False,
@@ -452,6 +455,21 @@ class SimulatedNvml:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return build()
 
+    def nvmlDeviceGetFieldValues(self, h: _Handle, field_ids: list) -> list:
+        """Every declared field id and the NVLink counters, from the state (one call: one stat)."""
+        gpu = self._gpu(h)
+
+        def scalar(f):
+            return (pynvml.NVML_ERROR_NOT_SUPPORTED, 0) if f.name in gpu["unsupported"] else (pynvml.NVML_SUCCESS, _stored(gpu, f))
+
+        def nvlink(link, kind):
+            links = gpu["nvlink"]
+            if "nvlink" in gpu["unsupported"] or link >= len(links) or kind not in links[link]:
+                return pynvml.NVML_ERROR_NOT_SUPPORTED, 0
+            return pynvml.NVML_SUCCESS, int(links[link][kind])
+
+        return nvml_fields.serve_field_values(self._fields, pynvml, field_ids, scalar, nvlink)
+
     def nvmlDeviceGetNvLinkState(self, h: _Handle, link: int) -> int:
         links = self._field(h, "nvlink")["nvlink"]
         if link >= len(links):
@@ -465,7 +483,10 @@ class SimulatedNvml:
             pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT: "crc_flit",
             pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA: "crc_data",
         }[counter]
-        return int(self._field(h, "nvlink")["nvlink"][link][kind])
+        counters = self._field(h, "nvlink")["nvlink"][link]
+        if kind not in counters:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return int(counters[kind])
 
     def nvmlEventSetCreate(self) -> _EventSet:
         gpus = self._loaded()["gpus"]

@@ -1,6 +1,13 @@
-"""Xid source: the eBPF probe ``ebpf/xid.bpf.c`` (printk:console, filtered in the kernel), or —
-when bcc is missing, the kernel too old or privileges lacking — a /dev/kmsg reader. One parser
-(:mod:`sentinel.sources.xidparse`) for both. The loss of the eBPF path is logged once; the signal
+"""Kernel-log source: the eBPF probe ``ebpf/xid.bpf.c`` (printk:console, filtered in the kernel on
+the prefixes of the signature catalog, ``sentinel/signatures.toml``), or — when bcc is missing,
+the kernel too old or privileges lacking — a /dev/kmsg reader. One classifier
+(:mod:`sentinel.signatures`, with :mod:`sentinel.sources.xidparse` for the Xid details) for both.
+
+An Xid becomes an :class:`~sentinel.readings.XidEvent` (the ``xid`` rule and NVML's own Xid events
+are de-duplicated by the policy). Any other catalog match becomes a ``KernelEvent(kind="kernel_log")``
+for the GPU whose bus id (or upstream PCIe port, :func:`sentinel.pci.port_map`) the message names,
+or for the node when it names none; every match is counted as
+``sentinel_kernel_events_total{source,kind}`` with the catalog's kind. The loss of the eBPF path is logged once; the signal
 shows as ``sentinel_source_up{source="xid",via="kmsg"} 1`` while the fallback reads, and as down
 (``via="none"``) only when neither path works. The daemon never fails to start over it.
 
@@ -14,7 +21,11 @@ import os
 import sys
 from typing import Callable
 
-from sentinel.readings import XidEvent
+from pathlib import Path
+
+from sentinel import signatures
+from sentinel.pci import port_map
+from sentinel.readings import KernelEvent, XidEvent
 from sentinel.sources.ebpf import EbpfUnavailable, RingProbe, tracepoint_exists
 from sentinel.sources.kernel import KernelSource, run_alone
 from sentinel.sources.kmsg import KmsgReader, KmsgUnavailable
@@ -23,14 +34,27 @@ from sentinel.sources import xidparse
 log = logging.getLogger("sentinel.xid")
 
 MSG_LEN = 256
+MAX_BPF_PREFIXES = 16  # PREFIX_0..PREFIX_15 in ebpf/xid.bpf.c
+
+
+def prefix_cflags(prefixes: tuple[str, ...]) -> dict[str, str]:
+    """``{"PREFIX_0": '"NVRM: "', ...}``: the catalog's prefixes as C string literals for -D cflags.
+    The catalog refuses quotes, backslashes and unprintable characters in a prefix."""
+    if not prefixes or len(prefixes) > MAX_BPF_PREFIXES:
+        raise ValueError(f"the eBPF filter takes 1 to {MAX_BPF_PREFIXES} prefixes, not {len(prefixes)}")
+    return {f"PREFIX_{i}": f'"{p}"' for i, p in enumerate(prefixes)}
 
 
 class XidSource(KernelSource):
     name = "xid"
 
     def __init__(self, *, use_ebpf: bool = True, kmsg_fallback: bool = True, kmsg_path: str = "/dev/kmsg",
-                 kmsg_read: Callable[[int, int], bytes] = os.read) -> None:
+                 kmsg_read: Callable[[int, int], bytes] = os.read, catalog: signatures.Catalog | None = None,
+                 pci_devices: Path = Path("/sys/bus/pci/devices")) -> None:
         super().__init__()
+        self.catalog = catalog or signatures.default_catalog()
+        self.pci_devices = pci_devices
+        self.port_to_gpu: dict[str, int] = {}
         self.use_ebpf = use_ebpf
         self.kmsg_fallback = kmsg_fallback
         self.kmsg_path = kmsg_path
@@ -43,23 +67,34 @@ class XidSource(KernelSource):
         self.up = {"ebpf_xid": False}
         if self.use_ebpf:
             # The driver's own tracepoint when it has one, else its printk twin, filtered in the kernel.
-            candidates = []
-            if tracepoint_exists("nvidia", "nvidia_dev_xid"):
-                candidates.append(("xid_tracepoint.bpf.c", ("nvidia", "nvidia_dev_xid"), self._on_driver_tracepoint))
-            candidates.append(("xid.bpf.c", ("printk", "console"), self._on_bpf))
+            # Xids from the driver's own tracepoint when it has one; every other signature (and the
+            # Xids otherwise) from printk:console, filtered in the kernel on the catalog's prefixes.
             errors = []
-            for program, tracepoint, handler in candidates:
+            driver_tp = tracepoint_exists("nvidia", "nvidia_dev_xid")
+            if driver_tp:
                 try:
-                    probe = RingProbe("xid", program, tracepoint, cflags={"MSG_LEN": MSG_LEN, "RINGBUF_PAGES": 64},
-                                      on_event=handler)
+                    probe = RingProbe("xid_tracepoint", "xid_tracepoint.bpf.c", ("nvidia", "nvidia_dev_xid"),
+                                      cflags={"MSG_LEN": MSG_LEN, "RINGBUF_PAGES": 64}, on_event=self._on_driver_tracepoint)
                     probe.start()
+                    self.probes.append(probe)
                 except EbpfUnavailable as exc:
                     errors.append(str(exc))
-                    continue
+                    driver_tp = False
+            try:
+                cflags = {"MSG_LEN": MSG_LEN, "RINGBUF_PAGES": 64,
+                          **prefix_cflags(self.catalog.prefixes(without_xid=driver_tp))}
+                probe = RingProbe("xid", "xid.bpf.c", ("printk", "console"), cflags=cflags, on_event=self._on_bpf)
+                probe.start()
+            except (EbpfUnavailable, ValueError) as exc:
+                errors.append(str(exc))
+                for loaded in self.probes:
+                    loaded.close()
+                self.probes = []
+            else:
                 self.probe = probe
                 self.probes.append(probe)
                 self.up["ebpf_xid"] = True
-                self.path = "ebpf:" + ":".join(tracepoint)
+                self.path = "ebpf:printk:console" + (" + nvidia:nvidia_dev_xid" if driver_tp else "")
                 return
             self.detail["ebpf_xid"] = "; ".join(errors)
             log.warning("eBPF Xid probe unavailable, falling back to /dev/kmsg: %s", self.detail["ebpf_xid"])
@@ -91,10 +126,36 @@ class XidSource(KernelSource):
     def _on_bpf(self, event) -> None:
         self._on_line(bytes(event.msg).split(b"\0", 1)[0].decode("utf-8", "replace"), "ebpf_xid")
 
+    def set_gpus(self, bus_to_gpu: dict[str, int]) -> None:
+        super().set_gpus(bus_to_gpu)
+        self.port_to_gpu = port_map(self.bus_to_gpu, self.pci_devices)
+
+    def gpu_of(self, match: signatures.Match) -> int | None:
+        """The GPU a message is about: the device it names or, for a PCIe port, the one GPU below it."""
+        for bus in (match.source_bus_id, match.pci_bus_id):
+            if bus is not None and bus in self.bus_to_gpu:
+                return self.bus_to_gpu[bus]
+        for bus in (match.source_bus_id, match.pci_bus_id):
+            if bus is not None and bus in self.port_to_gpu:
+                return self.port_to_gpu[bus]
+        return None
+
     def _on_line(self, text: str, source: str = "kmsg") -> None:
         """One kernel message text (no record header, no timestamp). A report counts only at the
         start of the text: anywhere else it is user text the kernel echoed, and is ignored."""
         self.counts[("sentinel_kernel_events", (("source", source), ("kind", "line")))] += 1
+        match = self.catalog.classify(text)
+        if match is None or match.kind == "xid":
+            self._on_xid_text(text, source)
+            return
+        self.counts[("sentinel_kernel_events", (("source", source), ("kind", match.kind)))] += 1
+        gpu = self.gpu_of(match)
+        self.push(event=KernelEvent(kind="kernel_log", source=source, gpu=gpu, detail={
+            "signature": match.signature, "kind": match.kind, "severity": match.severity, "action": match.action,
+            "device": match.source_bus_id or match.pci_bus_id or "", "message": match.message,
+            **({"count": match.count} if match.count is not None else {})}))
+
+    def _on_xid_text(self, text: str, source: str) -> None:
         if "NVRM: Xid" not in text:
             return
         report = xidparse.parse_message(text)
@@ -125,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     return run_alone(
         "python -m sentinel.sources.xid",
         lambda a: XidSource(use_ebpf=not a.no_ebpf),
-        lambda x: f"Xid {x.xid} bus={x.pci_bus_id} pid={x.pid} name={x.process} via {x.source}: {x.message}",
+        lambda x: (f"Xid {x.xid} bus={x.pci_bus_id} pid={x.pid} name={x.process} via {x.source}: {x.message}"
+                   if isinstance(x, XidEvent) else
+                   f"{x.detail['kind']} ({x.detail['severity']}, {x.detail['action']}) gpu={x.gpu} via {x.source}: "
+                   f"{x.detail['message']}"),
         lambda ap: ap.add_argument("--no-ebpf", action="store_true", help="read /dev/kmsg instead"),
         argv,
     )

@@ -64,12 +64,17 @@ class XidReport:
 normalize_bus = normalize_bus_id  # the one normaliser (sentinel.pci)
 
 
+def strip_prefix(line: str) -> str:
+    """The message text of one log line: exactly one documented prefix (or none) removed."""
+    text = line.strip()
+    return text[_PREFIX.match(text).end():]  # the prefix is optional: always matches
+
+
 def parse(line: str) -> XidReport | None:
     """The Xid report in one log line (a documented prefix, then the message), or None. Never raises."""
     if not isinstance(line, str):
         return None
-    text = line.strip()
-    return parse_message(text[_PREFIX.match(text).end():])  # the prefix is optional: always matches
+    return parse_message(strip_prefix(line))
 
 
 def parse_message(text: str) -> XidReport | None:

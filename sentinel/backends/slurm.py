@@ -1,0 +1,150 @@
+"""``backend = "slurm"``: the scheduler owns the node.
+
+* **cordon** — ``scontrol update nodename=<node> state=drain reason="sentinel: <rule> gpu<N> <why>"``
+  (LBNL NHC's convention). Running jobs keep running (``draining``), new ones avoid the node, and
+  ``sinfo -R`` says why. A node someone else already drained keeps that drain and its reason.
+* **uncordon** — ``state=resume``, only when the drain reason is Sentinel's (starts
+  ``sentinel:``); an admin's drain is left alone and said so.
+* **spare** — a node of the job's own allocation that runs no ranks: the daemon signals the
+  batch script of the job running on this node (``scancel --batch --signal=USR1``), and
+  ``deploy/slurm/train.sbatch`` starts an agent on an idle, undrained node of its allocation,
+  as the job's user. Nothing outside the allocation is touched.
+* **fleet** (circuit breaker) — ``sinfo`` over this node's partitions (or ``[actions.slurm]
+  partition``): the nodes, and the drains whose reason is Sentinel's with their times.
+
+The daemon is root (or the SlurmUser, or a user with ``AdminLevel=Operator``): draining is an
+operator's privilege, and a refusal says so. ``daemon.node_name`` must be the Slurm NodeName
+(checked at start); several ``slurmd`` may share one host name.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+from sentinel.backends.base import (REASON_PREFIX, Backend, BackendError, CordonReason, CordonState, Fleet,
+                                    PermissionDenied, Unreachable, UnknownNode)
+
+PRIVILEGE = ("draining or resuming a node needs root, the SlurmUser, or an AdminLevel of Operator or Admin "
+             "(sacctmgr modify user <user> set adminlevel=Operator)")
+_DENIED = re.compile(r"invalid user id|access/permission denied|permission denied|not authorized|authentication failure",
+                     re.I)
+_UNKNOWN = re.compile(r"invalid node name|node \S+ not found|not found", re.I)
+_UNREACHABLE = re.compile(r"unable to contact slurm controller|socket timed out|connection refused|"
+                          r"communication connection failure|slurm_load_.*error|zero bytes were transmitted|"
+                          r"slurmctld.*(not responding|down)|send/recv operation|timed out", re.I)
+
+
+def parse_node(line: str) -> dict[str, str]:
+    """One ``scontrol show node -o`` line as a dict; ``Reason`` keeps its spaces (it is last)."""
+    line = line.strip()
+    out: dict[str, str] = {}
+    head, sep, reason = line.partition(" Reason=")
+    for item in head.split():
+        key, eq, value = item.partition("=")
+        if eq:
+            out[key] = value
+    if sep:
+        out["Reason"] = re.sub(r"\s*\[[^\]]*@[^\]]*\]\s*$", "", reason)  # the "[user@time]" Slurm appends
+    return out
+
+
+def drained(node: dict[str, str]) -> bool:
+    return "DRAIN" in node.get("State", "").upper().split("+")
+
+
+class SlurmBackend(Backend):
+    name = "slurm"
+    has_scheduler = True
+    has_fleet = True
+
+    def __init__(self, actions, ctx) -> None:
+        super().__init__(actions, ctx)
+        self.s = actions.slurm
+
+    # -- scontrol ----------------------------------------------------------------------------------
+    def _slurm(self, what: str, *argv: str) -> str:
+        r = self.command(list(argv), what)
+        if r.returncode == 0:
+            return r.stdout
+        msg = (r.stderr.strip() or r.stdout.strip() or f"exit status {r.returncode}").splitlines()[-1][:300]
+        shown = " ".join(argv[:4])
+        if _DENIED.search(msg):
+            raise PermissionDenied(f"Slurm refused `{shown}`: {msg}; {PRIVILEGE}")
+        if _UNKNOWN.search(msg):
+            raise UnknownNode(f"node {self.node!r} is not known to Slurm (`{shown}`: {msg}); set daemon.node_name "
+                              f"to this node's Slurm NodeName")
+        if _UNREACHABLE.search(msg):
+            raise Unreachable(f"slurmctld did not answer `{shown}`: {msg}")
+        raise BackendError(f"`{shown}` failed: {msg}")
+
+    def show(self) -> dict[str, str]:
+        node = parse_node(self._slurm("scontrol show node", self.s.scontrol, "show", "node", self.node, "-o"))
+        if node.get("NodeName") != self.node:
+            raise UnknownNode(f"node {self.node!r} is not known to Slurm (scontrol show node printed no such node); "
+                              f"set daemon.node_name to this node's Slurm NodeName")
+        return node
+
+    # -- the interface ----------------------------------------------------------------------------
+    def check(self) -> None:
+        self.show()
+
+    def cordon_scheduler(self, reason: CordonReason) -> None:
+        node = self.show()
+        current = node.get("Reason", "")
+        if drained(node) and not current.startswith(REASON_PREFIX):
+            self.notes.append(f"slurm: {self.node} was already drained by someone else ({current!r}); left as it is")
+            return
+        self._slurm("scontrol update", self.s.scontrol, "update", f"nodename={self.node}", "state=drain",
+                    f"reason={reason.short()}")
+        self.notes.append(f"slurm: drained {self.node} (reason {reason.short()!r})")
+
+    def uncordon_scheduler(self) -> str:
+        node = self.show()
+        reason = node.get("Reason", "")
+        if not drained(node):
+            return f"slurm: {self.node} is not drained (state {node.get('State', '?')})"
+        if not reason.startswith(REASON_PREFIX):
+            return f"slurm: {self.node} is drained by someone else ({reason!r}); left alone"
+        self._slurm("scontrol update", self.s.scontrol, "update", f"nodename={self.node}", "state=resume")
+        return f"slurm: {self.node} resumed (it was Sentinel's drain: {reason!r})"
+
+    def scheduler_state(self) -> CordonState:
+        node = self.show()
+        reason = node.get("Reason", "")
+        return CordonState(drained(node), drained(node) and reason.startswith(REASON_PREFIX), reason)
+
+    def start_spare(self) -> str:
+        out = self._slurm("squeue", self.s.squeue, "-h", "-w", self.node, "-t", "RUNNING", "-o", "%A")
+        jobs = sorted(set(out.split()))
+        if not jobs:
+            return f"slurm: no running job on {self.node}; no spare to start"
+        if len(jobs) > 1:
+            raise BackendError(f"slurm: {len(jobs)} jobs run on {self.node} ({', '.join(jobs)}); cannot tell which "
+                               f"one to give a spare")
+        self._slurm("scancel --signal", self.s.scancel, "--batch", f"--signal={self.s.spare_signal}", jobs[0])
+        return (f"slurm: asked job {jobs[0]}'s batch script (SIG{self.s.spare_signal}) to start an agent on an idle "
+                f"node of its allocation")
+
+    def fleet(self, now: float) -> Fleet:
+        partitions = self.s.partition or self.show().get("Partitions", "")
+        if not partitions or partitions == "(null)":
+            raise BackendError(f"slurm: {self.node} is in no partition; set [actions.slurm] partition")
+        out = self._slurm("sinfo", self.s.sinfo, "-h", "-N", "-p", partitions, "-o", "%N|%T|%H|%E")
+        nodes: set[str] = set()
+        cordons: list[tuple[str, float]] = []
+        for line in out.splitlines():
+            parts = line.split("|", 3)
+            if len(parts) != 4:
+                continue  # malformed: skipped (sinfo prints one line per node and partition)
+            name, _state, stamp, reason = parts
+            nodes.add(name)
+            if reason.startswith(REASON_PREFIX):
+                try:
+                    cordons.append((name, time.mktime(time.strptime(stamp, "%Y-%m-%dT%H:%M:%S"))))
+                except ValueError:
+                    cordons.append((name, now))  # a Sentinel drain with no readable time counts as recent
+        return Fleet(len(nodes), tuple(sorted(set(cordons))))
+
+
+BACKEND = SlurmBackend

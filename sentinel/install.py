@@ -1,0 +1,121 @@
+"""``sentinel install``: put a GPU node's files in place after ``pip install sentinel-gpu``.
+
+* ``/etc/systemd/system/sentinel.service`` and ``sentinel-agent@.service``: the units shipped in
+  the package (``sentinel/units``), with ``ExecStart=`` pointing at this installation's
+  ``sentinel`` command. They belong to the package: an upgrade replaces them.
+* ``/etc/sentinel/sentinel.toml``: the default configuration, written only when there is none.
+  A configuration that differs from the shipped default belongs to the operator and is never
+  overwritten: the new default is written next to it as ``sentinel.toml.new``, and the existing
+  file is validated against this version (an upgrade that would make the daemon refuse to start
+  says so now, exit 1, naming the key).
+* ``/etc/sentinel`` (0755) and ``/var/lib/sentinel`` (0750, the cordon marker and the migration
+  record), root-owned and writable by nobody else. ``/run/sentinel`` is the unit's
+  ``RuntimeDirectory=``.
+
+Idempotent: a second run changes nothing and says so. ``--root DIR`` installs into an image or a
+staging tree (paths inside the files stay absolute). Every file is replaced atomically
+(:func:`sentinel.fsutil.write_atomic`), never written through a symlink.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from sentinel import config as config_mod
+from sentinel.fsutil import UnsafePath, ensure_private_dir, write_atomic
+
+UNITS = ("sentinel.service", "sentinel-agent@.service")
+CONFIG = "sentinel.toml"
+SHIPPED_BIN = "/usr/local/bin/sentinel"
+
+
+class InstallError(RuntimeError):
+    """Installation cannot go on; the message is one sentence naming the path and the fix."""
+
+
+def shipped(name: str) -> str:
+    return (importlib.resources.files("sentinel") / "units" / name).read_text()
+
+
+def default_bin() -> str:
+    """This installation's ``sentinel`` command: the running console script, else the one on PATH."""
+    if os.path.basename(sys.argv[0]) == "sentinel" and os.path.isfile(sys.argv[0]):
+        return os.path.abspath(sys.argv[0])
+    found = shutil.which("sentinel")
+    if found:
+        return os.path.abspath(found)
+    raise InstallError("cannot tell where the sentinel command is installed; pass --bin /path/to/sentinel")
+
+
+def unit_text(name: str, sentinel_bin: str) -> str:
+    return shipped(name).replace(SHIPPED_BIN, sentinel_bin)
+
+
+def _under(root: Path, path: str) -> Path:
+    return root / path.lstrip("/")
+
+
+def _replace(path: Path, text: str, mode: int) -> str:
+    """Write ``text`` to ``path`` unless it already holds exactly that: "unchanged", "installed" or "updated"."""
+    try:
+        current = path.read_text() if not path.is_symlink() else None
+    except FileNotFoundError:
+        current = None
+    if current == text:
+        return "unchanged"
+    existed = os.path.lexists(path)
+    write_atomic(path, text, mode=mode)
+    return "updated" if existed else "installed"
+
+
+def install(root: Path, sentinel_bin: str, *, reload_systemd: bool, out=print) -> int:
+    """Install into ``root``; returns the exit status (0, or 1 when the kept config is invalid)."""
+    if not os.path.isabs(sentinel_bin):
+        raise InstallError(f"--bin {sentinel_bin} must be an absolute path (systemd runs ExecStart= as given)")
+    if not os.access(sentinel_bin, os.X_OK):
+        raise InstallError(f"{sentinel_bin} is not an executable file; pass --bin /path/to/sentinel")
+    try:
+        for path, mode in ((_under(root, "/etc/sentinel"), 0o755), (_under(root, "/var/lib/sentinel"), 0o750),
+                           (_under(root, "/etc/systemd/system"), 0o755)):
+            ensure_private_dir(path, "directory", mode=mode)
+    except UnsafePath as exc:
+        raise InstallError(f"refusing to install: {exc}") from None
+    except OSError as exc:
+        raise InstallError(f"cannot create {exc.filename}: {exc.strerror}") from None
+    changed = False
+    status = 0
+    try:
+        for name in UNITS:
+            unit = _under(root, f"/etc/systemd/system/{name}")
+            outcome = _replace(unit, unit_text(name, sentinel_bin), 0o644)
+            changed |= outcome != "unchanged"
+            out(f"{unit}: {outcome}")
+        conf = _under(root, f"/etc/sentinel/{CONFIG}")
+        default = shipped(CONFIG)
+        if not os.path.lexists(conf):
+            write_atomic(conf, default, mode=0o644)
+            out(f"{conf}: installed (the defaults; edit it, then `systemctl reload sentinel`)")
+        elif not conf.is_symlink() and conf.read_text() == default:
+            out(f"{conf}: unchanged")
+        else:
+            new = conf.with_name(CONFIG + ".new")
+            _replace(new, default, 0o644)
+            out(f"{conf}: kept, it differs from the shipped default (never overwritten); "
+                f"this version's default is in {new}")
+            try:
+                config_mod.load(conf)
+            except config_mod.ConfigError as exc:
+                out(f"{conf}: the daemon of this version would refuse it: {exc}")
+                status = 1
+    except OSError as exc:
+        raise InstallError(f"cannot write {exc.filename}: {exc.strerror}") from None
+    if reload_systemd and changed and root == Path("/") and os.path.isdir("/run/systemd/system"):
+        r = subprocess.run(["systemctl", "daemon-reload"], capture_output=True, text=True, timeout=60)
+        out("systemctl daemon-reload: " + ("ok" if r.returncode == 0 else f"failed: {r.stderr.strip()}"))
+    out("next: systemctl enable --now sentinel.service")
+    return status

@@ -1,0 +1,340 @@
+"""`sentinel scan`: a one-shot check of this node, for Slurm's ``HealthCheckProgram``, NHC or a
+human (the way operators use ``gpud scan`` or ``dcgmi diag -r 1``).
+
+It reads NVML once (or ``--simulate STATE``) and a kernel log (``--kmsg FILE``, ``-`` for stdin,
+default: the kernel ring buffer now, read from /dev/kmsg), classifies every kernel-log line with
+the signature catalog (:mod:`sentinel.signatures`) and runs the policy's rules over one NVML
+poll. It prints a verdict per finding and per GPU and exits with Nagios codes: 0 ok, 1 warning,
+2 critical, 3 unknown (it could not check: an unreadable log, NVML unavailable).
+
+The kernel log is streamed: one line at a time, each cut at :data:`MAX_LINE` bytes, and at most
+:data:`MAX_FINDINGS` findings are kept in full (the rest are counted, and still count for the exit
+code), so a 100 MB log costs the same memory as a small one. A line that is not text (bad UTF-8,
+NUL bytes) or is cut is counted as malformed and classified no further; a line that matches no
+signature is no finding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import IO, Iterator
+
+from sentinel import signatures
+from sentinel.pci import port_map
+
+OK, WARNING, CRITICAL, UNKNOWN = 0, 1, 2, 3
+EXIT_NAMES = {OK: "OK", WARNING: "WARNING", CRITICAL: "CRITICAL", UNKNOWN: "UNKNOWN"}
+SEVERITY_EXIT = {"info": OK, "warning": WARNING, "critical": CRITICAL}
+ACTION_SEVERITY = {"migrate": "critical", "snapshot": "warning", "alert": "warning"}
+MAX_LINE = 8192
+MAX_FINDINGS = 1000
+MAX_CONTINUATION = 2048  # a record printed over several lines (dmesg indents its continuation lines)
+KMSG_READ_LIMIT = 1 << 20  # records read from /dev/kmsg at most (its ring holds far fewer)
+
+
+class ScanError(RuntimeError):
+    """The scan could not check what it was asked to (exit 3); the message is one sentence."""
+
+
+@dataclass
+class KernelLogStats:
+    source: str
+    lines: int = 0
+    malformed: int = 0
+    findings_dropped: int = 0
+
+
+@dataclass
+class Result:
+    findings: list[dict] = field(default_factory=list)
+    gpus: list[dict] = field(default_factory=list)
+    worst: int = OK
+    counts: dict[str, int] = field(default_factory=lambda: {"critical": 0, "warning": 0, "info": 0})
+    kernel_log: KernelLogStats | None = None
+
+    def add(self, finding: dict) -> None:
+        self.counts[finding["severity"]] += 1
+        self.worst = max(self.worst, SEVERITY_EXIT[finding["severity"]])
+        if len(self.findings) < MAX_FINDINGS:
+            self.findings.append(finding)
+        elif self.kernel_log is not None:
+            self.kernel_log.findings_dropped += 1
+
+
+def finding(*, lineno: int | None, kind: str, severity: str, pci_bus_id: str | None, gpu: int | None,
+            xid: int | None, action: str, message: str) -> dict:
+    return {"lineno": lineno, "kind": kind, "severity": severity, "pci_bus_id": pci_bus_id, "gpu": gpu, "xid": xid,
+            "action": action, "message": message}
+
+
+# -- the kernel log -------------------------------------------------------------------------------
+def read_lines(stream: IO[bytes], stats: KernelLogStats) -> Iterator[tuple[int, str]]:
+    """(1-based line number, text) of each line; malformed lines are counted and skipped. A line
+    longer than MAX_LINE is malformed; the rest of it is read and dropped, never held."""
+    lineno = 0
+    while True:
+        raw = stream.readline(MAX_LINE)
+        if not raw:
+            return
+        lineno += 1
+        stats.lines += 1
+        if not raw.endswith(b"\n") and len(raw) >= MAX_LINE:
+            stats.malformed += 1
+            while raw and not raw.endswith(b"\n"):  # skip the rest of the overlong line
+                raw = stream.readline(MAX_LINE)
+            continue
+        if b"\0" in raw:
+            stats.malformed += 1
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            stats.malformed += 1
+            continue
+        yield lineno, text.rstrip("\r\n")
+
+
+def logical_lines(lines: Iterator[tuple[int, str]]) -> Iterator[tuple[int, str]]:
+    """Join dmesg's continuation lines (indented, with no timestamp of their own) to the line they
+    continue, as one record with newlines; each logical line keeps its first line's number."""
+    from sentinel.sources.xidparse import strip_prefix
+
+    pending: tuple[int, str] | None = None
+    for lineno, text in lines:
+        stripped = text.strip()
+        continuation = (pending is not None and text[:1] in (" ", "\t") and stripped
+                        and strip_prefix(text) == stripped and len(pending[1]) + len(stripped) < MAX_CONTINUATION)
+        if continuation:
+            pending = (pending[0], pending[1] + "\n" + stripped)
+            continue
+        if pending is not None:
+            yield pending
+        pending = (lineno, text)
+    if pending is not None:
+        yield pending
+
+
+def kmsg_records(path: str = "/dev/kmsg") -> Iterator[bytes]:
+    """The records in the kernel ring buffer now, as ``message\\n`` lines (header removed)."""
+    from sentinel.sources.kmsg import split_record
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ScanError(f"cannot read the kernel ring buffer ({path}): {exc.strerror}; "
+                        f"run as root or give a log with --kmsg FILE") from None
+    try:
+        for _ in range(KMSG_READ_LIMIT):
+            try:
+                data = os.read(fd, 8192)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                if exc.errno == errno.EPIPE:  # overwritten while we read: go on with the next record
+                    continue
+                raise ScanError(f"reading {path} failed: {exc.strerror}") from None
+            if not data:
+                return
+            parsed = split_record(data.split(b"\n", 1)[0])
+            if parsed is not None:
+                yield parsed[1].encode("utf-8", "replace") + b"\n"
+    finally:
+        os.close(fd)
+
+
+class _Records:
+    """A file-like view of kmsg records for :func:`read_lines`."""
+
+    def __init__(self, records: Iterator[bytes]) -> None:
+        self._records = records
+
+    def readline(self, limit: int) -> bytes:
+        return next(self._records, b"")[:limit]
+
+
+def scan_kernel_log(stream: IO[bytes] | _Records, source: str, result: Result, catalog: signatures.Catalog,
+                    bus_to_gpu: dict[str, int], ports: dict[str, int], xid_action: dict[int, str]) -> None:
+    from sentinel.rules.xid import XID_APPLICATION
+
+    stats = result.kernel_log = KernelLogStats(source)
+    for lineno, text in logical_lines(read_lines(stream, stats)):
+        m = catalog.classify_line(text)
+        if m is None:
+            continue
+        gpu = None
+        for bus in (m.source_bus_id, m.pci_bus_id):
+            if bus is not None and gpu is None:
+                gpu = bus_to_gpu.get(bus, ports.get(bus))
+        if m.kind == "xid":
+            action = xid_action.get(m.xid) if m.xid is not None else None
+            severity = signatures.xid_severity(action, m.xid in XID_APPLICATION)
+            action = "alert" if action in (None, "ignore") else action
+        else:
+            severity, action = m.severity, m.action
+        result.add(finding(lineno=lineno, kind=m.kind, severity=severity, pci_bus_id=m.pci_bus_id, gpu=gpu, xid=m.xid,
+                           action=action, message=m.message))
+
+
+# -- NVML -----------------------------------------------------------------------------------------
+def scan_nvml(args: argparse.Namespace, result: Result, policy) -> list:
+    """One poll of every GPU through the policy's rules; returns the GPU readings."""
+    from sentinel.policy import PolicyState
+    from sentinel.readings import NodeReadings
+    from sentinel.sources.nvml import NvmlSource, NvmlUnavailable
+
+    if args.simulate:
+        from sentinel.sources import simulated
+
+        try:
+            simulated.load_state(args.simulate)
+        except simulated.SimulatedStateError as exc:
+            raise ScanError(str(exc)) from None
+        nvml = simulated.SimulatedNvml(args.simulate)
+    else:
+        try:
+            import pynvml as nvml
+        except ImportError as exc:
+            raise ScanError(f"the nvidia-ml-py package cannot be imported: {exc}") from None
+    source = NvmlSource(nvml, deadline_seconds=args.deadline, event_wait_ms=50)
+    try:
+        source.start()
+        gpus = source.poll()
+    except NvmlUnavailable as exc:
+        raise ScanError(f"NVML unavailable: {exc} (use --no-nvml to check the kernel log only)") from None
+    finally:
+        source.close()
+    _, trips = policy.decide(PolicyState(), NodeReadings(time=0.0, driver_version=source.driver_version, gpus=tuple(gpus)), 0.0)
+    by_index = {g.index: g for g in gpus}
+    for t in trips:
+        g = by_index.get(t.gpu)
+        result.add(finding(lineno=None, kind=t.rule, severity=ACTION_SEVERITY.get(t.action, "warning"),
+                           pci_bus_id=g.pci_bus_id if g else None, gpu=t.gpu if g else None, xid=None, action=t.action,
+                           message=t.message))
+    return gpus
+
+
+def gpu_verdicts(result: Result, gpus: list) -> None:
+    worst: dict[int, int] = {}
+    count: dict[int, int] = {}
+    for f in result.findings:
+        if f["gpu"] is not None:
+            worst[f["gpu"]] = max(worst.get(f["gpu"], OK), SEVERITY_EXIT[f["severity"]])
+            count[f["gpu"]] = count.get(f["gpu"], 0) + 1
+    for g in gpus:
+        verdict = worst.get(g.index, OK)
+        if g.hung or "handle" in g.errors:
+            verdict = max(verdict, UNKNOWN if verdict == OK else verdict)
+        result.gpus.append({"index": g.index, "uuid": g.uuid, "pci_bus_id": g.pci_bus_id, "name": g.name,
+                            "verdict": EXIT_NAMES[verdict].lower(), "findings": count.get(g.index, 0)})
+
+
+# -- the command ----------------------------------------------------------------------------------
+def run(args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:
+    from sentinel.config import Config, ConfigError, load
+    from sentinel.policy import Policy
+
+    try:
+        cfg = load(args.config) if args.config else Config()
+    except ConfigError as exc:
+        return _unknown(f"{exc}", out, args.json)
+    catalog = signatures.default_catalog()
+    policy = Policy(cfg.policy)
+    result = Result()
+    gpus: list = []
+    try:
+        if not args.no_nvml:
+            gpus = scan_nvml(args, result, policy)
+        bus_to_gpu = {g.pci_bus_id: g.index for g in gpus if g.pci_bus_id}
+        ports = port_map(bus_to_gpu)
+        if args.kmsg == "-":
+            scan_kernel_log(sys.stdin.buffer, "stdin", result, catalog, bus_to_gpu, ports, policy.xid_action)
+        elif args.kmsg:
+            try:
+                stream = open(args.kmsg, "rb")
+            except OSError as exc:
+                raise ScanError(f"cannot read {args.kmsg}: {exc.strerror}") from None
+            with stream:
+                try:
+                    scan_kernel_log(stream, args.kmsg, result, catalog, bus_to_gpu, ports, policy.xid_action)
+                except OSError as exc:  # a directory, an I/O error half-way
+                    raise ScanError(f"cannot read {args.kmsg}: {exc.strerror}") from None
+        else:
+            scan_kernel_log(_Records(kmsg_records()), "/dev/kmsg", result, catalog, bus_to_gpu, ports, policy.xid_action)
+    except ScanError as exc:
+        return _unknown(str(exc), out, args.json)
+    gpu_verdicts(result, gpus)
+    code = result.worst
+    if any(g["verdict"] == "unknown" for g in result.gpus) and code == OK:
+        code = UNKNOWN
+    if args.json:
+        kl = result.kernel_log
+        out.write(json.dumps({"findings": result.findings, "gpus": result.gpus,
+                              "kernel_log": None if kl is None else kl.__dict__, "status": EXIT_NAMES[code]}) + "\n")
+        return code
+    c = result.counts
+    out.write(f"SENTINEL {EXIT_NAMES[code]} - {c['critical']} critical, {c['warning']} warning, {c['info']} info "
+              f"finding(s); {len(result.gpus)} GPU(s)\n")
+    for f in result.findings:
+        where = f"GPU {f['gpu']}" if f["gpu"] is not None else (f["pci_bus_id"] or "node")
+        line = f"line {f['lineno']}" if f["lineno"] is not None else "nvml"
+        out.write(f"  {f['severity'].upper():<8} {line:<12} {where:<14} {f['kind']} -> {f['action']}: {f['message']}\n")
+    for g in result.gpus:
+        out.write(f"  GPU {g['index']} {g['pci_bus_id']} {g['verdict'].upper()} ({g['findings']} finding(s))\n")
+    if result.kernel_log is not None:
+        kl = result.kernel_log
+        out.write(f"  kernel log {kl.source}: {kl.lines} line(s), {kl.malformed} malformed (ignored)"
+                  + (f", {kl.findings_dropped} finding(s) not listed" if kl.findings_dropped else "") + "\n")
+    return code
+
+
+def _unknown(message: str, out: IO[str], as_json: bool) -> int:
+    print(f"sentinel scan: {message}", file=sys.stderr)
+    if as_json:
+        out.write(json.dumps({"findings": [], "gpus": [], "kernel_log": None, "status": "UNKNOWN", "error": message}) + "\n")
+    else:
+        out.write(f"SENTINEL UNKNOWN - {message}\n")
+    return UNKNOWN
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kmsg", metavar="FILE", help="kernel log to check (dmesg, journalctl -k, syslog; - for stdin); "
+                   "default: the kernel ring buffer now (/dev/kmsg)")
+    p.add_argument("--simulate", metavar="STATE", help="read simulated GPUs from this state file instead of NVML")
+    p.add_argument("--no-nvml", action="store_true", help="check the kernel log only")
+    p.add_argument("--config", help="TOML config whose [policy] applies (Xid overrides, thresholds)")
+    p.add_argument("--deadline", type=float, default=2.0, help="seconds an NVML call may take (default 2)")
+    p.add_argument("--json", action="store_true", help='print {"findings": [...], "gpus": [...]} (plus kernel_log, status)')
+
+
+def explain(args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:
+    """`sentinel explain XID`: the catalog's meaning and the policy's action for one Xid."""
+    from sentinel.config import Config, ConfigError, load
+    from sentinel.policy import Policy
+    from sentinel.rules.xid import XID_APPLICATION
+
+    text = str(args.xid).strip()
+    if not text.isdigit() or len(text) > 5:
+        print(f"sentinel explain: {args.xid!r} is not an Xid number (e.g. sentinel explain 79)", file=sys.stderr)
+        return 2
+    try:
+        cfg = load(args.config) if args.config else Config()
+    except ConfigError as exc:
+        print(f"sentinel explain: {exc}", file=sys.stderr)
+        return 2
+    xid = int(text)
+    meaning = signatures.default_catalog().xid_meanings.get(xid)
+    action = Policy(cfg.policy).xid_action.get(xid)
+    if action is None:
+        action_text = ("alert, until more than app_xid_max_per_hour in an hour (then app_xid_rate: snapshot)"
+                       if xid in XID_APPLICATION else "alert")
+    else:
+        action_text = action
+    out.write(f"Xid {xid}: {meaning or 'not in the catalog (see https://docs.nvidia.com/deploy/xid-errors/)'}\n")
+    out.write(f"action: {action_text}\n")
+    out.write(f"scan severity: {signatures.xid_severity(action, xid in XID_APPLICATION)}\n")
+    return 0

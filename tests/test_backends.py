@@ -1,0 +1,218 @@
+"""The backend interface without a scheduler: the registry, the file and command backends, the
+circuit breaker's arithmetic, and the Migrator's retries around a failing backend."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from conftest import register_agent
+from test_migration import Clock, Inline
+from sentinel.backends import NAMES, make_backend
+from sentinel.backends.base import (Backend, BackendContext, BackendError, CordonReason, Fleet, Unreachable,
+                                    UnknownNode)
+from sentinel.backends.breaker import decide
+from sentinel.channel import DaemonEndpoint, RankEndpoint
+from sentinel.config import BACKENDS, ActionsConfig
+from sentinel.migration import Migrator
+from sentinel.policy import Trip
+
+REASON = CordonReason("xid", 3, "Xid 79 on GPU 3", "r1")
+TRIP = Trip(rule="xid", action="migrate", gpu=3, cause="xid:79", message="Xid 79 on GPU 3", values={"xid": 79})
+
+
+def ctx(tmp_path, run=subprocess.run):
+    (tmp_path / "state").mkdir(exist_ok=True)
+    return BackendContext(node="n1", state_dir=tmp_path / "state", runtime_dir=tmp_path / "run", timeout=5.0,
+                          wall=time.time, run=run)
+
+
+def test_every_configurable_backend_is_one_module(tmp_path):
+    assert NAMES == BACKENDS == ("command", "file", "kubernetes", "slurm")
+    for name in ("file", "command", "slurm"):  # kubernetes needs a kubeconfig: tests/test_kubernetes.py
+        b = make_backend(ActionsConfig(backend=name), ctx(tmp_path))
+        assert isinstance(b, Backend) and b.name == name
+
+
+def test_reason_is_one_printable_line_that_starts_with_sentinel():
+    r = CordonReason("ecc", 2, 'bad "row"\nremap\x00 ' + "x" * 300).short()
+    assert r.startswith("sentinel: ecc gpu2 bad 'row'?remap? ") and len(r) == 120 and r.isprintable()
+    assert CordonReason("host_memory", -1, "MCE").short() == "sentinel: host_memory node MCE"
+
+
+def test_file_backend_cordons_with_the_marker_and_uncordons(tmp_path):
+    b = make_backend(ActionsConfig(), ctx(tmp_path))
+    assert not b.is_cordoned().cordoned
+    b.cordon(REASON)
+    state = b.is_cordoned()
+    assert state.cordoned and state.by_sentinel and "Xid 79" in state.detail
+    assert "cordon cleared" in b.uncordon()
+    assert not b.is_cordoned().cordoned and "not cordoned" in b.uncordon()
+
+
+def test_command_backend_runs_each_command_and_reports_its_failure(tmp_path):
+    runs = []
+
+    def run(argv, **kw):
+        runs.append(argv)
+        rc = 3 if argv[0] == "undrain" else 0
+        return subprocess.CompletedProcess(argv, rc, "", "no such node" if rc else "")
+
+    b = make_backend(ActionsConfig(backend="command", cordon_command=("drain", "{node}"), uncordon_command=("undrain", "{node}"),
+                                   spare_command=("spare", "{node}")), ctx(tmp_path, run))
+    b.cordon(REASON)
+    assert runs == [["drain", "n1"]] and b.is_cordoned().cordoned
+    assert b.start_spare() == "spare command spare ok"
+    with pytest.raises(BackendError, match="uncordon command undrain exited 3: no such node"):
+        b.uncordon()
+
+
+def test_command_timeout_is_unreachable(tmp_path):
+    def run(argv, **kw):
+        raise subprocess.TimeoutExpired(argv, kw["timeout"])
+
+    b = make_backend(ActionsConfig(backend="command", cordon_command=("drain",)), ctx(tmp_path, run))
+    with pytest.raises(Unreachable, match="did not finish within 5 s"):
+        b.cordon_scheduler(REASON)
+
+
+@pytest.mark.parametrize("recent,nodes,allowed", [
+    (0, 4, True),   # 1/4
+    (1, 4, True),   # 2/4 = 50 %: not more than 50 %
+    (2, 4, False),  # 3/4
+    (0, 1, False),  # the only node: 100 %
+    (4, 10, True),  # 5/10
+    (5, 10, False),
+])
+def test_breaker_threshold_is_more_than_the_fraction(recent, nodes, allowed):
+    now = 10_000.0
+    fleet = Fleet(nodes, tuple((f"x{i}", now - 10) for i in range(recent)))
+    v = decide(fleet, "me", now, max_fraction=0.5, window_seconds=300)
+    assert v.allowed is allowed and v.recent == recent and v.nodes == nodes
+
+
+def test_breaker_counts_only_the_window_and_never_this_node():
+    now = 10_000.0
+    fleet = Fleet(4, (("old1", now - 301), ("old2", now - 3600), ("me", now - 5), ("x", now - 1)))
+    v = decide(fleet, "me", now, max_fraction=0.5, window_seconds=300)
+    assert v.allowed and v.recent == 1
+    assert decide(None, "me", now, max_fraction=0.5, window_seconds=300).allowed
+
+
+class FlakyScheduler(Backend):
+    """A scheduler that refuses the first ``fail`` cordons as unreachable."""
+
+    name = "flaky"
+    has_scheduler = True
+
+    def __init__(self, actions, c, fail: int) -> None:
+        super().__init__(actions, c)
+        self.fail = fail
+        self.cordons = 0
+
+    def cordon_scheduler(self, reason):
+        self.cordons += 1
+        if self.cordons <= self.fail:
+            raise Unreachable("slurmctld did not answer")
+
+
+def migrator(tmp_path, backend, clock, **actions):
+    register_agent(tmp_path / "run")
+    ep = DaemonEndpoint(tmp_path / "run")
+    m = Migrator(ActionsConfig(ack_timeout_seconds=1.0, **actions), ep, state_dir=tmp_path / "state",
+                 runtime_dir=tmp_path / "run", node="n1", wall=clock, backend=backend, sleep=lambda s: None,
+                 workers=Inline())
+    return m, ep
+
+
+def test_a_cordon_the_scheduler_never_took_is_retried_at_later_polls_with_backoff(tmp_path):
+    clock = Clock()
+    b = FlakyScheduler(ActionsConfig(), ctx(tmp_path), fail=4)  # 2 attempts per step: fails twice
+    m, ep = migrator(tmp_path, b, clock, scheduler_attempts=2, drain=False)
+    try:
+        m.begin("r1", TRIP)
+        clock.t += 2  # no rank acknowledges: the deadline passes
+        for _ in range(4):
+            m.tick([])
+        # the cordon step tried twice, then (drained) the first retry at once tried twice more
+        assert m.record.phase == "drained" and m.record.scheduler_cordoned is False and b.cordons == 4
+        assert m.gauges()[("sentinel_backend_up", (("backend", "flaky"),))] == 0.0
+        m.tick([])
+        m.tick([])
+        assert b.cordons == 4  # backing off: not before the delay passed
+        clock.t += 1.5
+        m.tick([])
+        assert b.cordons == 5 and m.record.scheduler_cordoned is True
+        assert m.gauges()[("sentinel_backend_up", (("backend", "flaky"),))] == 1.0
+        clock.t += 600
+        m.tick([])
+        assert b.cordons == 5  # done: no more calls
+        counts = m.metric_counters()
+        assert counts[("sentinel_backend_calls", (("backend", "flaky"), ("op", "cordon"), ("outcome", "failed")))] == 2
+        assert counts[("sentinel_backend_calls", (("backend", "flaky"), ("op", "cordon"), ("outcome", "ok")))] == 1
+    finally:
+        ep.close()
+
+
+def test_unknown_node_is_not_retried(tmp_path):
+    class Gone(FlakyScheduler):
+        def cordon_scheduler(self, reason):
+            self.cordons += 1
+            raise UnknownNode("node 'n1' is not known")
+
+    clock = Clock()
+    b = Gone(ActionsConfig(), ctx(tmp_path), fail=0)
+    m, ep = migrator(tmp_path, b, clock, scheduler_attempts=5, drain=False)
+    try:
+        m.begin("r1", TRIP)
+        clock.t += 2
+        for _ in range(3):
+            m.tick([])
+        # one call in the cordon step and one at the first later retry; never tried again at once
+        assert b.cordons == 2
+        counts = m.metric_counters()
+        assert counts[("sentinel_backend_calls", (("backend", "flaky"), ("op", "cordon"), ("outcome", "failed")))] == 2
+        assert ("sentinel_backend_calls", (("backend", "flaky"), ("op", "cordon"), ("outcome", "retried"))) not in counts
+        assert m.gauges()[("sentinel_backend_up", (("backend", "flaky"),))] == 1.0  # it answered (with a refusal)
+    finally:
+        ep.close()
+
+
+class Crowded(Backend):
+    """Three of four nodes already cordoned by Sentinel a minute ago."""
+
+    name = "crowded"
+    has_scheduler = True
+    has_fleet = True
+
+    def fleet(self, now):
+        return Fleet(4, (("a", now - 60), ("b", now - 60)))
+
+
+def test_a_restart_while_the_breaker_decides_asks_it_again(tmp_path):
+    clock = Clock()
+    rank = None
+    m, ep = migrator(tmp_path, Crowded(ActionsConfig(), ctx(tmp_path)), clock)
+    m.workers = _Never()  # the breaker's query never returns before the "crash"
+    m.begin("r1", TRIP)
+    assert m.record.phase == "tripped"
+    ep.close()
+    m2, ep2 = migrator(tmp_path, Crowded(ActionsConfig(), ctx(tmp_path)), clock)
+    try:
+        rank = RankEndpoint.open(tmp_path / "run")
+        m2.tick([])
+        assert m2.record.phase == "refused" and m2.record.request_id == "r1"
+        assert [r.type for r in rank.poll()] == ["snapshot"]
+    finally:
+        ep2.close()
+        if rank:
+            rank.close()
+
+
+class _Never(Inline):
+    def submit(self, fn, *args, **kwargs):
+        import concurrent.futures
+
+        return concurrent.futures.Future()

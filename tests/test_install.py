@@ -1,0 +1,83 @@
+"""`sentinel install`: units, default config and directories in place, idempotently, and never
+over an operator's changed config."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+
+from conftest import REPO
+
+BIN = "/usr/bin/true"  # any absolute executable: what the units' ExecStart= will name
+
+
+def install(root, *args):
+    return subprocess.run([sys.executable, "-m", "sentinel", "install", "--root", str(root), "--bin", BIN, "--no-reload",
+                           *args], capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def snapshot(root):
+    return {str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns, stat.S_IMODE(p.stat().st_mode))
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_installs_units_config_and_directories_then_changes_nothing(tmp_path):
+    root = tmp_path / "node"
+    r = install(root)
+    assert r.returncode == 0, r.stderr
+    unit = (root / "etc/systemd/system/sentinel.service").read_text()
+    shipped = (REPO / "systemd/sentinel.service").read_text()
+    assert unit == shipped.replace("/usr/local/bin/sentinel", BIN)
+    assert f"ExecStart={BIN} run --config /etc/sentinel/sentinel.toml" in unit
+    agent = (root / "etc/systemd/system/sentinel-agent@.service").read_text()
+    assert f"ExecStart={BIN} launch" in agent
+    assert (root / "etc/sentinel/sentinel.toml").read_text() == (REPO / "systemd/sentinel.toml").read_text()
+    assert stat.S_IMODE((root / "var/lib/sentinel").stat().st_mode) == 0o750
+    assert stat.S_IMODE((root / "etc/sentinel").stat().st_mode) == 0o755
+    before = snapshot(root)
+    r = install(root)
+    assert r.returncode == 0 and r.stdout.count(": unchanged") == 3, r.stdout
+    assert snapshot(root) == before  # not even rewritten with the same bytes
+
+
+def test_a_changed_config_is_never_overwritten(tmp_path):
+    root = tmp_path / "node"
+    assert install(root).returncode == 0
+    conf = root / "etc/sentinel/sentinel.toml"
+    mine = conf.read_text().replace("lead_time_seconds = 600.0", "lead_time_seconds = 120.0")
+    conf.write_text(mine)
+    r = install(root)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert conf.read_text() == mine
+    assert "kept" in r.stdout and "never overwritten" in r.stdout
+    assert (root / "etc/sentinel/sentinel.toml.new").read_text() == (REPO / "systemd/sentinel.toml").read_text()
+    # a kept config this version would refuse is reported now, not at the next daemon restart
+    conf.write_text(mine.replace("[policy]\n", "[policy]\nlead_time = 5\n"))
+    r = install(root)
+    assert r.returncode == 1 and "policy.lead_time: unknown key" in r.stdout, r.stdout
+    assert "lead_time = 5" in conf.read_text()
+
+
+def test_a_symlink_planted_for_the_config_is_replaced_not_written_through(tmp_path):
+    root = tmp_path / "node"
+    (root / "etc/sentinel").mkdir(parents=True)
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    (root / "etc/systemd/system").mkdir(parents=True)
+    os.symlink(victim, root / "etc/systemd/system/sentinel.service")
+    r = install(root)
+    assert r.returncode == 0, r.stderr
+    assert victim.read_text() == "precious\n"
+    assert not (root / "etc/systemd/system/sentinel.service").is_symlink()
+
+
+def test_bad_arguments_are_one_clear_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "sentinel", "install", "--root", str(tmp_path), "--bin", "relative/sentinel",
+                        "--no-reload"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "absolute path" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "sentinel", "install", "--root", str(tmp_path), "--bin",
+                        str(tmp_path / "missing"), "--no-reload"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "not an executable file" in r.stderr
+    assert not (tmp_path / "etc").exists()  # nothing written before the arguments were checked

@@ -1,0 +1,61 @@
+"""`sentinel launch --user`: the job runs unprivileged while the pidfile the daemon trusts stays root's."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+from conftest import REPO, wait_for
+from sentinel.procs import read_agent_record
+
+
+def launch(*args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "sentinel", "launch", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, **kw)
+
+
+def test_the_agent_runs_as_the_user_and_the_root_owned_pidfile_names_it(attacker, shared_tmp):
+    pidfile, state = shared_tmp / "run" / "agent.pid", shared_tmp / "state"
+    state.mkdir()
+    agent = ("import os, sys, time; print(os.getuid(), os.getgid(), sorted(os.getgroups()), os.environ['USER'], "
+             "flush=True); time.sleep(60)")
+    proc = launch("--user", attacker.name, "--pidfile", str(pidfile), "--state-dir", str(state), "--",
+                  "/usr/bin/python3", "-c", agent)
+    try:
+        wait_for(pidfile.exists, timeout=20, what="the pidfile")
+        uid, gid, groups, user = proc.stdout.readline().split(maxsplit=3)
+        assert (int(uid), int(gid), user.strip()) == (attacker.uid, attacker.gid, attacker.name)
+        assert groups == f"[{attacker.gid}]"  # the user's groups, not root's
+        assert os.stat(pidfile).st_uid == 0
+        record = read_agent_record(pidfile)  # what the daemon does: trusted, and it names the job's user
+        assert record.uid == attacker.uid and record.pid != proc.pid
+    finally:
+        proc.send_signal(signal.SIGTERM)  # forwarded to the agent
+        proc.wait(timeout=20)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert not pidfile.exists()
+
+
+def test_the_same_environment_variable_the_agent_unit_sets(attacker, shared_tmp):
+    state = shared_tmp / "state"
+    state.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "sentinel", "launch", "--pidfile", str(shared_tmp / "a.pid"),
+                           "--state-dir", str(state), "--", "/usr/bin/id", "-u"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": str(REPO), "SENTINEL_AGENT_USER": attacker.name})
+    assert proc.returncode == 0 and proc.stdout.strip() == str(attacker.uid), proc.stderr
+
+
+def test_unknown_user_or_unprivileged_launcher_is_refused_before_anything_runs(attacker, shared_tmp):
+    state = shared_tmp / "state"
+    state.mkdir()
+    marker = shared_tmp / "ran"
+    r = subprocess.run([sys.executable, "-m", "sentinel", "launch", "--user", "no-such-user-sntl", "--pidfile",
+                        str(shared_tmp / "a.pid"), "--state-dir", str(state), "--", "touch", str(marker)],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 2 and "no such user" in r.stderr and not marker.exists()
+    r = attacker.run(["/usr/bin/python3", "-m", "sentinel", "launch", "--user", "root", "--pidfile",
+                      str(shared_tmp / "b.pid"), "--state-dir", str(state), "--", "touch", str(marker)],
+                     env={"PYTHONPATH": str(REPO)})
+    assert r.returncode == 2 and "needs the launcher to run as root" in r.stderr and not marker.exists()
