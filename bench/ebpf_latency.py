@@ -5,7 +5,12 @@ daemon's Xid source has the event, and until a trainer rank's control socket hol
 request the policy sent (Xid 94 -> snapshot; cooldown 0 for the benchmark). Then the daemon's CPU
 while 1,000 kernel lines/s (1 in 10 an Xid) stream in, and its RSS with bcc loaded. Needs root.
 
-    python bench/ebpf_latency.py [--lines 1000]
+    python bench/ebpf_latency.py [--lines 1000] [--json PATH]
+
+``--json`` figures, per path (``ebpf``, ``kmsg``): ``<path>_to_daemon_p50_seconds`` / ``_p99_seconds``,
+``<path>_to_trainer_p50_seconds`` / ``_p99_seconds`` (kernel line -> a rank's socket holds the
+request: the detection latency the goodput simulator takes), ``<path>_cpu_fraction``,
+``<path>_rss_bytes``, ``<path>_delivered_count``.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report  # noqa: E402
 from sentinel import config  # noqa: E402
 from sentinel.builder import build_daemon  # noqa: E402
 from sentinel.channel import RankEndpoint  # noqa: E402
@@ -109,7 +116,8 @@ def run_path(use_ebpf: bool, lines: int, kmsg_fd: int) -> dict[str, float]:
         loop.join(timeout=5)
         daemon.close()
         rank.close()
-    return {"path": "eBPF (printk:console)" if use_ebpf else "/dev/kmsg fallback", "n": len(to_trainer),
+    return {"path": "eBPF (printk:console)" if use_ebpf else "/dev/kmsg fallback", "key": "ebpf" if use_ebpf else "kmsg",
+            "n": len(to_trainer),
             "d50": statistics.median(to_daemon) * 1e3, "d99": pct(to_daemon, 0.99) * 1e3,
             "t50": statistics.median(to_trainer) * 1e3, "t99": pct(to_trainer, 0.99) * 1e3,
             "cpu": rate_cpu * 100, "rss": rss}
@@ -118,6 +126,7 @@ def run_path(use_ebpf: bool, lines: int, kmsg_fd: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lines", type=int, default=1000)
+    _report.add_json_argument(ap)
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("needs root (eBPF, /dev/kmsg)")
@@ -137,6 +146,15 @@ def main() -> None:
               f"{r['cpu']:>18.1f} {r['rss']:>7.0f}")
     print("(in-process daemon, 8 simulated GPUs; CPU and RSS are the whole process: daemon + load generator;"
           " RSS of the eBPF row includes bcc/LLVM; targets: p99 <= 50 ms to the trainer, RSS <= 200 MB)")
+    figures: dict[str, float] = {}
+    for r in rows:
+        k = r["key"]
+        for name, ms in (("to_daemon_p50", "d50"), ("to_daemon_p99", "d99"), ("to_trainer_p50", "t50"), ("to_trainer_p99", "t99")):
+            figures[f"{k}_{name}_seconds"] = r[ms] / 1e3
+        figures[f"{k}_cpu_fraction"] = r["cpu"] / 100
+        figures[f"{k}_rss_bytes"] = round(r["rss"] * 2**20)
+        figures[f"{k}_delivered_count"] = r["n"]
+    _report.write(args.json, "ebpf_latency", figures)
 
 
 if __name__ == "__main__":

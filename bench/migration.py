@@ -10,14 +10,17 @@ Paths, side by side in one run:
 
     python bench/migration.py [--runs 5] [--interval-steps 10] [--etcd] [--json PATH]
 
---json writes {"bench": "migration", "version": 1, "created": ..., "host": {"cpus": N},
-"figures": {"<name>_<unit>": number}} (medians; the goodput simulator reads it).
+--json (bench/_report.py's shape; sentinel/sim/measured.py reads it): medians over the drills
+that succeeded. ``migration_*`` is the warm-spare path (``migration_trip_to_first_step_seconds``,
+``migration_fault_to_first_step_seconds``, ``migration_lost_steps``, ``migration_ok_fraction``,
+``migration_stage_<stage>_seconds`` = each stage's own duration), ``crash_*`` the plain torchrun
+crash failover, and ``two_victims_*``, ``etcd_migration_*``, ``cold_spare_torchrun_*`` the other
+paths, plus ``*_ratio`` figures.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -26,6 +29,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report  # noqa: E402
 
 PATHS = {
     "warm": ("Sentinel, warm spare (c10d)", ["--fault", "xid79"]),
@@ -34,8 +39,8 @@ PATHS = {
     "cold": ("before: torchrun, cold spare", ["--fault", "xid79", "--agent", "torchrun"]),
     "crash": ("plain torchrun crash failover", ["--fault", "kill", "--agent", "torchrun"]),
 }
-FIGURE_PREFIX = {"warm": "", "warm-etcd": "etcd_", "two": "two_victims_", "cold": "cold_spare_torchrun_",
-                 "crash": "plain_torchrun_failover_"}
+FIGURE_PREFIX = {"warm": "migration_", "warm-etcd": "etcd_migration_", "two": "two_victims_",
+                 "cold": "cold_spare_torchrun_", "crash": "crash_"}
 
 
 def drill(interval: int, extra: list[str]) -> dict:
@@ -61,13 +66,6 @@ def stage_durations(rows: list[dict]) -> dict[str, list[float]]:
     return out
 
 
-def report_json(path: Path, figures: dict[str, float]) -> None:
-    doc = {"bench": "migration", "version": 1,
-           "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "host": {"cpus": os.cpu_count()}, "figures": {k: round(v, 4) for k, v in figures.items() if v is not None}}
-    path.write_text(json.dumps(doc, indent=1) + "\n")
-
-
 def slug(stage: str) -> str:
     return stage.replace(" ", "_").replace("-", "_")
 
@@ -78,7 +76,7 @@ def main() -> None:
     ap.add_argument("--interval-steps", type=int, default=10)
     ap.add_argument("--etcd", action="store_true", help="also the etcd-v2 rendezvous (needs etcd on PATH)")
     ap.add_argument("--only", help="comma-separated paths to run (default: all)")
-    ap.add_argument("--json", type=Path, help="write the figures here")
+    _report.add_json_argument(ap)
     args, extra = ap.parse_known_args()
     names = args.only.split(",") if args.only else [n for n in PATHS if n != "warm-etcd" or args.etcd]
     unknown = set(names) - set(PATHS)
@@ -100,8 +98,13 @@ def main() -> None:
                 print(f"  failed: {r['error'][-200:]}")
         for stage, vals in stage_durations(ok).items():
             print(f"  {stage:<26} {median(vals):>7.2f} {max(vals):>7.2f}")
-            if n == "warm":
-                figures[f"stage_{slug(stage)}_seconds"] = median(vals)
+        if n == "warm":  # each stage's own duration, as the goodput simulator reads them
+            own: dict[str, list[float]] = {}
+            for r in ok:
+                for e in r["timeline"]:
+                    own.setdefault(e["stage"], []).append(e["duration"])
+            for stage, vals in own.items():
+                figures[f"migration_stage_{slug(stage)}_seconds"] = median(vals)
         if ok and ok[0]["timeline"] and any(e.get("phases") for e in ok[0]["timeline"]):
             phases: dict[str, list[float]] = {}
             for r in ok:
@@ -113,15 +116,14 @@ def main() -> None:
         fault = [r["fault_to_first_step_seconds"] for r in ok if r.get("fault_to_first_step_seconds") is not None]
         lost = [len(r["recomputed_steps"]) for r in ok]
         p = FIGURE_PREFIX[n]
-        if n == "crash":
-            figures[f"{p}seconds"] = median(fault)
-        else:
+        if n != "crash":
             figures[f"{p}trip_to_first_step_seconds"] = median(trip)
         figures[f"{p}fault_to_first_step_seconds"] = median(fault)
-        figures[f"{p}recomputed_steps"] = median(lost)
-        figures[f"{p}ok_runs"] = len(ok)
-        if any("verify" in r for r in ok):
-            figures[f"{p}bitwise_equal_runs"] = sum(bool(r.get("verify", {}).get("bitwise_equal")) for r in ok)
+        figures[f"{p}lost_steps"] = median(lost)
+        figures[f"{p}ok_fraction"] = len(ok) / len(rows[n]) if rows[n] else None
+        verified = [r for r in ok if "verify" in r]
+        if verified:
+            figures[f"{p}bitwise_equal_fraction"] = sum(bool(r["verify"]["bitwise_equal"]) for r in verified) / len(verified)
 
     def fmt(vals: list[float]) -> str:
         return f"{statistics.median(vals):.2f} / {max(vals):.2f}" if vals else "-"
@@ -137,22 +139,20 @@ def main() -> None:
         bitwise = f"{sum(r['verify']['bitwise_equal'] for r in verified)}/{len(verified)}" if verified else "-"
         print(f"{PATHS[n][0]:<38} {len(ok)}/{len(rows[n]):<3} {fmt(fault):>20} {fmt(trip) if n != 'crash' else '-':>19}"
               f" {fmt(lost):>11} {bitwise:>8}")
-    base = figures.get("trip_to_first_step_seconds")
+    base = figures.get("migration_trip_to_first_step_seconds")
     if base:
         print()
         for key, name, label in (
                 ("two_victims_trip_to_first_step_seconds", "two_victims_over_one_ratio", "two victims / one victim"),
                 ("cold_spare_torchrun_trip_to_first_step_seconds", "cold_torchrun_over_warm_ratio",
                  "before (torchrun, cold spare) / warm"),
-                ("plain_torchrun_failover_seconds", "plain_failover_over_warm_ratio",
+                ("crash_fault_to_first_step_seconds", "plain_failover_over_warm_ratio",
                  "plain torchrun crash failover / warm"),
-                ("etcd_trip_to_first_step_seconds", "etcd_over_c10d_ratio", "etcd-v2 / c10d")):
+                ("etcd_migration_trip_to_first_step_seconds", "etcd_over_c10d_ratio", "etcd-v2 / c10d")):
             if figures.get(key):
                 figures[name] = figures[key] / base
                 print(f"{label:<38} {figures[name]:>6.2f}x")
-    if args.json:
-        report_json(args.json, figures)
-        print(f"\nfigures written to {args.json}")
+    _report.write(args.json, "migration", figures)
 
 
 if __name__ == "__main__":

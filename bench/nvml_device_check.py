@@ -3,7 +3,10 @@ or any GPU node). Prints, per GPU: identity, which fields NVML supports, their v
 links found, and the poll cost; then runs the daemon for a few seconds on real NVML and checks
 its /metrics with promtool when available. Exits non-zero if NVML cannot start.
 
-    python bench/nvml_device_check.py [--seconds 5]
+    python bench/nvml_device_check.py [--seconds 5] [--json PATH]
+
+``--json`` figures: ``gpus_count``, ``poll_median_seconds``, ``poll_max_seconds``,
+``nvml_errors_count``, ``exposition_lines_count``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report  # noqa: E402
 import pynvml  # noqa: E402
 
 from sentinel.readings import FIELDS  # noqa: E402
@@ -29,6 +34,7 @@ from sentinel.sources.nvml import NvmlSource, NvmlUnavailable  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=5.0)
+    _report.add_json_argument(ap)
     args = ap.parse_args()
     src = NvmlSource(pynvml, deadline_seconds=2.0)
     try:
@@ -48,6 +54,8 @@ def main() -> int:
         print("  " + ", ".join(f"{f}={r.values[f]:g}" for f in FIELDS if f in r.values))
     print(f"poll of all GPUs: median {statistics.median(times) * 1e3:.1f} ms, max {max(times) * 1e3:.1f} ms")
     print(f"NVML errors: {dict(src.errors) or 'none'}")
+    figures = {"gpus_count": len(src.gpus), "poll_median_seconds": statistics.median(times), "poll_max_seconds": max(times),
+               "nvml_errors_count": sum(src.errors.values())}
     src.close()
     with tempfile.TemporaryDirectory() as d:
         proc = subprocess.Popen([sys.executable, "-m", "sentinel", "run", "--runtime-dir", f"{d}/run", "--state-dir",
@@ -62,6 +70,7 @@ def main() -> int:
             port = json.loads(status.read_text())["metrics_port"]
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
             print(f"daemon on real NVML: {len(text.splitlines())} exposition lines")
+            figures["exposition_lines_count"] = len(text.splitlines())
             promtool = shutil.which("promtool")
             if promtool:
                 r = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
@@ -71,6 +80,7 @@ def main() -> int:
             proc.terminate()
             out, _ = proc.communicate(timeout=10)
             print("daemon log tail:\n" + "\n".join(out.splitlines()[-5:]))
+    _report.write(args.json, "nvml_device_check", figures)
     return 0
 
 

@@ -2,7 +2,10 @@
 lead times. Targets: every degrading scenario predicted with >= 5 minutes lead; zero migrations
 for application-only and healthy scenarios.
 
-    python bench/predict_eval.py [--lead-time 600]
+    python bench/predict_eval.py [--lead-time 600] [--json PATH]
+
+``--json`` figures: ``degrading_recall_fraction`` (>= 5 min lead), ``sudden_caught_fraction``,
+``benign_false_migration_fraction``, ``degrading_lead_median_seconds``, ``scenarios_count``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report  # noqa: E402
 from sentinel import scenarios  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parents[1] / "tests" / "scenarios"
@@ -23,6 +28,7 @@ CORPUS = Path(__file__).resolve().parents[1] / "tests" / "scenarios"
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lead-time", type=float, default=None, help="override policy.lead_time_seconds")
+    _report.add_json_argument(ap)
     args = ap.parse_args()
     rows = []
     for sc in scenarios.corpus(CORPUS):
@@ -53,6 +59,13 @@ def main() -> None:
     print(f"sudden failures caught:            {len(caught)}/{len(sudden)}")
     print(f"false migrations (benign):         {len(false)}/{len(benign)}")
     print(f"median lead time (degrading):      {statistics.median(leads):.0f} s" if leads else "median lead time: -")
+    _report.write(args.json, "predict_eval", {
+        "degrading_recall_fraction": len(predicted) / len(degrading) if degrading else None,
+        "sudden_caught_fraction": len(caught) / len(sudden) if sudden else None,
+        "benign_false_migration_fraction": len(false) / len(benign) if benign else None,
+        "degrading_lead_median_seconds": statistics.median(leads) if leads else None,
+        "scenarios_count": len(rows),
+    })
 
 
 if __name__ == "__main__":

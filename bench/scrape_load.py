@@ -16,7 +16,6 @@ figures are upper bounds for the server's part.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
@@ -28,6 +27,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report  # noqa: E402
 
 PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
                      "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
@@ -186,7 +187,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=4000, help="total scrapes per path")
     parser.add_argument("--poll-interval", type=float, default=1.0)
     parser.add_argument("--timeout", type=float, default=5.0, help="a scrape slower than this is an error")
-    parser.add_argument("--json", type=Path, help="also write the figures here")
+    _report.add_json_argument(parser)
     parser.add_argument("--serve", choices=PATHS, help=argparse.SUPPRESS)
     parser.add_argument("--state", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -209,12 +210,18 @@ def main() -> int:
     for path in PATHS:
         if results[path]["error_kinds"]:
             print(f"{path} errors: {', '.join(results[path]['error_kinds'])}")
-    if args.json:
-        args.json.write_text(json.dumps({
-            "config": {"gpus": args.gpus, "scrapers": args.scrapers, "requests": args.requests,
-                       "poll_interval": args.poll_interval, "timeout": args.timeout, "cpus": os.cpu_count(),
-                       "headers": HEADERS},
-            **results, "ratio_old_over_new": ratio}, indent=2) + "\n")
+    figures: dict[str, float] = {}
+    for path in PATHS:
+        r = results[path]
+        for q in ("p50", "p99", "max", "mean"):
+            figures[f"{path}_scrape_{q}_seconds"] = r[f"{q}_ms"] / 1e3
+        figures[f"{path}_errors_count"] = r["errors"]
+        figures[f"{path}_scrapes_per_second"] = r["scrapes_per_second"]
+        figures[f"{path}_body_bytes"] = r["body_bytes"]
+    for q in ("p50", "p99", "max"):
+        figures[f"old_over_new_{q}_ratio"] = ratio[f"{q}_ms"]
+    figures.update({"scrapers_count": args.scrapers, "gpus_count": args.gpus})
+    _report.write(args.json, "scrape_load", figures)
     return 0
 
 

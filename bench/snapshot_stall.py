@@ -8,7 +8,12 @@
 for ~256 MB and ~1 GB of state per rank (one rank, gloo, this machine's disk), and the idle cost
 of guard.step() per training step (2 ranks: one tiny all-reduce plus a channel poll).
 
-    python bench/snapshot_stall.py [--sizes-mb 256 1024] [--repeats 5]
+    python bench/snapshot_stall.py [--sizes-mb 256 1024] [--repeats 5] [--json PATH]
+
+``--json`` figures (the goodput simulator's inputs are the last two, from the largest size):
+``stall_<MB>mb_<path>_seconds`` per row, ``guard_step_idle_seconds``,
+``async_stall_seconds_per_gb`` (Sentinel's stall per 10^9 bytes of state per rank) and
+``dcp_save_bytes_per_second`` (a blocking save's write rate on this machine's disk).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -56,7 +63,7 @@ def measure(mb: int, repeats: int, work: Path) -> dict[str, float]:
             floor[k].copy_(v)
         memcpy.append(time.perf_counter() - t0)
 
-        guard._pending.append(type("R", (), {"type": "snapshot", "id": f"b{i}"})())  # as if the daemon asked
+        guard._pending[f"b{i}"] = type("R", (), {"type": "snapshot", "id": f"b{i}"})()  # as if the daemon asked
         t0 = time.perf_counter()
         guard.step(i)
         blocked = time.perf_counter() - t0
@@ -74,7 +81,7 @@ def measure(mb: int, repeats: int, work: Path) -> dict[str, float]:
         torch.save(state, work / f"full{mb}-{i}.pt")
         tsave.append(time.perf_counter() - t0)
     guard.close()
-    return {"mb": nbytes / 2**20, "memcpy": med(memcpy), "sentinel": med(sentinel), "sentinel_first": first,
+    return {"mb": nbytes / 2**20, "bytes": nbytes, "memcpy": med(memcpy), "sentinel": med(sentinel), "sentinel_first": first,
             "dcp_save": med(blocking), "torch_save": med(tsave)}
 
 
@@ -102,6 +109,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes-mb", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--repeats", type=int, default=5)
+    _report.add_json_argument(ap)
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = []
@@ -131,6 +139,16 @@ def main() -> None:
         daemon.close()
     print(f"idle guard.step(): median {out['idle'] * 1e6:.0f} us, p99 {out['p99'] * 1e6:.0f} us per step "
           f"(2 ranks, gloo all-reduce + channel poll) = {out['idle'] / 0.05 * 100:.2f} % of a 50 ms step (target <= 1 %)")
+    figures: dict[str, float] = {}
+    for r in rows:
+        for path in ("memcpy", "sentinel", "sentinel_first", "dcp_save", "torch_save"):
+            figures[f"stall_{r['mb']:.0f}mb_{path}_seconds"] = round(r[path], 4)
+    big = max(rows, key=lambda r: r["bytes"])
+    figures["async_stall_seconds_per_gb"] = round(big["sentinel"] / (big["bytes"] / 1e9), 4)
+    figures["dcp_save_bytes_per_second"] = round(big["bytes"] / big["dcp_save"])
+    figures["guard_step_idle_seconds"] = out["idle"]
+    figures["guard_step_idle_p99_seconds"] = out["p99"]
+    _report.write(args.json, "snapshot_stall", figures)
 
 
 if __name__ == "__main__":

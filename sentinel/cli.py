@@ -277,13 +277,19 @@ def cmd_inject(args: argparse.Namespace) -> int:
 
 # -- status ------------------------------------------------------------------------------------------
 def cmd_status(args: argparse.Namespace) -> int:
+    from sentinel.fsutil import UnsafePath, read_trusted
+
     path = Path(args.runtime_dir) / "status.json"
-    try:
-        status = json.loads(path.read_text())
+    try:  # the daemon's (root's) own file: the healthcheck acts on it as root
+        status = json.loads(read_trusted(path, owners=frozenset({0, os.geteuid()}), max_bytes=1 << 22))
     except FileNotFoundError:
         return fail(f"no running daemon: {path} does not exist")
-    except (OSError, json.JSONDecodeError) as exc:
+    except UnsafePath as exc:
+        return fail(f"not trusting {path}: {exc}")
+    except (OSError, ValueError) as exc:
         return fail(f"cannot read {path}: {exc}")
+    if not isinstance(status, dict) or not isinstance(status.get("gpus"), list):
+        return fail(f"cannot read {path}: not a status written by the daemon")
     pid = status.get("pid")
     try:
         if pid:
@@ -396,7 +402,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     init.add_argument("state")
     init.add_argument("--gpus", type=int, default=8)
     init.set_defaults(func=cmd_simulate_init)
-    gp = simsub.add_parser("goodput", help="Monte Carlo of ETTR at scale: periodic vs async vs Sentinel, spare pool sizing")
+    gp = simsub.add_parser("goodput", help="Monte Carlo of ETTR at scale from measured figures (--measured): periodic, async, "
+                           "Sentinel, + memory tier, + warm spare; intervals searched; spares; sensitivity")
     if wanted("simulate"):
         from sentinel.sim import goodput
 

@@ -104,6 +104,8 @@ class Drill:
         self.filler: Path | None = None
         self.mounted = False
         self.run_id = f"drill-{os.getpid()}"
+        # Each node's memory-tier holder: a tmpfs directory of its own ("node memory").
+        self.memory_root = Path("/dev/shm") / f"sentinel-drill-{os.getpid()}-{os.urandom(3).hex()}"
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
                     "PYTHONUNBUFFERED": "1", "PYTHONPATH": _pythonpath()}
 
@@ -155,10 +157,12 @@ class Drill:
             "--interval-steps", str(a.interval_steps), "--step-seconds", str(a.step_seconds),
             "--progress", str(self.progress), "--final", str(self.work / "final.json"),
             "--migrate-hold-seconds", "30", "--pg-timeout", "30",
+            "--memory-interval-steps", str(a.memory_interval_steps),
         ]
 
     def node_env(self, node: Node) -> dict[str, str]:
-        return {**self.env, "SENTINEL_RUNTIME_DIR": str(node.runtime), "SENTINEL_NODE": node.name}
+        return {**self.env, "SENTINEL_RUNTIME_DIR": str(node.runtime), "SENTINEL_NODE": node.name,
+                "SENTINEL_MEMORY_DIR": str(self.memory_root / node.name)}
 
     def make_node(self, index: int, spare: bool) -> Node:
         name = f"spare{index}" if spare else f"node{index}"
@@ -230,6 +234,7 @@ class Drill:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+            shutil.rmtree(self.memory_root / victim.name, ignore_errors=True)  # the node's memory died with it
         elif fault == "rank-crash" and victim.agent is not None:
             # a rank of this node, by the pid it logged: argv cannot tell a rank from its agent (a
             # warm agent's and its forkserver's argv name the training module too)
@@ -301,9 +306,10 @@ class Drill:
         if a.fault == "sbe-ramp":
             self.ramp(victim, min(deadline, time.time() + 30))
         if a.fault == "kill":
-            # The node died with its daemon's help unavailable: the scheduler replaces it.
-            subprocess.run([sys.executable, "-m", "sentinel.drill", "claim-spare", "--pool", str(self.pool)],
-                           env=self.env, check=False, timeout=30, capture_output=True)
+            # The nodes died with their daemons' help unavailable: the scheduler replaces them.
+            for _ in victims:
+                subprocess.run([sys.executable, "-m", "sentinel.drill", "claim-spare", "--pool", str(self.pool)],
+                               env=self.env, check=False, timeout=30, capture_output=True)
         short = a.spares < a.victims and a.fault != "rank-crash"
         what = "the job to finish"
         if short and (a.min_nodes or a.nodes) >= a.nodes:
@@ -326,7 +332,8 @@ class Drill:
             result["other_failed_nodes"] = [v.name for v in victims[1:]]
             result["other_migrations"] = [{"node": v.name, "phase": m.get("phase"), "snapshot_step": m.get("snapshot_step")}
                                           for v, m in zip(victims[1:], others)]
-            drained = all(m.get("phase") == "drained" for m in others)
+            # a sudden kill has no migration: the scheduler replaced the nodes
+            drained = a.fault == "kill" or all(m.get("phase") == "drained" for m in others)
             result["final_nodes_ok"] = not set(result["final_nodes"]) & {v.name for v in victims}
             result["ok"] = result["ok"] and drained and result["final_nodes_ok"]
         return result
@@ -393,8 +400,10 @@ class Drill:
         t_admit = min((e["time"] for e in admitted), default=None)
         tl.add("spare admitted", t_admit, node=admitted[0]["node"] if admitted else None)
         t_loaded = min((e["time"] for e in loaded), default=None)
+        restore = (loaded[0].get("restore") or {}) if loaded else {}
         tl.add("snapshot loaded", t_loaded, start_step=loaded[0]["start"] if loaded else None,
-               source=loaded[0]["source"] if loaded else None, phases=loaded[0].get("phases") if loaded else None)
+               source=loaded[0]["source"] if loaded else None, tier=restore.get("tier"),
+               phases=loaded[0].get("phases") if loaded else None)
         steps = [e for e in events if e["event"] == "step"]
         after = [e for e in steps if t_loaded is not None and e["time"] >= t_loaded]
         t_first = after[0]["time"] if after else None
@@ -430,7 +439,10 @@ class Drill:
                           for e in events if e["event"] == "snapshot"],
             "final": finished,
             "workdir": str(self.work),
+            "restore": self._restore_report(events, t_fault),
         }
+        if result["restore"].get("fallback"):
+            result.setdefault("notes", []).append(result["restore"]["fallback"])
         if self.args.verify and finished:
             result["verify"] = self.verify(finished)
         ok = result["finished"] and result["spare_in_place"]
@@ -444,9 +456,15 @@ class Drill:
                 result["verify"]["note"] = "different world size: not expected to be bitwise equal"
             result["ok"] = ok
             return result
-        if self.args.fault == "rank-crash":  # no migration: the same nodes carry on from the periodic snapshot
+        memory = self.args.memory_interval_steps > 0
+        # sudden losses: at most one step with the memory tier (unless every copy of a shard was
+        # lost: then the disk snapshot, up to its interval); without it, up to the disk interval
+        bound = max(1, self.args.interval_steps) if not memory or result["restore"]["tier"] == "disk" else 1
+        if self.args.fault == "rank-crash":  # no migration: the same nodes carry on
             result["spare_in_place"] = False
-            ok = result["finished"] and victim.name in final_nodes and len(lost) <= max(1, self.args.interval_steps)
+            ok = result["finished"] and victim.name in final_nodes and len(lost) <= bound
+            if memory:  # the node's own memory: no disk, no peer
+                ok = ok and result["restore"]["tier"] == "memory" and not result["restore"]["peer"]
         elif self.args.fail_snapshot:
             # The migrate snapshot failed: the job resumes from the newest snapshot that did
             # commit and recomputes the steps from there to the step it held at. How many that
@@ -457,13 +475,28 @@ class Drill:
             ok = (ok and held is not None and start == max(good, default=-1) + 1
                   and lost == list(range(start, held + 1)))
         elif self.args.fault == "kill":
-            ok = ok and len(lost) <= max(1, self.args.interval_steps)
+            ok = ok and len(lost) <= bound
         else:
             ok = ok and not lost
         if "verify" in result:
             ok = ok and result["verify"]["bitwise_equal"]
         result["ok"] = ok
         return result
+
+    def _restore_report(self, events: list[dict[str, Any]], t_fault: float) -> dict[str, Any]:
+        """Where the ranks that resumed after the fault took their state from (rank 0's view;
+        every rank agrees on the tier and step)."""
+        resumed = [e for e in events if e["event"] == "resumed" and e["rank"] == 0 and e["time"] >= t_fault and e.get("restore")]
+        if not resumed:
+            return {"tier": None, "peer": [], "own": []}
+        last = max(resumed, key=lambda e: e["time"])  # the restart that stuck
+        r = last["restore"]
+        out = {"tier": r.get("tier"), "step": last["start"] - 1, "own": r.get("own", []), "peer": r.get("peer", []),
+               "seconds": r.get("seconds"), "memory_rejected": r.get("memory_rejected", {})}
+        if self.args.memory_interval_steps > 0 and r.get("tier") != "memory":
+            out["fallback"] = (f"memory tier could not restore ({r.get('memory_reason') or 'unknown'}): fell back to "
+                               f"the newest disk snapshot ({last['source'] or 'none'})")
+        return out
 
     def verify(self, finished: dict[str, Any]) -> dict[str, Any]:
         a = self.args
@@ -506,6 +539,7 @@ class Drill:
                 pass
         if self.mounted:
             subprocess.run(["umount", "-l", str(self.snapshots)], capture_output=True)
+        shutil.rmtree(self.memory_root, ignore_errors=True)
         if self.own_workdir and not self.args.keep:
             shutil.rmtree(self.work, ignore_errors=True)
 
@@ -593,6 +627,10 @@ def print_timeline(result: dict[str, Any]) -> None:
     print(f"trip -> first step on the spare: {result['trip_to_first_step_seconds']} s;"
           f" fault -> first step: {result['fault_to_first_step_seconds']} s")
     print(f"recomputed steps (work lost): {len(result['recomputed_steps'])} {result['recomputed_steps'] or ''}")
+    rs = result.get("restore") or {}
+    if rs.get("tier"):
+        print(f"restored from: {rs['tier']}" + (f" at step {rs['step']} (shards from this node's memory: {rs['own']}, "
+                                                f"from a peer's replica: {rs['peer']})" if rs["tier"] == "memory" else ""))
     for note in result["migration_notes"] + result.get("notes", []):
         print(f"note: {note}")
     if "verify" in result:
@@ -607,7 +645,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus-per-node", type=int, default=2, help="simulated GPUs per node")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--step-seconds", type=float, default=0.1)
-    p.add_argument("--interval-steps", type=int, default=10, help="periodic snapshots (the sudden-failure fallback)")
+    p.add_argument("--interval-steps", type=int, default=10, help="periodic disk snapshots (the last resort)")
+    p.add_argument("--memory-interval-steps", type=int, default=1,
+                   help="in-memory snapshots with a peer replica every N steps (0: disk only)")
     p.add_argument("--fault", choices=sorted(FAULTS), default="xid79")
     p.add_argument("--at-step", type=int, default=25)
     p.add_argument("--victims", type=int, default=1, help="fault this many nodes at the same moment")

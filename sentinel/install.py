@@ -12,6 +12,10 @@
   record), root-owned and writable by nobody else. ``/run/sentinel`` is the unit's
   ``RuntimeDirectory=``.
 
+The ``sentinel`` command the units run as root, and the package it runs, must be root's
+alone (file and every directory above): an install from a user's virtualenv or checkout is
+refused, naming the path.
+
 Idempotent: a second run changes nothing and says so. ``--root DIR`` installs into an image or a
 staging tree (paths inside the files stay absolute). Every file is replaced atomically
 (:func:`sentinel.fsutil.write_atomic`), never written through a symlink.
@@ -27,7 +31,7 @@ import sys
 from pathlib import Path
 
 from sentinel import config as config_mod
-from sentinel.fsutil import UnsafePath, ensure_private_dir, write_atomic
+from sentinel.fsutil import UnsafePath, check_private_dir, ensure_private_dir, write_atomic
 
 UNITS = ("sentinel.service", "sentinel-agent@.service")
 CONFIG = "sentinel.toml"
@@ -73,12 +77,33 @@ def _replace(path: Path, text: str, mode: int) -> str:
     return "updated" if existed else "installed"
 
 
+def check_root_owned(path: str, what: str) -> None:
+    """Refuse to point root's units at code another user could change: ``path`` (symlinks
+    resolved) and every directory above it must be root's and writable by nobody else (an
+    install from a user's virtualenv or checkout would hand that user root)."""
+    real = os.path.realpath(path)
+    owners = frozenset({0, os.geteuid()})
+    try:
+        st = os.stat(real)
+        if st.st_uid not in owners or st.st_mode & 0o022:
+            raise UnsafePath(f"{real} is owned by uid {st.st_uid} with mode {st.st_mode & 0o7777:04o}, "
+                             f"not root's alone")
+        check_private_dir(real if os.path.isdir(real) else os.path.dirname(real), "directory", owners=owners)
+    except UnsafePath as exc:
+        raise InstallError(f"refusing to install: {what} would run as root, but {exc}; install sentinel where only "
+                           f"root can write (pip install as root, outside any user's directory)") from None
+    except OSError as exc:
+        raise InstallError(f"cannot check {real}: {exc.strerror}") from None
+
+
 def install(root: Path, sentinel_bin: str, *, reload_systemd: bool, out=print) -> int:
     """Install into ``root``; returns the exit status (0, or 1 when the kept config is invalid)."""
     if not os.path.isabs(sentinel_bin):
         raise InstallError(f"--bin {sentinel_bin} must be an absolute path (systemd runs ExecStart= as given)")
     if not os.access(sentinel_bin, os.X_OK):
         raise InstallError(f"{sentinel_bin} is not an executable file; pass --bin /path/to/sentinel")
+    check_root_owned(sentinel_bin, "the sentinel command (ExecStart=)")
+    check_root_owned(str(Path(config_mod.__file__).parent), "the sentinel package")
     try:
         for path, mode in ((_under(root, "/etc/sentinel"), 0o755), (_under(root, "/var/lib/sentinel"), 0o750),
                            (_under(root, "/etc/systemd/system"), 0o755)):

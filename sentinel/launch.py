@@ -15,8 +15,11 @@ but waits outside the rendezvous until ``sentinel admit`` sends it SIGUSR1 (a wa
 
 The launcher runs as root and, with ``user`` (``--user``, or ``SENTINEL_AGENT_USER`` from the
 agent unit's environment file), runs the agent — and so the whole job — as that user: the child
-takes the user's groups, gid and uid before ``exec``, and the agent never starts if any of that
-fails. The launcher itself stays root because the daemon trusts only a root-owned pidfile (a
+takes a session of its own (no controlling terminal shared with root: no TIOCSTI into root's
+shell), the user's groups, gid and uid before ``exec``, and the agent never starts if any of that
+fails. The job still writes to the launcher's stdout and stderr: run it from a unit or ``srun``,
+not from a root terminal left open for other work while the job (or a process it left behind)
+runs. The launcher itself stays root because the daemon trusts only a root-owned pidfile (a
 pidfile the job's user could write would let that user point root's SIGTERM at any process of
 theirs, or claim another job's ranks) and because the cordon marker is root's.
 """
@@ -74,6 +77,9 @@ def launch(command: list[str], pidfile: Path, state_dir: Path, user: str = "", *
         os.close(r)
         try:
             if account is not None and account.pw_uid != os.geteuid():
+                # A session of its own: the job must not share root's controlling terminal, or it
+                # could push keystrokes into root's shell with TIOCSTI (as `su -c` does, setsid).
+                os.setsid()
                 os.initgroups(account.pw_name, account.pw_gid)
                 os.setgid(account.pw_gid)
                 os.setuid(account.pw_uid)

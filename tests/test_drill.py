@@ -68,11 +68,12 @@ def test_trend_only_fault_is_caught_by_the_predictor():
     assert detected["rule"] == "trend" and r["recomputed_steps"] == []
 
 
-def test_sudden_kill_resumes_on_the_spare_from_the_periodic_snapshot():
-    r = drill("--fault", "kill", "--interval-steps", "10")
+def test_sudden_kill_without_the_memory_tier_resumes_from_the_periodic_disk_snapshot():
+    r = drill("--fault", "kill", "--interval-steps", "10", "--memory-interval-steps", "0")
     assert r["ok"], r
     assert 0 < len(r["recomputed_steps"]) <= 10 and r["spare_in_place"]
     assert "detected" not in stages(r)  # nothing warned; the periodic snapshot is the fallback
+    assert r["restore"]["tier"] == "disk"
 
 
 @pytest.mark.parametrize("agent", ["warm", "torchrun"])
@@ -83,6 +84,31 @@ def test_rank_crash_with_a_spare_present_ends_with_the_job_running(agent):
     assert r["ok"], r
     assert r["finished"] and "node1" in r["final_nodes"] and len(r["recomputed_steps"]) <= 10
     assert "spare0" not in r["final_nodes"]
+
+
+def test_sudden_kill_of_a_whole_node_loses_at_most_one_step_with_the_memory_tier():
+    r = drill("--fault", "kill", "--verify")
+    assert r["ok"], r
+    assert len(r["recomputed_steps"]) <= 1 and r["spare_in_place"] and r["verify"]["bitwise_equal"]
+    # the killed node's memory died with it: its shard came from the replica on node0
+    assert r["restore"]["tier"] == "memory" and r["restore"]["peer"] == [1] and r["restore"]["own"] == [0]
+    loaded = next(e for e in r["timeline"] if e["stage"] == "snapshot loaded")
+    assert loaded["tier"] == "memory" and loaded["source"].startswith("memory:step-")
+
+
+def test_two_nodes_holding_each_other_s_replicas_killed_fall_back_to_disk_and_say_so():
+    r = drill("--fault", "kill", "--victims", "2", "--spares", "2", "--verify")
+    assert r["ok"], r
+    assert sorted(r["final_nodes"]) == ["spare0", "spare1"] and r["verify"]["bitwise_equal"]
+    assert r["restore"]["tier"] == "disk" and 0 < len(r["recomputed_steps"]) <= 10
+    assert any("fell back to the newest disk snapshot" in n for n in r["notes"])
+
+
+def test_rank_crash_restores_from_the_node_s_own_memory_without_disk_or_peer():
+    r = drill("--fault", "rank-crash", "--interval-steps", "10")
+    assert r["ok"], r
+    assert r["finished"] and "node1" in r["final_nodes"] and len(r["recomputed_steps"]) <= 1
+    assert r["restore"]["tier"] == "memory" and r["restore"]["peer"] == [] and r["restore"]["own"] == [0, 1]
 
 
 def test_two_nodes_fail_at_once():
@@ -100,7 +126,9 @@ def test_plain_torchrun_with_a_cold_spare_still_migrates():
 
 
 def test_no_spare_continues_on_fewer_nodes_when_nnodes_allows():
-    r = drill("--spares", "0", "--min-nodes", "1")
+    # disk only: a world-size change cannot use the memory tier, and with it on the drain can beat
+    # the disk copy of the memory-committed migrate snapshot (README, "Memory tier")
+    r = drill("--spares", "0", "--min-nodes", "1", "--memory-interval-steps", "0")
     assert r["ok"], r
     assert r["final_nodes"] == ["node0"] and r["world_after"] == 1 and r["recomputed_steps"] == []
     loaded = next(e for e in r["timeline"] if e["stage"] == "snapshot loaded")
@@ -128,7 +156,7 @@ def test_failed_migrate_snapshot_still_drains_and_resumes_from_the_older_one():
 
     if os.geteuid() != 0:
         pytest.skip("filling a real filesystem needs root to mount a small tmpfs")
-    r = drill("--fail-snapshot", "--interval-steps", "10")
+    r = drill("--fail-snapshot", "--interval-steps", "10", "--memory-interval-steps", "0")  # the disk-only path
     assert r["ok"], r
     committed = next(e for e in r["timeline"] if e["stage"] == "snapshot committed")
     loaded = next(e for e in r["timeline"] if e["stage"] == "snapshot loaded")

@@ -83,4 +83,4 @@ def test_cli():
     r = subprocess.run([sys.executable, "-m", "sentinel", "simulate", "goodput", "--gpus", "4096", "--runs", "20"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "sentinel" in r.stdout and "closed-form periodic ETTR" in r.stdout
+    assert "Sentinel + memory tier + warm spare" in r.stdout and "closed-form periodic ETTR" in r.stdout

@@ -81,3 +81,28 @@ def test_bad_arguments_are_one_clear_line(tmp_path):
                         str(tmp_path / "missing"), "--no-reload"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "not an executable file" in r.stderr
     assert not (tmp_path / "etc").exists()  # nothing written before the arguments were checked
+
+
+def test_a_command_another_user_can_change_is_never_made_roots_execstart(attacker, shared_tmp):
+    """The units run ExecStart= as root: pointing them at a `sentinel` in a user's virtualenv or
+    checkout would let that user run code as root. Refused, naming the path; nothing written."""
+    venv = shared_tmp / "venv" / "bin"
+    venv.mkdir(parents=True)
+    os.chown(venv, attacker.uid, attacker.gid)
+    script = venv / "sentinel"
+    r = attacker.python(f"import os; open({str(script)!r}, 'w').write('#!/bin/sh\\nid\\n'); os.chmod({str(script)!r}, 0o755)")
+    assert r.returncode == 0, r.stderr
+    root = shared_tmp / "node"
+    r = subprocess.run([sys.executable, "-m", "sentinel", "install", "--root", str(root), "--bin", str(script),
+                        "--no-reload"], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 2, r.stdout
+    assert "refusing to install: the sentinel command (ExecStart=) would run as root" in r.stderr
+    assert str(venv) in r.stderr and f"owned by uid {attacker.uid}" in r.stderr
+    assert not (root / "etc/systemd/system/sentinel.service").exists()
+    # the same script made root's, in a directory the user can still write: refused too
+    os.chown(script, 0, 0)
+    r = subprocess.run([sys.executable, "-m", "sentinel", "install", "--root", str(root), "--bin", str(script),
+                        "--no-reload"], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 2 and str(venv) in r.stderr, r.stderr

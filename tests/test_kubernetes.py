@@ -289,3 +289,17 @@ def test_the_breaker_trips_at_the_threshold(clean, sa_kubeconfig, tmp_path):
         m.close()
         ep.close()
         rank.close()
+
+
+def test_the_condition_message_carries_no_control_characters(clean, sa_kubeconfig, tmp_path):
+    """The message can quote kernel text with a task name a user chose; `kubectl describe node`
+    prints it to an operator's terminal: no escape sequence or line break gets through."""
+    b = backend(clean, sa_kubeconfig, "node4", tmp_path)
+    evil = CordonReason("kernel_log", -1, "kernel log: gpu_fallen_off_bus on node: \x1b]0;owned\x07\x1b[2J\nReady True", "r2")
+    b.cordon(evil)
+    try:
+        c = condition(node(clean, "node4"))
+        assert c.status == "False" and c.message.isprintable(), repr(c.message)
+        assert c.message == "sentinel: node: kernel log: gpu_fallen_off_bus on node: ?]0;owned??[2J?Ready True"
+    finally:
+        b.uncordon()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -59,3 +60,55 @@ def test_unknown_user_or_unprivileged_launcher_is_refused_before_anything_runs(a
                       str(shared_tmp / "b.pid"), "--state-dir", str(state), "--", "touch", str(marker)],
                      env={"PYTHONPATH": str(REPO)})
     assert r.returncode == 2 and "needs the launcher to run as root" in r.stderr and not marker.exists()
+
+
+def test_the_job_cannot_type_into_roots_terminal(attacker, shared_tmp):
+    """Run from a root shell, the launcher's terminal is root's: a job that shared it as its
+    controlling terminal could push "commands" into root's shell with TIOCSTI (allowed while
+    dev.tty.legacy_tiocsti = 1). The agent gets a session of its own, as `su -c` gives it."""
+    import fcntl
+    import pty
+    import select
+    import termios
+    import time
+
+    state = shared_tmp / "state"
+    state.mkdir()
+    agent = ("import fcntl, os, termios\n"
+             "try:\n"
+             "    [fcntl.ioctl(0, termios.TIOCSTI, bytes([c])) for c in b'echo PWNED\\n']\n"
+             "    typed = 'injected'\n"
+             "except OSError as e:\n"
+             "    typed = f'refused-{e.errno}'\n"
+             "try:\n"
+             "    os.close(os.open('/dev/tty', os.O_RDWR))\n"
+             "    tty = 'root-tty'\n"
+             "except OSError as e:\n"
+             "    tty = f'no-tty-{e.errno}'\n"
+             "print('RESULT', typed, tty, 'END', flush=True)\n")
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "sentinel", "launch", "--user", attacker.name, "--pidfile",
+                             str(shared_tmp / "run" / "agent.pid"), "--state-dir", str(state), "--",
+                             "/usr/bin/python3", "-c", agent],
+                            stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
+                            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),  # root's terminal
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    os.close(slave)
+    seen = b""
+    try:
+        end = time.monotonic() + 30
+        while b"END" not in seen and time.monotonic() < end:
+            if select.select([master], [], [], 0.5)[0]:
+                try:
+                    seen += os.read(master, 4096)
+                except OSError:  # EIO: every holder of the slave closed it
+                    break
+        assert proc.wait(timeout=30) == 0, seen
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        os.close(master)
+    result = seen.decode(errors="replace").split("RESULT", 1)[-1].split()
+    assert result[:2] == [f"refused-{errno.EPERM}", f"no-tty-{errno.ENXIO}"], seen
+    assert b"PWNED" not in seen  # nothing reached the terminal's input queue

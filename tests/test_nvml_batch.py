@@ -165,3 +165,31 @@ def test_the_policy_migrates_on_drain_and_reset_or_reboot_and_snapshots_on_drain
                    99: [("recovery_action", "alert")]}
     unsupported = GpuReading(0, "GPU-0", "0000:18:00.0", unsupported=frozenset({"recovery_action"}))
     assert not policy.rule_active(unsupported)[("recovery_action", 0)]
+
+
+def test_a_hung_batched_call_is_bounded_by_the_deadline_like_a_single_call():
+    """nvmlDeviceGetFieldValues that never returns costs one deadline, marks only its GPU hung,
+    is counted once, and the GPU comes back when the call does."""
+    import time
+
+    fake = FakePynvml(2)
+    src = started(fake, deadline=0.3)
+    try:
+        src.poll()
+        fake.behaviour[("ecc_corrected_volatile", 1)] = "hang"  # a batched field: the whole call hangs
+        t0 = time.monotonic()
+        r = src.poll()
+        assert time.monotonic() - t0 < 0.3 + 0.25 + 0.5  # the budget plus the hung-call grace, with slack
+        assert r[1].hung and not r[0].hung and r[0].values["temperature_celsius"] == 40
+        t0 = time.monotonic()
+        assert src.poll()[1].hung and time.monotonic() - t0 < 0.2  # still stuck: skipped at once
+        assert src.errors[("deadline", pynvml.NVML_ERROR_TIMEOUT)] == 1
+        fake.behaviour.pop(("ecc_corrected_volatile", 1))
+        fake.release.set()
+        end = time.monotonic() + 5
+        while src.poll()[1].hung and time.monotonic() < end:
+            time.sleep(0.05)
+        assert not src.poll()[1].hung and src.poll()[1].values["ecc_corrected_volatile"] >= 0
+    finally:
+        fake.release.set()
+        src.close()

@@ -251,3 +251,38 @@ def test_a_daemon_with_the_slurm_backend_exports_that_the_scheduler_answers(slur
         proc.terminate()
         proc.wait(timeout=20)
         log.close()
+
+
+def test_the_spare_signal_reaches_only_the_job_of_this_nodes_agent(clean, tmp_path, attacker):
+    """The spare request (`scancel --batch --signal=USR1`) kills a batch script that does not trap
+    it, so it must reach the job this node's agent runs in and nothing else: not an unprivileged
+    user's job that merely runs on the node, whether Sentinel has no agent there or one of
+    another user (root's, outside any job)."""
+    sub = subprocess.run(["sbatch", "--parsable", "-w", "node4", "-N1", "--output=/dev/null", "--chdir=/tmp",
+                          "--wrap", "exec sleep 120"], user=attacker.uid, group=attacker.gid, extra_groups=[],
+                         env={"SLURM_CONF": clean.env["SLURM_CONF"], "PATH": "/usr/bin:/bin", "HOME": "/tmp"},
+                         capture_output=True, text=True, timeout=30)
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().split(";")[0]
+
+    def state():
+        return clean.run("squeue", "-h", "-j", job, "-o", "%T").stdout.strip()
+
+    try:
+        wait_for(lambda: state() == "RUNNING", timeout=30, what=f"the user's job {job} running")
+        b = backend(clean, tmp_path, "node4")
+        assert "no agent on node4" in b.start_spare()  # Sentinel has no agent here: nobody is signalled
+        register_agent(tmp_path / "run")  # root's agent, in no Slurm job
+        said = b.start_spare()
+        assert "runs in no job of its user on node4" in said, said
+        time.sleep(2)  # an untrapped SIGUSR1 ends the batch script at once
+        assert state() == "RUNNING"
+        # the user's own agent, inside the user's job: that job, and only it, is asked for a spare
+        inside = wait_for(lambda: subprocess.run(["pgrep", "-u", str(attacker.uid), "-x", "sleep"], capture_output=True,
+                                                 text=True).stdout.split(), timeout=10, what="the job's process")
+        register_agent(tmp_path / "run", int(inside[0]))
+        said = b.start_spare()
+        assert f"asked job {job}'s batch script" in said, said
+        wait_for(lambda: state() != "RUNNING", timeout=30, what="the batch script to take the signal")
+    finally:
+        clean.run("scancel", job)

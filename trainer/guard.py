@@ -62,6 +62,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 from sentinel.channel import Ack, NullEndpoint, RankEndpoint, Request
+from trainer.memory import MemoryTier, MemoryTierError, RestoreResult, default_holder_dir
 
 log = logging.getLogger("sentinel.trainer")
 
@@ -158,6 +159,7 @@ class SnapshotRecord:
     bytes: int = 0
     request_ids: list[str] = field(default_factory=list)
     channel_error: str = ""
+    tier: str = "disk"  # "memory": committed once in memory on every rank and replicated
 
 
 class SnapshotGuard:
@@ -173,11 +175,19 @@ class SnapshotGuard:
         async_save: bool = True,
         group: Any = None,
         endpoint: RankEndpoint | NullEndpoint | None = None,
+        memory_interval_steps: int = 0,
+        memory_dir: str | os.PathLike | None = None,
+        memory_run_id: str | None = None,
+        local_world_size: int | None = None,
+        replica_bytes_per_second: float = 0.0,
+        memory_timeout: float = 120.0,
     ) -> None:
         if check_every < 1:
             raise ValueError("check_every must be >= 1")
         if keep < 1:
             raise ValueError("keep must be >= 1")
+        if memory_interval_steps < 0:
+            raise ValueError("memory_interval_steps must be >= 0 (0: no memory tier)")
         self.directory = Path(directory)
         self.state = dict(state)
         self.interval_steps = interval_steps
@@ -205,8 +215,25 @@ class SnapshotGuard:
         self._inflight: _Inflight | None = None
         self._stager = None
         self.records: list[SnapshotRecord] = []
-        self.resumed_from: Path | None = None
+        self.resumed_from: Path | str | None = None  # str: "memory:step-..."
         self.skipped_on_resume: list[Path] = []
+        self.memory_interval_steps = memory_interval_steps
+        self.memory: MemoryTier | None = None
+        self.restore_info: RestoreResult | None = None
+        self._disk_owed = False
+        self._disk_pool = None
+        if memory_interval_steps > 0:
+            run_id = memory_run_id or os.environ.get("TORCHELASTIC_RUN_ID", "")
+            if not run_id:
+                raise MemoryTierError("the memory tier needs a run id to tell this job's memory from an older "
+                                      "one's: run under torchrun (it sets TORCHELASTIC_RUN_ID) or pass memory_run_id=")
+            local_world = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+            # The replica copy runs on a thread of its own: its own gloo group (two threads never
+            # share one), never the training group nor the disk tier's.
+            replica_group = dist.new_group(backend="gloo") if self.distributed else None
+            self.memory = MemoryTier(memory_dir or default_holder_dir(), run_id=run_id, rank=self.rank,
+                                     world=self.world, local_world=local_world, group=replica_group,
+                                     bytes_per_second=replica_bytes_per_second, timeout=memory_timeout)
         if self.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
 
@@ -217,6 +244,19 @@ class SnapshotGuard:
         Rank 0 decides which snapshot (and, after a failed load, which one next); every rank
         loads exactly that one. Raises only what the collectives raise."""
         candidates = complete_snapshots(self.directory) if self.rank == 0 else []
+        if self.memory is not None:
+            newest = self._from_rank0(candidates[0] if candidates else None)
+            info = self.memory.restore(self._live_state, newest[0] if newest is not None else -1)
+            self.restore_info = info
+            if info.tier == "memory":
+                self._load_live(self._restored_state)
+                self.resumed_from = f"memory:step-{info.step:09d}"
+                log.info("resumed from memory at step %d (%d shard(s) from this node's memory, %d from a peer's "
+                         "replica) in %.3f s", info.step, len(info.local), len(info.peer), info.seconds)
+                return info.step + 1
+            if newest is not None or info.reason != "no memory snapshot of this run":
+                log.warning("memory tier: %s; falling back to the newest disk snapshot (%s)", info.reason,
+                            f"step {newest[0]}" if newest is not None else "none")
         tried = 0
         while True:
             choice = candidates[tried] if tried < len(candidates) else None
@@ -241,6 +281,15 @@ class SnapshotGuard:
             if self.rank == 0:
                 self._set_aside(path)
             tried += 1
+
+    def _live_state(self) -> dict[str, Any]:
+        self._restored_state = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in self.state.items()}
+        return self._restored_state
+
+    def _load_live(self, state_dict: Mapping[str, Any]) -> None:
+        for k, v in self.state.items():
+            if isinstance(v, Stateful):
+                v.load_state_dict(state_dict[k])
 
     def _from_rank0(self, obj: Any) -> Any:
         if not self.distributed or self.world == 1:
@@ -275,22 +324,126 @@ class SnapshotGuard:
     def step(self, step: int) -> None:
         if self._inflight is not None and self._inflight.upload.done():
             self._reap()
+        if self.memory is not None:
+            self.memory.after_agreed()
         if self.endpoint.active:
             self._receive(self.endpoint.poll())
         due = self.interval_steps > 0 and (step + 1) % self.interval_steps == 0
-        if step % self.check_every != 0 and not due:
+        mem_due = self.memory is not None and (step + 1) % self.memory_interval_steps == 0
+        if step % self.check_every != 0 and not due and not mem_due and not self._disk_owed:
             return
         local = max((MIGRATE if r.type == "migrate" else SNAPSHOT for r in self._pending.values()), default=NONE)
-        requested = self._agree(local)
-        decision = max(requested, SNAPSHOT if due else NONE)
-        if decision == NONE:
+        if self.memory is None:
+            requested = self._agree(local)
+            decision = max(requested, SNAPSHOT if due else NONE)
+            if decision == NONE:
+                return
+            requests, self._pending = self._pending, {}
+            ids, hold = self._exchange(requests) if requested != NONE else (set(), 0.0)
+            self._snapshot(step, decision, requests, ids)
+            if decision == MIGRATE:
+                self._wait_inflight()
+                self._hold(step, max(self.migrate_hold_seconds, hold))
+            return
+        disk_busy = self._inflight is not None and not self._inflight.upload.done()
+        requested, mem_busy, disk_busy = self._agree_all(local, self.memory.busy(), disk_busy)
+        self._disk_owed = self._disk_owed or due
+        if requested == NONE:
+            if mem_busy:  # a slow partner: this snapshot is late, the step is not
+                if mem_due:
+                    self.memory.late += 1
+                return
+            if not (mem_due or (self._disk_owed and not disk_busy)):
+                return
+            state_dict = self._staged_state()
+            job = self.memory.snapshot(step, state_dict)
+            if self._disk_owed and not disk_busy:
+                self._disk_owed = False
+                self._persist(step, SNAPSHOT, {}, set(), job.slot, state_dict)
             return
         requests, self._pending = self._pending, {}
-        ids, hold = self._exchange(requests) if requested != NONE else (set(), 0.0)
-        self._snapshot(step, decision, requests, ids)
-        if decision == MIGRATE:
+        ids, hold = self._exchange(requests)
+        if mem_busy:
+            self.memory.wait_idle()  # a request is served at this step: wait for the previous copy
+        if disk_busy:
             self._wait_inflight()
+        state_dict = self._staged_state()
+        job = self.memory.snapshot(step, state_dict)
+        if requested == MIGRATE:
+            job.done.wait(self.memory.timeout)
+            if job.ok:
+                self._commit_in_memory(step, requests, ids)
+                self._persist(step, MIGRATE, {}, ids, job.slot, state_dict)
+            else:  # not replicated everywhere: the migrate snapshot goes to disk, as without the tier
+                log.error("migrate snapshot at step %d was not replicated (%s); writing it to disk first",
+                          step, job.error or "timed out")
+                self._persist(step, MIGRATE, requests, ids, job.slot, state_dict)
+                self._wait_inflight()
             self._hold(step, max(self.migrate_hold_seconds, hold))
+        else:
+            self._disk_owed = False
+            self._persist(step, SNAPSHOT, requests, ids, job.slot, state_dict)
+
+    def _staged_state(self) -> dict[str, Any]:
+        """The live state dict; on the first memory snapshot (collective: every rank reaches it at
+        the same step) the tier checks its budget and maps its slots."""
+        state_dict = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in self.state.items()}
+        if self.memory is not None and not self.memory.own:
+            self.memory.setup(state_dict)
+        return state_dict
+
+    def _agree_all(self, local: int, mem_busy: bool, disk_busy: bool) -> tuple[int, bool, bool]:
+        """One all-reduce: the strongest request any rank holds, and whether any rank's replica
+        copy or disk write is still running (then every rank skips or waits alike)."""
+        flag = torch.tensor([local, int(mem_busy), int(disk_busy)], dtype=torch.int32)
+        if self.distributed and self.world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control_group)
+        return int(flag[0]), bool(flag[1]), bool(flag[2])
+
+    def _commit_in_memory(self, step: int, requests: dict[str, Request], ids: set[str]) -> None:
+        """The migrate snapshot is in memory on every rank and replicated: acknowledge it as
+        committed now (the drain can start); the disk copy follows in the background."""
+        self._mark_served(ids, step)
+        path = f"memory:{snapshot_path(self.directory, step)}"
+        blocked = self.memory.stalls[-1] if self.memory.stalls else 0.0
+        size = self.memory.layout.data_len if self.memory.layout else 0
+        self.records.append(SnapshotRecord(step, path, blocked, blocked, "migrate", True, "", size,
+                                           sorted(ids), self.channel_error, tier="memory"))
+        for req in requests.values():
+            for phase in ("staged", "committed"):
+                self.endpoint.ack(Ack(id=req.id, rank=self.rank, step=step, ok=True, path=path,
+                                      blocked_seconds=round(blocked, 6), pid=os.getpid(), request_type=req.type,
+                                      phase=phase, bytes=size))
+        log.warning("migrate snapshot at step %d committed in memory and replicated", step)
+
+    def _mark_served(self, ids: set[str], step: int) -> None:
+        for rid in sorted(ids):
+            self._served[rid] = step
+            self._served.move_to_end(rid)
+        while len(self._served) > SERVED_IDS:
+            self._served.popitem(last=False)
+
+    def _persist(self, step: int, kind: int, requests: dict[str, Request], ids: set[str], slot: Any,
+                 state_dict: Mapping[str, Any]) -> None:
+        """The disk tier from memory: DCP writes the staged slot on a background thread (on the
+        checkpoint group, used by nothing else meanwhile); the loop is not blocked by it."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._wait_inflight()
+        path = snapshot_path(self.directory, step)
+        self._mark_served(ids, step)
+        if self.rank == 0:
+            (path / MARKER).unlink(missing_ok=True)  # see _snapshot
+        t0 = time.perf_counter()
+        to_save = self.memory.disk_state(slot, state_dict)
+        self.memory.pinned = slot
+        if self._disk_pool is None:
+            self._disk_pool = ThreadPoolExecutor(1, thread_name_prefix="sentinel-disk")
+        inflight = _Inflight(step, path, Future(), requests, 0.0, kind, t0, self.memory.layout.data_len)
+        inflight.upload = self._disk_pool.submit(dcp.save, to_save, checkpoint_id=str(path), process_group=self.group)
+        inflight.blocked = time.perf_counter() - t0
+        self._ack_staged(inflight, list(requests.values()))
+        self._inflight = inflight
 
     def _receive(self, requests: list[Request]) -> None:
         """New requests become pending; an id already pending or already served starts nothing."""
@@ -399,6 +552,8 @@ class SnapshotGuard:
         inflight, self._inflight = self._inflight, None
         if inflight is None:
             return
+        if self.memory is not None:
+            self.memory.pinned = None
         error = ""
         try:
             inflight.upload.result()
@@ -449,6 +604,8 @@ class SnapshotGuard:
         beats = max(1, math.ceil(seconds / HOLD_BEAT))
         flag = torch.zeros(1, dtype=torch.int32)
         for _ in range(beats):
+            if self._inflight is not None and self._inflight.upload.done():
+                self._reap()  # the migrate snapshot committed in memory is now on disk: its marker
             self._answer_while_holding()
             if self.distributed and self.world > 1:
                 try:
@@ -485,10 +642,35 @@ class SnapshotGuard:
             "failed_snapshots": sum(not r.ok for r in self.records),
             "requests_served": len(self._served),
             "last": asdict(self.records[-1]) if self.records else None,
+            "memory": self.memory_summary(),
         }
+
+    def memory_summary(self) -> dict[str, Any] | None:
+        """The memory tier's figures on this rank (None when it is off)."""
+        m = self.memory
+        if m is None:
+            return None
+        stalls = sorted(m.stalls)
+        return {"snapshots": m.snapshots, "late": m.late, "agreed_step": m.agreed_step, "held_bytes": m.held_bytes,
+                "replica_errors": m.replicator.errors if m.replicator else 0,
+                "stall_median_seconds": stalls[len(stalls) // 2] if stalls else None, "holder": str(m.dir)}
+
+    def restore_summary(self) -> dict[str, Any]:
+        """Where resume() took the state from: tier memory (shards from this node / a peer) or disk."""
+        info = self.restore_info
+        out: dict[str, Any] = {"tier": "memory" if info is not None and info.tier == "memory" else
+                               ("disk" if self.resumed_from else "none")}
+        if info is not None:
+            out.update(own=info.local, peer=info.peer, memory_reason=info.reason, memory_rejected=info.rejected,
+                       seconds=round(info.seconds, 4))
+        return out
 
     def close(self) -> None:
         self._wait_inflight()
+        if self.memory is not None:
+            self.memory.close()
+        if self._disk_pool is not None:
+            self._disk_pool.shutdown(wait=True)
         if self._stager is not None:
             self._stager.close()
         self.endpoint.close()

@@ -110,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-seconds", type=float, default=0.0, help="pad each step to this duration (drills)")
     ap.add_argument("--migrate-hold-seconds", type=float, default=DEFAULT_MIGRATE_HOLD_SECONDS,
                     help="hold after a migrate snapshot at least this long (a request may ask for longer)")
+    ap.add_argument("--memory-interval-steps", type=int, default=0,
+                    help="in-memory snapshot (own node + a peer replica) every N steps (0: off)")
+    ap.add_argument("--replica-bytes-per-second", type=float, default=0.0,
+                    help="throttle the peer replica copy (0: as fast as it goes)")
     ap.add_argument("--progress", help="append one JSON line per computed step (rank 0)")
     ap.add_argument("--final", help="write the final parameters' digest here (rank 0)")
     ap.add_argument("--pg-timeout", type=float, default=120.0, help="process-group timeout (s): a hung peer is noticed only then")
@@ -143,14 +147,17 @@ def main(argv: list[str] | None = None) -> int:
     t_model = time.time()
     guard = SnapshotGuard(args.snapshot_dir, {"app": ModelOptimState(model, optim)},
                           interval_steps=args.interval_steps, keep=args.keep,
-                          migrate_hold_seconds=args.migrate_hold_seconds)
+                          migrate_hold_seconds=args.migrate_hold_seconds,
+                          memory_interval_steps=args.memory_interval_steps,
+                          replica_bytes_per_second=args.replica_bytes_per_second)
     t_guard = time.time()
     start = guard.resume()
     # where the seconds from process start to the first step go (bench/migration.py's timeline)
     phases = {"process_group": t_admitted - t_started, "model": t_model - t_admitted, "guard": t_guard - t_model,
               "load": time.time() - t_guard}
-    record("resumed", start=start, phases={k: round(v, 4) for k, v in phases.items()}, source=str(guard.resumed_from or ""), channel_error=guard.channel_error,
-           skipped=[str(p) for p in guard.skipped_on_resume])
+    record("resumed", start=start, phases={k: round(v, 4) for k, v in phases.items()}, source=str(guard.resumed_from or ""),
+           channel_error=guard.channel_error, skipped=[str(p) for p in guard.skipped_on_resume],
+           restore=guard.restore_summary())
     loss_fn = nn.CrossEntropyLoss()
     reported = 0
 

@@ -46,6 +46,12 @@ def _label_value(text: str) -> str:
     return value or "sentinel"
 
 
+def _printable(text: str) -> str:
+    """One line with no control characters: a kernel line can carry a task name the user chose,
+    and `kubectl describe node` prints the message to an operator's terminal as it is."""
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
@@ -173,7 +179,7 @@ class KubernetesBackend(Backend):
         self._patch(ops)
         where = "node" if reason.gpu < 0 else f"GPU {reason.gpu}" + (f" ({reason.uuid})" if reason.uuid else "")
         condition = {"type": self.k.condition_type, "status": "False", "reason": _camel(reason.rule),
-                     "message": f"{REASON_PREFIX} {where}: {reason.message}"[:1024],
+                     "message": _printable(f"{REASON_PREFIX} {where}: {reason.message}")[:1024],
                      "lastHeartbeatTime": _now(), "lastTransitionTime": _now()}
         self._patch_status(self._condition_ops(self._node(), condition))
         self.notes.append(f"kubernetes: cordoned {self.node}, tainted {self.k.taint_key}:NoSchedule, "

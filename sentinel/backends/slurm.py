@@ -6,7 +6,8 @@
 * **uncordon** — ``state=resume``, only when the drain reason is Sentinel's (starts
   ``sentinel:``); an admin's drain is left alone and said so.
 * **spare** — a node of the job's own allocation that runs no ranks: the daemon signals the
-  batch script of the job running on this node (``scancel --batch --signal=USR1``), and
+  batch script of the job this node's agent runs in (the running job on this node of the
+  agent's user, from the verified pidfile; ``scancel --batch --signal=USR1``), and
   ``deploy/slurm/train.sbatch`` starts an agent on an idle, undrained node of its allocation,
   as the job's user. Nothing outside the allocation is touched.
 * **fleet** (circuit breaker) — ``sinfo`` over this node's partitions (or ``[actions.slurm]
@@ -21,7 +22,9 @@ from __future__ import annotations
 
 import re
 import time
+from pathlib import Path
 
+from sentinel import procs
 from sentinel.backends.base import (REASON_PREFIX, Backend, BackendError, CordonReason, CordonState, Fleet,
                                     PermissionDenied, Unreachable, UnknownNode)
 
@@ -47,6 +50,20 @@ def parse_node(line: str) -> dict[str, str]:
     if sep:
         out["Reason"] = re.sub(r"\s*\[[^\]]*@[^\]]*\]\s*$", "", reason)  # the "[user@time]" Slurm appends
     return out
+
+
+def environ_value(pid: int, key: str, proc: Path = procs.PROC, limit: int = 1 << 20) -> str | None:
+    """``key``'s value in a process's environment (its owner wrote it: a claim, never proof), or None."""
+    try:
+        with open(proc / str(pid) / "environ", "rb") as f:
+            raw = f.read(limit)
+    except OSError:
+        return None
+    prefix = key.encode() + b"="
+    for item in raw.split(b"\0"):
+        if item.startswith(prefix):
+            return item[len(prefix):].decode("utf-8", "replace")
+    return None
 
 
 def drained(node: dict[str, str]) -> bool:
@@ -115,13 +132,29 @@ class SlurmBackend(Backend):
         return CordonState(drained(node), drained(node) and reason.startswith(REASON_PREFIX), reason)
 
     def start_spare(self) -> str:
-        out = self._slurm("squeue", self.s.squeue, "-h", "-w", self.node, "-t", "RUNNING", "-o", "%A")
+        """Signal the batch script of the job this node's agent belongs to, and no other: the
+        agent comes from the root-owned, verified pidfile; the job must be a running job on this
+        node of the agent's own user. A job of another user, or one running here with no agent
+        of Sentinel's, never receives the signal (its batch script would die of an untrapped
+        SIGUSR1)."""
+        try:
+            agent = self.read_agent(self.pidfile)
+        except FileNotFoundError:
+            return f"slurm: no agent on {self.node} ({self.pidfile} does not exist); no job to give a spare"
+        except (procs.NotTrusted, OSError) as exc:
+            raise BackendError(f"slurm: no spare asked for: the agent is not trusted: {exc}") from None
+        out = self._slurm("squeue", self.s.squeue, "-h", "-w", self.node, "-t", "RUNNING", "-u", str(agent.uid),
+                          "-o", "%A")
         jobs = sorted(set(out.split()))
+        if len(jobs) > 1:  # the user's own claim may pick among the user's own jobs, nothing more
+            claimed = environ_value(agent.pid, "SLURM_JOB_ID")
+            jobs = [claimed] if claimed in jobs else jobs
         if not jobs:
-            return f"slurm: no running job on {self.node}; no spare to start"
+            return (f"slurm: the agent (pid {agent.pid}, uid {agent.uid}) runs in no job of its user on {self.node}; "
+                    f"no spare to start")
         if len(jobs) > 1:
-            raise BackendError(f"slurm: {len(jobs)} jobs run on {self.node} ({', '.join(jobs)}); cannot tell which "
-                               f"one to give a spare")
+            raise BackendError(f"slurm: {len(jobs)} jobs of uid {agent.uid} run on {self.node} ({', '.join(jobs)}); "
+                               f"cannot tell which one to give a spare")
         self._slurm("scancel --signal", self.s.scancel, "--batch", f"--signal={self.s.spare_signal}", jobs[0])
         return (f"slurm: asked job {jobs[0]}'s batch script (SIG{self.s.spare_signal}) to start an agent on an idle "
                 f"node of its allocation")

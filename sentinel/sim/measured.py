@@ -1,0 +1,238 @@
+"""Measured inputs for the goodput simulator: the ``--json`` reports of ``bench/`` (one shape,
+``bench/_report.py``), or a bundle of them (``docs/measured.json``, ``bench/measure_all.py``),
+turned into ``Params`` values, each with where it came from.
+
+Precedence per input: a typed flag, else the last file given that measures it, else the default
+(an assumption, said so). A file that is not a report, or that measures none of the inputs, is
+refused with an error naming the file and what is wrong; nothing is half-read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+VERSION = 1
+BUNDLE_KIND = "sentinel-measured"
+MAX_BYTES = 8 << 20
+NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+REPORT_KEYS = {"bench", "version", "created", "host", "figures"}
+BUNDLE_KEYS = {"kind", "version", "created", "host", "reports", "inputs", "notes"}
+CURVE_FIGURE = re.compile(r"^restart_n(\d+)_seconds$")
+
+
+class MeasuredError(ValueError):
+    """A measured-figures file the simulator cannot use; the message names the file and the fault."""
+
+
+@dataclass(frozen=True)
+class Report:
+    path: str
+    bench: str
+    created: str
+    cpus: int | None
+    figures: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Input:
+    """One simulator input a benchmark measures: ``field`` of Params, from the first of
+    ``figures`` present (each with the factor to Params' unit), checked against ``valid``."""
+
+    field: str
+    figures: tuple[tuple[str, float], ...]
+    unit: str
+    default_note: str
+    valid: tuple[float, float] = (0.0, math.inf)
+    noise: float = 0.0  # a measured value down to -noise is read as 0 (an overhead lost in run-to-run noise)
+
+
+INPUTS: tuple[Input, ...] = (
+    Input("stall_seconds_per_gb", (("async_stall_seconds_per_gb", 1.0),), "s/GB",
+          "assumed 0.25 s per GB staged (about 4 GB/s to host memory)"),
+    Input("node_write_gbps", (("dcp_save_bytes_per_second", 1e-9),), "GB/s",
+          "assumed 5 GB/s per node to the shared filesystem", (1e-6, math.inf)),
+    Input("memory_overhead_fraction", (("memory_snapshot_overhead_fraction", 1.0),), "of a step",
+          "assumed 0.05: issue 15's target (<= 5 % of step time at K = 1), not yet measured", (0.0, 10.0), 0.5),
+    Input("migrate_seconds", (("migration_trip_to_first_step_seconds", 1.0),), "s",
+          "assumed 120 s (2 min)"),
+    Input("migrate_warm_seconds", (("warm_spare_trip_to_first_step_seconds", 1.0),), "s",
+          "assumed 3 s: issue 16's target for a warm spare, not yet measured"),
+    Input("restore_memory_seconds", (("restore_from_memory_seconds", 1.0),), "s",
+          "assumed 2 s: issue 15's memory tier, not yet measured"),
+    Input("restore_peer_seconds", (("restore_from_peer_seconds", 1.0),), "s",
+          "assumed 5 s: issue 15's peer replica, not yet measured"),
+    Input("restore_disk_seconds", (("restore_from_disk_seconds", 1.0),), "s",
+          "only the bandwidth model (state per node / filesystem share per node)"),
+    Input("detect_seconds", (("migration_stage_detected_seconds", 1.0), ("ebpf_to_trainer_p50_seconds", 1.0)), "s",
+          "assumed 1 s"),
+)
+BY_FIELD = {i.field: i for i in INPUTS}
+CURVE_NOTE = "assumed a flat 10 s (log2 form, no growth)"
+
+
+def _fail(path: str, what: str) -> MeasuredError:
+    return MeasuredError(f"{path}: {what}")
+
+
+def _report(path: str, doc: object, where: str = "") -> Report:
+    at = f"{path}{where}"
+    if not isinstance(doc, dict):
+        raise _fail(at, f"a report is a JSON object, not {type(doc).__name__}")
+    unknown = sorted(set(doc) - REPORT_KEYS)
+    if unknown:
+        raise _fail(at, f"unknown key {unknown[0]!r} (a report has exactly {sorted(REPORT_KEYS)})")
+    missing = sorted(REPORT_KEYS - set(doc))
+    if missing:
+        raise _fail(at, f"missing key {missing[0]!r} (written by bench/_report.py?)")
+    if doc["version"] != VERSION or isinstance(doc["version"], bool):
+        raise _fail(at, f"version {doc['version']!r} is not {VERSION}: written by another Sentinel?")
+    bench = doc["bench"]
+    if not isinstance(bench, str) or not NAME.match(bench):
+        raise _fail(at, f"bench must be a lower_case name, not {bench!r}")
+    if not isinstance(doc["created"], str):
+        raise _fail(at, "created must be an ISO 8601 string")
+    host = doc["host"]
+    if not isinstance(host, dict):
+        raise _fail(at, "host must be an object")
+    cpus = host.get("cpus")
+    if cpus is not None and (not isinstance(cpus, int) or isinstance(cpus, bool) or cpus < 1):
+        raise _fail(at, f"host.cpus must be a positive integer, not {cpus!r}")
+    figures = doc["figures"]
+    if not isinstance(figures, dict) or not figures:
+        raise _fail(at, "figures must be a non-empty object of name: number")
+    for name, value in figures.items():
+        if not NAME.match(name):
+            raise _fail(at, f"figure name {name!r} is not lower_case_with_unit")
+        if value is None:  # a bench that could not measure a figure may write null: read as not measured
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise _fail(at, f"figure {name!r} is {value!r}, not a finite number")
+    return Report(path, bench, doc["created"], cpus, {k: float(v) for k, v in figures.items() if v is not None})
+
+
+def load(path: str | Path) -> list[Report]:
+    """The reports in one file: a bench report, or a bundle of them. Raises MeasuredError."""
+    path = str(path)
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_BYTES + 1)
+    except OSError as exc:
+        raise _fail(path, f"cannot read: {exc.strerror or exc}") from None
+    if len(raw) > MAX_BYTES:
+        raise _fail(path, f"larger than {MAX_BYTES >> 20} MB: not a benchmark report")
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise _fail(path, "not UTF-8 text: not a benchmark report") from None
+    except json.JSONDecodeError as exc:
+        raise _fail(path, f"not JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+    if isinstance(doc, dict) and doc.get("kind") == BUNDLE_KIND:
+        unknown = sorted(set(doc) - BUNDLE_KEYS)
+        if unknown:
+            raise _fail(path, f"unknown key {unknown[0]!r} in a measured bundle")
+        if doc.get("version") != VERSION:
+            raise _fail(path, f"bundle version {doc.get('version')!r} is not {VERSION}")
+        reports = doc.get("reports")
+        if not isinstance(reports, list) or not reports:
+            raise _fail(path, "a measured bundle needs a non-empty list of reports")
+        return [_report(path, r, f" (report {i + 1})") for i, r in enumerate(reports)]
+    return [_report(path, doc)]
+
+
+def uses(report: Report) -> list[str]:
+    """The simulator inputs this report measures."""
+    got = [i.field for i in INPUTS if any(name in report.figures for name, _ in i.figures)]
+    if sum(1 for name in report.figures if CURVE_FIGURE.match(name)) >= 2:
+        got.append("restart_curve")
+    return got
+
+
+def load_all(paths: list[str]) -> list[Report]:
+    """Every file's reports, in order; a file none of whose reports gives an input is refused."""
+    out: list[Report] = []
+    for path in paths:
+        reports = load(path)
+        if not any(uses(r) for r in reports):
+            benches = ", ".join(sorted({r.bench for r in reports}))
+            raise _fail(path, f"{benches} measures none of the simulator's inputs; it takes "
+                              f"{', '.join(sorted({n for i in INPUTS for n, _ in i.figures}))} and restart_n<N>_seconds for "
+                              "two or more N (bench/rendezvous_scale.py)")
+        out.extend(reports)
+    return out
+
+
+def fit_curve(points: dict[int, float], form: str = "best") -> tuple[tuple[str, float, float], dict[str, tuple[float, float, float]]]:
+    """Least-squares restart curves a + b*f(N) through (nodes, seconds); returns the chosen
+    (form, a, b) and every fit as form -> (a, b, rms). ``best`` picks the lower rms."""
+    transforms = {"linear": float, "log2": math.log2}
+    ns = sorted(points)
+    fits = {}
+    for name, tf in transforms.items():
+        xs, ys = [tf(n) for n in ns], [points[n] for n in ns]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+        a = my - b * mx
+        rms = math.sqrt(statistics.fmean((a + b * x - y) ** 2 for x, y in zip(xs, ys)))
+        fits[name] = (a, b, rms)
+    chosen = min(fits, key=lambda k: fits[k][2]) if form == "best" else form
+    if chosen not in fits:
+        raise ValueError(f"restart fit must be best, linear or log2, not {form!r}")
+    a, b, _ = fits[chosen]
+    return (chosen, a, b), fits
+
+
+def resolve(reports: list[Report], typed: dict[str, object], defaults: dict[str, object], nodes: int,
+            curve_form: str = "best") -> tuple[dict[str, object], dict[str, str]]:
+    """Params values for every measurable input and a line per input saying where it came from."""
+    values: dict[str, object] = {}
+    where: dict[str, str] = {}
+    for inp in INPUTS:
+        if typed.get(inp.field) is not None:
+            values[inp.field], where[inp.field] = typed[inp.field], "typed (command line)"
+            continue
+        found = None
+        for report in reports:  # later files override earlier ones
+            for name, factor in inp.figures:
+                if name in report.figures:
+                    found = (report, name, report.figures[name] * factor)
+                    break
+        if found is None:
+            values[inp.field], where[inp.field] = defaults[inp.field], f"default: {inp.default_note}"
+            continue
+        report, name, value = found
+        lo, hi = inp.valid
+        note = ""
+        if lo - inp.noise <= value < lo:
+            value, note = lo, f", measured {report.figures[name]:.4g}: within noise, taken as {lo:g}"
+        if not lo <= value <= hi:
+            raise _fail(report.path, f"figure {name!r} = {report.figures[name]!r} is outside what {inp.field} can be")
+        values[inp.field] = value
+        where[inp.field] = f"measured: {report.path} ({report.bench}: {name}{note})"
+    if typed.get("restart_curve") is not None:
+        values["restart_curve"], where["restart_curve"] = typed["restart_curve"], "typed (command line)"
+        return values, where
+    points: dict[int, float] = {}
+    source = None
+    for report in reports:
+        pts = {int(m.group(1)): v for name, v in report.figures.items() if (m := CURVE_FIGURE.match(name))}
+        if len(pts) >= 2:
+            points, source = pts, report
+    if source is None:
+        values["restart_curve"], where["restart_curve"] = defaults["restart_curve"], f"default: {CURVE_NOTE}"
+        return values, where
+    for n, v in points.items():
+        if n < 1 or v < 0:
+            raise _fail(source.path, f"restart_n{n}_seconds = {v!r}: nodes and seconds must be positive")
+    curve, fits = fit_curve(points, curve_form)
+    values["restart_curve"] = curve
+    at = {k: a + b * (n if k == "linear" else math.log2(max(1, n))) for k, (a, b, _) in fits.items() for n in [nodes]}
+    where["restart_curve"] = (f"measured: {source.path} ({source.bench}: restart_n{{{','.join(map(str, sorted(points)))}}}_seconds), "
+                              f"{curve[0]} fit {curve[1]:.2f} + {curve[2]:.3f}*{'N' if curve[0] == 'linear' else 'log2 N'}; "
+                              f"at {nodes:,} nodes: " + ", ".join(f"{k} {v:,.1f} s (rms {fits[k][2]:.2f})" for k, v in at.items()))
+    return values, where

@@ -1,0 +1,270 @@
+"""The memory tier (trainer/memory.py): slots, inventory, restore planning, budget; and end to end
+with 4 ranks on 2 simulated nodes (each with its own holder directory) under torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = [pytest.mark.needs_torch]
+torch = pytest.importorskip("torch")
+
+from trainer.memory import (  # noqa: E402
+    COMPLETE, OWN, REPLICA, WRITING, Layout, MemoryBudgetError, MemoryTier, MemoryTierError, Slot, SlotInfo,
+    ensure_holder, inventory, plan_restore, ring_partners, slot_name,
+)
+
+
+# -- pure parts ------------------------------------------------------------------------------------
+def info(role: str, shard: int, step: int, slot: int = 0) -> SlotInfo:
+    return SlotInfo(slot_name(role, shard, slot), role, shard, slot, COMPLETE, step, 100, None,
+                    {"run": "r", "world": 4, "shard": shard, "layout": f"L{shard}"})
+
+
+def test_ring_placement_is_same_local_rank_on_the_next_node():
+    assert [ring_partners(r, 8, 2) for r in range(8)] == [(2, 6), (3, 7), (4, 0), (5, 1), (6, 2), (7, 3), (0, 4), (1, 5)]
+    assert ring_partners(1, 4, 2) == (3, 3)  # two nodes: each holds the other's replicas
+
+
+def test_agreement_picks_the_newest_step_every_shard_has_when_ranks_hold_different_newest_steps():
+    holders = ["A", "A", "B", "B"]
+    found = {  # node A got to step 9, node B only to 8 (its 9 was torn); replicas lag one more
+        "A": [info(OWN, 0, 9), info(OWN, 0, 8, 1), info(OWN, 1, 9), info(OWN, 1, 8, 1),
+              info(REPLICA, 2, 8), info(REPLICA, 3, 8)],
+        "B": [info(OWN, 2, 8), info(OWN, 2, 7, 1), info(OWN, 3, 8), info(OWN, 3, 7, 1),
+              info(REPLICA, 0, 8), info(REPLICA, 1, 7)],
+    }
+    plan, why = plan_restore(4, holders, found)
+    assert why == "" and plan.step == 8
+    assert plan.local == [0, 1, 2, 3] and plan.peer == [] and all(s is None for s in plan.senders.values())
+    assert plan.sources[0][1] == "own-00000-1.mem"  # its own copy at 8, not the replica on B
+
+
+def test_a_dead_node_s_shards_come_from_the_replica_on_its_peer():
+    holders = ["A", "A", "S", "S"]  # node B died; spare S took its ranks, with empty memory
+    found = {"A": [info(OWN, 0, 5), info(OWN, 1, 5), info(REPLICA, 2, 5), info(REPLICA, 3, 5)], "S": []}
+    plan, _ = plan_restore(4, holders, found)
+    assert plan.step == 5 and plan.local == [0, 1] and plan.peer == [2, 3]
+    assert plan.senders == {0: None, 1: None, 2: 0, 3: 1}  # the load is spread over A's ranks
+
+
+def test_both_copies_lost_means_no_memory_plan_and_says_which_shard():
+    holders = ["S0", "S0", "S1", "S1"]
+    plan, why = plan_restore(4, holders, {"S0": [], "S1": []})
+    assert plan is None and why == "no memory snapshot of this run"
+    plan, why = plan_restore(4, ["A", "A", "S", "S"], {"A": [info(OWN, 0, 5), info(OWN, 1, 5)], "S": []})
+    assert plan is None and "shard(s) [2, 3]" in why and "both lost" in why
+
+
+def test_a_copy_of_another_layout_is_never_chosen():
+    holders = ["A", "A", "B", "B"]
+    found = {"A": [info(OWN, 0, 3), info(OWN, 1, 3)], "B": [info(OWN, 2, 3), info(OWN, 3, 3)]}
+    assert plan_restore(4, holders, found, ["L0", "L1", "L2", "L3"])[0].step == 3
+    plan, why = plan_restore(4, holders, found, ["L0", "L1", "other", "L3"])
+    assert plan is None and "[2]" in why
+
+
+def state(n: int = 1000) -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {"app": {"w": torch.randn(n, generator=g), "b": torch.arange(7, dtype=torch.int64),
+                    "groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["w", "b"]}]}}
+
+
+def test_slot_roundtrip_restores_tensors_and_values_exactly(tmp_path):
+    holder = ensure_holder(tmp_path / "h")
+    src = state()
+    layout = Layout.of(src)
+    slot = Slot(holder / slot_name(OWN, 0, 0), layout.data_len)
+    slot.begin(4)
+    layout.stage(src, slot.views(layout))
+    slot.finish(4, {"run": "r", "world": 1, "shard": 0, "layout": layout.hash, "values": layout.values(src)}, slot.crc())
+    dst = state()
+    dst["app"]["w"].zero_()
+    dst["app"]["groups"][0]["lr"] = 7.0
+    st, step, crc, meta = slot.header()
+    assert (st, step, crc) == (COMPLETE, 4, slot.crc())
+    layout.restore_into(dst, slot.views(layout), meta["values"])
+    assert torch.equal(dst["app"]["w"], src["app"]["w"]) and torch.equal(dst["app"]["b"], src["app"]["b"])
+    assert dst["app"]["groups"][0]["lr"] == 0.1 and dst["app"]["groups"][0]["betas"] == (0.9, 0.99)  # a tuple again
+    slot.close()
+
+
+def write_slot(holder: Path, role: str, shard: int, step: int, *, run: str = "r", world: int = 1, torn: bool = False):
+    src = state()
+    layout = Layout.of(src)
+    slot = Slot(holder / slot_name(role, shard, 0), layout.data_len)
+    slot.begin(step)
+    layout.stage(src, slot.views(layout))
+    if not torn:
+        slot.finish(step, {"run": run, "world": world, "shard": shard, "layout": layout.hash, "values": {}}, None)
+    slot.close()
+
+
+def test_inventory_never_offers_a_torn_copy_or_stale_memory_of_another_run(tmp_path):
+    holder = ensure_holder(tmp_path / "h")
+    write_slot(holder, OWN, 0, 10, torn=True)  # the writer died mid-copy
+    write_slot(holder, REPLICA, 1, 9, run="old-job")  # a node back with memory of an older run
+    write_slot(holder, REPLICA, 2, 9, world=8)  # the same run at another world size
+    (holder / "own-garbage.mem").write_bytes(b"x" * 100)  # not a slot name: not ours to judge
+    (holder / slot_name(OWN, 3, 0)).write_bytes(b"\0" * 10)  # a short, empty file
+    found, rejected = inventory(holder, run="r", world=1)
+    assert found == []
+    assert rejected["torn"] == 1 and rejected["stale_run"] == 1 and rejected["other_world"] == 1
+    write_slot(holder, OWN, 0, 11)
+    found, _ = inventory(holder, run="r", world=1)
+    assert [(f.role, f.shard, f.step) for f in found] == [(OWN, 0, 11)]
+
+
+def test_a_holder_another_user_could_write_is_refused(tmp_path):
+    d = tmp_path / "open"
+    d.mkdir(mode=0o777)
+    d.chmod(0o777)
+    with pytest.raises(MemoryTierError, match="open to others"):
+        ensure_holder(d)
+    (tmp_path / "link").symlink_to(tmp_path / "h2", target_is_directory=True)
+    (tmp_path / "h2").mkdir()
+    with pytest.raises(MemoryTierError, match="not a directory"):
+        ensure_holder(tmp_path / "link")
+
+
+@pytest.mark.needs_root
+def test_a_full_dev_shm_is_a_clear_refusal_naming_the_size_needed(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "sentinel-test", str(mnt)], check=True)
+    try:
+        tier = MemoryTier(mnt / "h", run_id="r", rank=0, world=1, local_world=1, group=None)
+        big = {"w": torch.zeros(1 << 20)}  # 4 MiB per copy, 3 own slots
+        with pytest.raises(MemoryBudgetError, match=r"needs 12\.\d MiB, has [0-4]\.\d MiB free") as exc:
+            tier.setup(big)
+        assert "SENTINEL_MEMORY_DIR" in str(exc.value) and "memory_interval_steps=0" in str(exc.value)
+        assert not list((mnt / "h").glob("*.mem"))  # refused before anything was allocated
+        small = MemoryTier(mnt / "h", run_id="r", rank=0, world=1, local_world=1, group=None)
+        small.setup({"w": torch.zeros(1000)})  # what fits still works
+        job = small.snapshot(0, {"w": torch.ones(1000)})
+        assert job.done.wait(10) and job.ok and small.agreed_step == 0
+        small.close()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+# -- end to end: 4 ranks, 2 nodes, one holder directory per node --------------------------------------
+def job(tmp_path: Path, *args: str, run_id: str, timeout: float = 240) -> list[dict]:
+    out = tmp_path / f"out-{uuid.uuid4().hex[:6]}.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+           str(REPO / "tests" / "workers" / "memory_job.py"), "--holders", str(tmp_path / "holders"),
+           "--run-id", run_id, "--snapshot-dir", str(tmp_path / "snaps"), "--out", str(out), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    return sorted(rows, key=lambda x: x["rank"]), r
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ref")
+    rows, r = job(d, "--steps", "12", "--memory-interval-steps", "0", run_id="ref")
+    assert len(rows) == 4, r.stdout[-2000:] + r.stderr[-2000:]
+    return rows[0]
+
+
+def crash_then_resume(tmp_path: Path, *, run_id: str, exit_at: int = 6, between=None, resume_run_id: str | None = None,
+                      extra: tuple = ()):
+    rows, r = job(tmp_path, "--steps", "12", "--exit-at", str(exit_at), "--interval-steps", "4", *extra, run_id=run_id)
+    assert rows == [] and r.returncode != 0, r.stderr[-2000:]
+    if between:
+        between(tmp_path / "holders")
+    rows, r = job(tmp_path, "--steps", "12", "--interval-steps", "4", run_id=resume_run_id or run_id)
+    assert len(rows) == 4, r.stdout[-2000:] + r.stderr[-3000:]
+    return rows, r
+
+
+@pytest.mark.slow
+def test_crash_restores_from_own_memory_bitwise_equal(tmp_path, reference):
+    rows, _ = crash_then_resume(tmp_path, run_id="own")
+    for row in rows:
+        assert row["start"] == 7 and row["resumed_from"] == "memory:step-000000006"
+        assert row["restore"]["tier"] == "memory" and row["restore"]["own"] == [0, 1, 2, 3] and row["restore"]["peer"] == []
+    assert rows[0]["params"] == reference["params"] and rows[0]["optim"] == reference["optim"]
+
+
+@pytest.mark.slow
+def test_a_lost_node_s_shards_are_pulled_from_the_peer_replica_bitwise_equal(tmp_path, reference):
+    import shutil
+
+    rows, _ = crash_then_resume(tmp_path, run_id="peer", between=lambda h: shutil.rmtree(h / "node1"))
+    assert {r["restore"]["tier"] for r in rows} == {"memory"} and rows[0]["start"] == 7
+    assert rows[0]["restore"]["own"] == [0, 1] and rows[0]["restore"]["peer"] == [2, 3]
+    assert rows[0]["params"] == reference["params"] and rows[0]["optim"] == reference["optim"]
+    assert rows[0]["memory"]["replica_errors"] == 0 and rows[0]["memory"]["agreed_step"] >= 10  # 11 may still be copying
+
+
+@pytest.mark.slow
+def test_both_copies_lost_falls_back_to_disk_and_says_so(tmp_path, reference):
+    import shutil
+
+    def wipe(h):
+        shutil.rmtree(h / "node0")
+        shutil.rmtree(h / "node1")
+
+    rows, r = crash_then_resume(tmp_path, run_id="both", between=wipe)
+    assert rows[0]["restore"]["tier"] == "disk" and rows[0]["start"] == 4  # disk snapshot at step 3
+    assert rows[0]["resumed_from"].endswith("step-000000003")
+    assert rows[0]["params"] == reference["params"]
+
+
+@pytest.mark.slow
+def test_a_torn_replica_is_never_loaded(tmp_path, reference):
+    """Node 1 is lost and node 0's newest replica of its shards was torn (its sender died
+    mid-copy): the previous complete replica is used, one step older."""
+    import shutil
+    import struct
+
+    def tear(h):
+        shutil.rmtree(h / "node1")
+        for shard in (2, 3):
+            slots = []
+            for i in (0, 1):
+                p = h / "node0" / slot_name(REPLICA, shard, i)
+                raw = p.read_bytes()[:24]
+                slots.append((struct.unpack("<q", raw[16:24])[0], p))
+            newest = max(slots)[1]
+            with open(newest, "r+b") as f:  # state word back to WRITING, as a copy cut off midway leaves it
+                f.seek(12)
+                f.write(struct.pack("<I", WRITING))
+
+    rows, _ = crash_then_resume(tmp_path, run_id="torn", between=tear)
+    assert rows[0]["restore"]["tier"] == "memory" and rows[0]["start"] == 6  # step 5, not 6
+    assert rows[0]["restore"]["memory_rejected"]["torn"] == 2
+    assert rows[0]["params"] == reference["params"]
+
+
+@pytest.mark.slow
+def test_stale_memory_from_an_older_run_is_rejected(tmp_path, reference):
+    rows, _ = crash_then_resume(tmp_path, run_id="old-run", resume_run_id="new-run")
+    assert rows[0]["restore"]["tier"] == "disk" and rows[0]["start"] == 4
+    assert rows[0]["restore"]["memory_rejected"]["stale_run"] > 0
+    assert rows[0]["params"] == reference["params"]
+
+
+@pytest.mark.slow
+def test_a_slow_partner_makes_memory_snapshots_late_not_the_step(tmp_path):
+    rows, r = job(tmp_path, "--steps", "30", "--slow-rank", "2", "--slow-bytes-per-second", "2e6",
+                  "--step-seconds", "0.02", run_id="slow")
+    assert len(rows) == 4, r.stderr[-3000:]
+    mem = rows[0]["memory"]
+    # each copy of rank 2's shard (~0.3 MB) takes ~0.15 s at 2 MB/s: most steps find it busy
+    assert mem["late"] >= 10 and mem["snapshots"] + mem["late"] == 30 and mem["replica_errors"] == 0
+    # the step never waits for the copy (generous: this VM is shared)
+    assert max(row["max_step_seconds"] for row in rows) < 2.0
+    assert mem["agreed_step"] >= 0

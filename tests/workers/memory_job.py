@@ -1,0 +1,90 @@
+"""The reference FSDP2 job with the memory tier, every "node" (``--ranks-per-node`` ranks) holding
+its memory in its own directory under ``--holders`` — several nodes on one host, for the tests.
+
+    torchrun --standalone --nproc-per-node 4 tests/workers/memory_job.py --holders D --run-id R ...
+
+``--exit-at S``: every rank leaves at once (os._exit, no cleanup) after step S — a crash that
+leaves each node's memory behind. Writes one JSON line per rank to ``--out`` at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import fully_shard
+
+from trainer.guard import ModelOptimState, SnapshotGuard
+from trainer.train import TinyTransformer, batch_for, state_digests
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--holders", required=True)
+    ap.add_argument("--run-id", required=True)
+    ap.add_argument("--snapshot-dir", required=True)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--interval-steps", type=int, default=0)
+    ap.add_argument("--memory-interval-steps", type=int, default=1)
+    ap.add_argument("--ranks-per-node", type=int, default=2)
+    ap.add_argument("--exit-at", type=int, default=-1)
+    ap.add_argument("--slow-rank", type=int, default=-1, help="this rank's replica copy is throttled")
+    ap.add_argument("--slow-bytes-per-second", type=float, default=20_000.0)
+    ap.add_argument("--step-seconds", type=float, default=0.0)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.manual_seed(1234)
+    model = TinyTransformer(256, 64, 2, 4)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    holder = Path(args.holders) / f"node{rank // args.ranks_per_node}"
+    guard = SnapshotGuard(args.snapshot_dir, {"app": ModelOptimState(model, optim)},
+                          interval_steps=args.interval_steps, memory_interval_steps=args.memory_interval_steps,
+                          memory_dir=holder, memory_run_id=args.run_id, local_world_size=args.ranks_per_node,
+                          replica_bytes_per_second=args.slow_bytes_per_second if rank == args.slow_rank else 0.0)
+    start = guard.resume()
+    loss_fn = nn.CrossEntropyLoss()
+    step_times = []
+    for step in range(start, args.steps):
+        t0 = time.perf_counter()
+        x, y = batch_for(step, 1234, 8, 32, 256, rank, world)
+        loss = loss_fn(model(x).reshape(-1, 256), y.reshape(-1))
+        loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        guard.step(step)
+        step_times.append(time.perf_counter() - t0)
+        if step == args.exit_at:
+            if guard.memory is not None:
+                guard.memory.wait_idle()  # a crash right after a replicated snapshot (tests pick the moment)
+            os._exit(17)
+        pad = args.step_seconds - (time.perf_counter() - t0)
+        if pad > 0:
+            time.sleep(pad)
+    summary = {"rank": rank, "start": start, "restore": guard.restore_summary(), "memory": guard.memory_summary(),
+               "resumed_from": str(guard.resumed_from or ""), "max_step_seconds": max(step_times, default=0.0),
+               "records": [{"step": r.step, "tier": r.tier, "ok": r.ok} for r in guard.records]}
+    guard.close()
+    summary.update(state_digests(model, optim))
+    with open(args.out, "a") as f:
+        f.write(json.dumps(summary) + "\n")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
