@@ -268,3 +268,32 @@ def test_a_slow_partner_makes_memory_snapshots_late_not_the_step(tmp_path):
     # the step never waits for the copy (generous: this VM is shared)
     assert max(row["max_step_seconds"] for row in rows) < 2.0
     assert mem["agreed_step"] >= 0
+
+
+def _holder_ids(d: str, barrier, q) -> None:
+    from trainer.memory import holder_id
+    barrier.wait(30)  # all at once, as the ranks of a node starting together
+    try:
+        q.put(holder_id(Path(d)))
+    except MemoryTierError as exc:
+        q.put(f"error: {exc}")
+
+
+def test_ranks_racing_to_create_the_holder_id_all_read_the_same_whole_id(tmp_path):
+    """Every rank of a node calls holder_id at once; none may read a half-written id (it was
+    created empty and written after: 'is not a holder id', about 1 in 10 races here)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    for attempt in range(40):
+        d = tmp_path / f"h{attempt}"
+        ensure_holder(d)
+        q, barrier = ctx.Queue(), ctx.Barrier(6)
+        procs = [ctx.Process(target=_holder_ids, args=(str(d), barrier, q)) for _ in range(6)]
+        for p in procs:
+            p.start()
+        ids = {q.get(timeout=60) for _ in procs}
+        for p in procs:
+            p.join(30)
+        assert len(ids) == 1 and len(next(iter(ids))) == 24, ids
+        assert sorted(os.listdir(d)) == ["holder-id"]  # no temporary file left behind
