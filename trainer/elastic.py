@@ -162,17 +162,33 @@ class Rendezvous:
         impl.setup_lease_renewal = setup_lease_renewal
 
     def leave(self) -> str:
-        """Remove this node from the rendezvous state now. Never raises; says what it did."""
+        """Remove this node from the rendezvous state now (bounded: LEAVE_TIMEOUT_SECONDS). Never
+        raises; says what it did. A SIGTERM/SIGINT/SIGHUP arriving meanwhile (the drain's SIGTERM
+        lands right when a drained node's workers fail) is held until the leave is written, then
+        delivered again: torch's handler would otherwise abort the leave halfway, and the others
+        would wait for this node's keep-alive to expire."""
+        import threading
+
+        held: list[int] = []
+        saved = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                saved[sig] = signal.signal(sig, lambda signum, _frame: held.append(signum))
         try:
             if self.kind == "dynamic":
                 return self._leave_dynamic()
             if self.kind == "etcd":
                 return self._leave_etcd()
+            return "no graceful leave for this backend"
         except Exception as exc:  # noqa: BLE001 - leaving is an optimisation: keep-alive expiry still works
             log.warning("could not leave the rendezvous (%s: %s); the others wait for keep-alive expiry",
                         type(exc).__name__, exc)
             return f"leave failed: {exc}"
-        return "no graceful leave for this backend"
+        finally:
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
+            if held:
+                os.kill(os.getpid(), held[0])  # now handled as it would have been
 
     def _leave_dynamic(self) -> str:
         from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
@@ -251,8 +267,8 @@ def _make_agent_class():
         def _restart_workers(self, worker_group) -> None:
             reason = self._sentinel_draining()
             if reason:
+                self._sentinel_leave(f"not re-joining ({reason})")  # first: the others are waiting on it
                 self._stop_workers(worker_group)
-                self._sentinel_leave(f"not re-joining ({reason})")
                 raise NodeLeaving(reason)
             log.info("restarting the worker group (%s)", worker_group.state.name)
             super()._restart_workers(worker_group)
