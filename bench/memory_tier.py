@@ -129,7 +129,11 @@ def worker(rank: int, world: int, per_node: int, port: int, cfg: dict, out: dict
         src: list[torch.Tensor] = []
         dst: list[torch.Tensor] = []
         modes, step = list(cfg["modes"]), 0
+        warm: dict[str, tuple[int, int]] = {}  # per memory guard: (stalls, replica copies) in round 0
         for r in range(cfg["rounds"]):
+            if r == 1:
+                warm = {m: (len(g.memory.stalls), len(g.memory.replicator.seconds) if g.memory.replicator else 0)
+                        for m, g in guards.items() if g.memory is not None}
             for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
                 for _ in range(cfg["block"]):
                     t0 = time.perf_counter()
@@ -157,10 +161,10 @@ def worker(rank: int, world: int, per_node: int, port: int, cfg: dict, out: dict
         for mode, g in guards.items():
             if g.memory is not None:
                 m = g.memory
-                n_warm = 3  # the first snapshots of each slot (3 own slots) are the warm-up
-                mine["memory"][mode] = {"summary": g.memory_summary(), "stalls": m.stalls[n_warm:],
-                                        "parts": {k: v[n_warm:] for k, v in m.stall_parts.items()},
-                                        "replica_seconds": m.replicator.seconds[n_warm:] if m.replicator else []}
+                n, nr = warm.get(mode, (0, 0))  # round 0 is the warm-up, as for the step times
+                mine["memory"][mode] = {"summary": g.memory_summary(), "stalls": m.stalls[n:],
+                                        "parts": {k: v[n:] for k, v in m.stall_parts.items()},
+                                        "replica_seconds": m.replicator.seconds[nr:] if m.replicator else []}
         for g in guards.values():
             g.close()
         everyone: list = [None] * world
@@ -189,6 +193,10 @@ def worker(rank: int, world: int, per_node: int, port: int, cfg: dict, out: dict
         for step in range(start, start + cfg["steps"]):
             train_step(step)
             guard.step(step)
+            if cfg["phase"] == "prepare":
+                # a step at least as long as the replica copy (as in a real job with a big state),
+                # so that the last memory snapshot is replicated and the peer restore has it
+                guard.memory.wait_idle()
         guard.close()  # writes the disk snapshot still owed (due while the previous write ran)
         if rank == 0:
             from trainer.guard import complete_snapshots
@@ -219,7 +227,8 @@ def print_timing(title: str, res: dict, modes: tuple[str, ...]) -> dict[str, flo
               f"{'' if stall is None else f'{stall * 1e3:.3f}':>9} {ratio:>13} {late:>9}")
     for mode, m in res["memory"].items():
         parts = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in m["parts"].items() if v is not None)
-        print(f"  {mode}: stall parts (ms): {parts}; replica copy {m['replica'] * 1e3:.1f} ms (background); "
+        copy = "n/a" if m["replica"] is None else f"{m['replica'] * 1e3:.1f} ms"
+        print(f"  {mode}: stall parts (ms): {parts}; replica copy {copy} (background); "
               f"{m['held_bytes'] / 2**20:.1f} MiB held per rank")
     return {"base": base}
 

@@ -297,3 +297,98 @@ def test_ranks_racing_to_create_the_holder_id_all_read_the_same_whole_id(tmp_pat
             p.join(30)
         assert len(ids) == 1 and len(next(iter(ids))) == 24, ids
         assert sorted(os.listdir(d)) == ["holder-id"]  # no temporary file left behind
+
+
+def committed_steps(snaps: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in snaps.glob("step-*") if p.name[5:].isdigit() and (p / "COMMITTED").is_file())
+
+
+def resume_from_disk_only(tmp_path: Path, run_id: str) -> list[dict]:
+    """Wipe every node's memory and run the job again to its end: it resumes from the newest disk
+    snapshot, so its final state is that snapshot's (nothing left to train when it is the last)."""
+    import shutil
+
+    shutil.rmtree(tmp_path / "holders")
+    rows, r = job(tmp_path, "--steps", "12", "--interval-steps", "3", run_id=run_id)
+    assert len(rows) == 4, r.stdout[-2000:] + r.stderr[-3000:]
+    return rows
+
+
+@pytest.mark.slow
+def test_a_disk_snapshot_due_while_a_replica_copy_runs_is_written_at_its_step(tmp_path, reference):
+    """Disk every 3 steps (due at 2, 5, 8, 11) with a partner whose copies take ~10 steps: the
+    disk snapshots are no longer put off until a copy ends (it used to be never for the one due at
+    the end); each is staged for the disk tier on its own. The last one restores bitwise."""
+    rows, r = job(tmp_path, "--steps", "12", "--interval-steps", "3", "--slow-rank", "2",
+                  "--slow-bytes-per-second", "2e6", "--step-seconds", "0.02", run_id="due-busy")
+    assert len(rows) == 4, r.stderr[-3000:]
+    mem = rows[0]["memory"]
+    assert mem["late"] >= 4 and mem["disk_only"] >= 1, mem  # due while a copy ran: staged on its own
+    disk = [rec["step"] for rec in rows[0]["records"] if rec["tier"] == "disk" and rec["ok"]]
+    assert 11 in disk and len(disk) >= 3, rows[0]["records"]
+    assert committed_steps(tmp_path / "snaps")[-1] == 11
+    again = resume_from_disk_only(tmp_path, "due-busy-2")
+    assert again[0]["restore"]["tier"] == "disk" and again[0]["start"] == 12
+    assert again[0]["params"] == reference["params"] and again[0]["optim"] == reference["optim"]
+
+
+@pytest.mark.slow
+def test_the_disk_snapshot_owed_at_the_end_is_written_by_close(tmp_path, reference):
+    """Disk every 3 steps on a slow filesystem (each write takes 2 s more): the one due at step 11
+    finds the previous write still running, so it is owed when training ends; close() writes it
+    from memory (it used to be lost). It restores bitwise."""
+    rows, r = job(tmp_path, "--steps", "12", "--interval-steps", "3", "--slow-disk-seconds", "2", run_id="owed-end")
+    assert len(rows) == 4, r.stderr[-3000:]
+    assert {row["memory"]["flushed_at_close"] for row in rows} == {11}
+    assert any(rec["step"] == 11 and rec["tier"] == "disk" and rec["ok"] for rec in rows[0]["records"])
+    assert committed_steps(tmp_path / "snaps")[-1] == 11
+    again = resume_from_disk_only(tmp_path, "owed-end-2")
+    assert again[0]["restore"]["tier"] == "disk" and again[0]["start"] == 12
+    assert again[0]["params"] == reference["params"] and again[0]["optim"] == reference["optim"]
+
+
+def test_the_reused_state_dict_follows_the_training_and_an_lr_schedule(tmp_path):
+    """The memory tier reuses the state dict of an (unsharded) model + optimizer while its tensors
+    are the live ones; every snapshot must still hold the step's parameters, optimizer state and
+    learning rate (a scheduler changes it each step). A fresh guard restores exactly those."""
+    from sentinel.channel import NullEndpoint
+    from trainer.guard import ModelOptimState, SnapshotGuard
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(optim, step_size=1, gamma=0.5)
+        return model, optim, sched
+
+    def train(model, optim, sched, step):
+        g = torch.Generator().manual_seed(step)
+        model(torch.randn(4, 8, generator=g)).square().mean().backward()
+        optim.step()
+        optim.zero_grad()
+        sched.step()
+
+    kw = dict(memory_interval_steps=1, memory_dir=tmp_path / "holder", memory_run_id="reuse", endpoint=NullEndpoint())
+    model, optim, sched = make()
+    guard = SnapshotGuard(tmp_path / "snaps", {"app": ModelOptimState(model, optim)}, **kw)
+    for step in range(6):
+        train(model, optim, sched, step)
+        guard.step(step)
+        assert guard.memory.wait_idle()
+    assert guard.memory_summary()["snapshots"] == 6 and guard.memory.agreed_step == 5
+    want_params = [p.detach().clone() for p in model.parameters()]
+    want_avg = [optim.state[p]["exp_avg"].clone() for p in model.parameters()]
+    assert optim.param_groups[0]["lr"] == 0.1 * 0.5 ** 6
+    guard.close(flush=False)
+
+    model2, optim2, sched2 = make()
+    guard2 = SnapshotGuard(tmp_path / "snaps", {"app": ModelOptimState(model2, optim2)}, **kw)
+    assert guard2.resume() == 6 and guard2.restore_summary()["tier"] == "memory"
+    assert all(torch.equal(a, b) for a, b in zip(want_params, model2.parameters()))
+    assert all(torch.equal(a, optim2.state[p]["exp_avg"]) for a, p in zip(want_avg, model2.parameters()))
+    assert optim2.param_groups[0]["lr"] == 0.1 * 0.5 ** 6
+    # after the load the live tensors are others: the next snapshot rebuilds and still follows them
+    train(model2, optim2, sched2, 6)
+    guard2.step(6)
+    assert guard2.memory.wait_idle() and guard2.memory.agreed_step == 6
+    guard2.close(flush=False)

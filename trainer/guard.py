@@ -338,6 +338,7 @@ class SnapshotGuard:
         self._disk_pool = None
         self._last_step = -1  # the newest step passed to step(): what close() persists when owed
         self._step_failed = False
+        self.flushed_at_close: int | None = None  # the step close() wrote to disk because it was owed
         self._staging = _StagingState(self.state)
         if memory_interval_steps > 0:
             run_id = memory_run_id or os.environ.get("TORCHELASTIC_RUN_ID", "")
@@ -487,6 +488,7 @@ class SnapshotGuard:
                 # putting the disk snapshot off until the copy ends (possibly never, when every
                 # copy outlasts the disk interval).
                 slot = self.memory.stage(step, state_dict, reuse=reused, build_seconds=build)
+                self.memory.disk_only += 1
             else:
                 slot = self.memory.snapshot(step, state_dict, reuse=reused, build_seconds=build).slot
             if disk_now:
@@ -526,7 +528,9 @@ class SnapshotGuard:
             slot = self.memory.replicator.agreed_slot
         else:  # the last memory snapshot was late (or failed): the live state is still that step's
             slot = self.memory.stage(step, state_dict, reuse=reused, build_seconds=build)
+            self.memory.disk_only += 1
         self._disk_owed = False
+        self.flushed_at_close = step
         log.info("writing the disk snapshot owed at the end (step %d) from memory", step)
         self._persist(step, SNAPSHOT, {}, set(), slot, state_dict)
         self._wait_inflight()
@@ -803,10 +807,12 @@ class SnapshotGuard:
         def median(xs: list[float]) -> float | None:
             return sorted(xs)[len(xs) // 2] if xs else None
 
-        return {"snapshots": m.snapshots, "late": m.late, "agreed_step": m.agreed_step, "held_bytes": m.held_bytes,
+        return {"snapshots": m.snapshots, "late": m.late, "disk_only": m.disk_only, "agreed_step": m.agreed_step,
+                "held_bytes": m.held_bytes,
                 "replica_errors": m.replicator.errors if m.replicator else 0,
                 "stall_median_seconds": median(m.stalls),
                 "stall_parts_median_seconds": {k: median(v) for k, v in m.stall_parts.items()},
+                "flushed_at_close": self.flushed_at_close,
                 "holder": str(m.dir)}
 
     def restore_summary(self) -> dict[str, Any]:

@@ -539,13 +539,12 @@ class Replicator:
     complete everywhere. Runs on a process group of its own; nothing else uses it while it runs."""
 
     def __init__(self, group: Any, send_to: int, recv_from: int, replica_slots: list["Slot"],
-                 *, bytes_per_second: float = 0.0, timeout: float = 120.0, on_replica_resize=None) -> None:
+                 *, bytes_per_second: float = 0.0, timeout: float = 120.0) -> None:
         self.group = group
         self.send_to, self.recv_from = send_to, recv_from
         self.replicas = replica_slots
         self.bytes_per_second = bytes_per_second
         self.timeout = timeout
-        self.on_replica_resize = on_replica_resize
         self.agreed_step = -1
         self.agreed_slot: Slot | None = None
         self.replica_newest: Slot | None = None
@@ -611,27 +610,42 @@ class Replicator:
             job.done.set()
 
     def _replicate(self, job: _Job) -> bool:
+        """Send the staged own slot to the partner and receive the partner's into a replica slot,
+        then agree with every rank. Few round trips, each with little Python between them: the
+        head (step, length, CRC32, meta) and the first chunk go in one batch, then the other
+        chunks, then one all-reduce. This thread shares the interpreter with the training loop,
+        so every wake-up here can delay it; the work itself is in gloo and zlib, without the GIL."""
         own = job.slot
         ok = True
         if self.send_to != _rank():  # a single node: nobody to copy to
             crc = own.crc()
             meta = own.meta_bytes()
-            head_out = torch.tensor([job.step, own.data_len, crc, len(meta)], dtype=torch.int64)
-            head_in = torch.zeros(4, dtype=torch.int64)
-            self._pair(head_out, head_in)
-            step_in, len_in, crc_in, meta_len_in = (int(x) for x in head_in.tolist())
-            meta_in = torch.zeros(meta_len_in, dtype=torch.uint8)
-            self._pair(torch.frombuffer(bytearray(meta), dtype=torch.uint8) if meta else torch.zeros(0, dtype=torch.uint8),
-                       meta_in)
-            target = self._replica_target(len_in)
-            target.begin(step_in)
-            self._pair_data(own.data, target.data[:len_in] if len_in else target.data[:0], own.data_len, len_in)
+            head_out = _pack_head(job.step, own.data_len, crc, meta)
+            head_in = torch.zeros(HEAD_BYTES, dtype=torch.uint8)
+            target = next((s for s in self.replicas if s is not self.replica_newest), self.replicas[0])
+            target.begin(-1)  # WRITING (step unknown until the head arrives): never loaded if torn
+            n_out, n_in = own.data_len, target.data_len
+            first = min(CHUNK, max(n_out, n_in))
+            t0 = time.perf_counter()
+            self._exchange([(head_out, head_in), (own.data[:min(first, n_out)], target.data[:min(first, n_in)])])
+            self._throttle(min(first, n_out), time.perf_counter() - t0)
+            step_in, len_in, crc_in, meta_len_in, meta_in = _unpack_head(head_in)
+            if len(meta_in) < meta_len_in or len(meta) > HEAD_BYTES - _HEAD.size:  # a long meta: one more exchange
+                extra_in = torch.zeros(meta_len_in - len(meta_in), dtype=torch.uint8)
+                extra_out = (torch.frombuffer(bytearray(meta[HEAD_BYTES - _HEAD.size:]), dtype=torch.uint8)
+                             if len(meta) > HEAD_BYTES - _HEAD.size else torch.zeros(0, dtype=torch.uint8))
+                self._exchange([(extra_out, extra_in)])
+                meta_in += extra_in.numpy().tobytes()
+            if len_in != n_in:
+                raise MemoryTierError(f"rank {self.recv_from}'s shard is {len_in} bytes, its replica slot {n_in}: "
+                                      "the layout changed")
+            self._pair_data(own.data, target.data, n_out, n_in, start=first)
             got = target.crc()
             if got != crc_in:
                 job.error = f"replica of step {step_in} from rank {self.recv_from} is torn (CRC {got:08x} != {crc_in:08x})"
                 ok = False
             else:
-                meta_obj = json.loads(bytes(meta_in.numpy().tobytes()))
+                meta_obj = json.loads(meta_in)
                 meta_obj["role"] = REPLICA
                 target.finish(step_in, meta_obj, crc_in)
                 self.replica_newest = target
@@ -646,31 +660,51 @@ class Replicator:
             job.error = "another rank's replica failed"
         return False
 
-    def _replica_target(self, data_len: int) -> "Slot":
-        target = next((s for s in self.replicas if s is not self.replica_newest), self.replicas[0])
-        if target.data_len != data_len and self.on_replica_resize is not None:
-            target = self.on_replica_resize(self.replicas.index(target), data_len)
-        return target
-
-    def _pair(self, out: torch.Tensor, into: torch.Tensor) -> None:
+    def _exchange(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Post every (send to the partner, receive from the other partner) at once; wait for all."""
         works = []
-        if into.numel():
-            works.append(dist.irecv(into, src=self.recv_from, group=self.group))
-        if out.numel():
-            works.append(dist.isend(out, dst=self.send_to, group=self.group))
+        for out, into in pairs:
+            if into.numel():
+                works.append(dist.irecv(into, src=self.recv_from, group=self.group))
+            if out.numel():
+                works.append(dist.isend(out, dst=self.send_to, group=self.group))
         for w in works:
             w.wait()
 
-    def _pair_data(self, out: torch.Tensor, into: torch.Tensor, n_out: int, n_in: int) -> None:
-        for start in range(0, max(n_out, n_in), CHUNK):
+    def _pair_data(self, out: torch.Tensor, into: torch.Tensor, n_out: int, n_in: int, *, start: int = 0) -> None:
+        """The data from ``start`` on, in chunks of :data:`CHUNK` (throttled per chunk)."""
+        for begin in range(start, max(n_out, n_in), CHUNK):
             t0 = time.perf_counter()
-            o = out[start:min(n_out, start + CHUNK)] if start < n_out else out[:0]
-            i = into[start:min(n_in, start + CHUNK)] if start < n_in else into[:0]
-            self._pair(o, i)
-            if self.bytes_per_second > 0 and o.numel():
-                pause = o.numel() / self.bytes_per_second - (time.perf_counter() - t0)
-                if pause > 0:
-                    time.sleep(pause)
+            o = out[begin:min(n_out, begin + CHUNK)] if begin < n_out else out[:0]
+            i = into[begin:min(n_in, begin + CHUNK)] if begin < n_in else into[:0]
+            self._exchange([(o, i)])
+            self._throttle(o.numel(), time.perf_counter() - t0)
+
+    def _throttle(self, nbytes: int, took: float) -> None:
+        if self.bytes_per_second > 0 and nbytes:
+            pause = nbytes / self.bytes_per_second - took
+            if pause > 0:
+                time.sleep(pause)
+
+
+# The replica head: step, data length, CRC32, meta length, then as much of the meta as fits.
+_HEAD = struct.Struct("<qqqq")
+HEAD_BYTES = 4096
+
+
+def _pack_head(step: int, data_len: int, crc: int, meta: bytes) -> torch.Tensor:
+    raw = _HEAD.pack(step, data_len, crc, len(meta)) + meta[:HEAD_BYTES - _HEAD.size]
+    buf = bytearray(HEAD_BYTES)
+    buf[:len(raw)] = raw
+    return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+def _unpack_head(head: torch.Tensor) -> tuple[int, int, int, int, bytes]:
+    raw = head.numpy().tobytes()
+    step, data_len, crc, meta_len = _HEAD.unpack_from(raw)
+    if not 0 <= meta_len <= META_ROOM:
+        raise MemoryTierError(f"a replica head with a meta of {meta_len} bytes")
+    return step, data_len, crc, meta_len, raw[_HEAD.size:_HEAD.size + min(meta_len, HEAD_BYTES - _HEAD.size)]
 
 
 def _lower_priority() -> None:
@@ -730,8 +764,9 @@ class MemoryTier:
         self.replicator: Replicator | None = None
         self.pinned: Slot | None = None
         self.holders: list[str] = []
-        self.snapshots = 0
-        self.late = 0
+        self.snapshots = 0  # memory snapshots handed to the replicator
+        self.late = 0  # memory snapshots skipped: a replica copy was still running
+        self.disk_only = 0  # steps staged for the disk tier alone (due while a replica copy ran)
         self.stalls: list[float] = []
         # where the stall goes, per snapshot: building the state dict (the caller), choosing the
         # slot and (re)building the copy plan, the tensor copies, the header and meta
@@ -782,8 +817,7 @@ class MemoryTier:
             self.replicas = [self._open(REPLICA, self.recv_from, i, replica_len) for i in range(REPLICA_SLOTS)]
         self.held_bytes = sum(s.offset + s.data_len for s in self.own + self.replicas)
         self.replicator = Replicator(self.group, self.send_to, self.recv_from, self.replicas,
-                                     bytes_per_second=self.bytes_per_second, timeout=self.timeout,
-                                     on_replica_resize=self._resize_replica)
+                                     bytes_per_second=self.bytes_per_second, timeout=self.timeout)
         self._write_metrics()
 
     def _existing(self, name: str) -> int:
@@ -799,14 +833,6 @@ class MemoryTier:
         if state != EMPTY and meta.get("run") != self.run:
             slot.invalidate()  # stale memory of another run: never again taken for this one
         return slot
-
-    def _resize_replica(self, index: int, data_len: int) -> Slot:
-        old = self.replicas[index]
-        old.close()
-        self.replicas[index] = Slot(old.path, data_len)
-        self.held_bytes = sum(s.offset + s.data_len for s in self.own + self.replicas)
-        self._write_metrics()
-        return self.replicas[index]
 
     def _gather(self, obj: Any) -> list[Any]:
         if not _collective(self.world):
@@ -847,6 +873,7 @@ class MemoryTier:
         caller (counted in the stall)."""
         assert self.replicator is not None
         slot = self.stage(step, state, reuse=reuse, build_seconds=build_seconds)
+        self.snapshots += 1
         return self.replicator.submit(step, slot)
 
     def stage(self, step: int, state: Mapping[str, Any], *, reuse: bool = False, build_seconds: float = 0.0) -> Slot:
@@ -878,7 +905,6 @@ class MemoryTier:
         self.stall_parts["plan"].append(t1 - t0)
         self.stall_parts["copy"].append(t2 - t1)
         self.stall_parts["meta"].append(t3 - t2)
-        self.snapshots += 1
         return slot
 
     def _plan_of(self, state: Mapping[str, Any]) -> tuple[list[torch.Tensor], list[tuple[str, tuple]]]:

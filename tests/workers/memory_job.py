@@ -39,10 +39,22 @@ def main() -> int:
     ap.add_argument("--slow-rank", type=int, default=-1, help="this rank's replica copy is throttled")
     ap.add_argument("--slow-bytes-per-second", type=float, default=20_000.0)
     ap.add_argument("--step-seconds", type=float, default=0.0)
+    ap.add_argument("--slow-disk-seconds", type=float, default=0.0,
+                    help="every disk snapshot write takes this much longer (a slow shared filesystem)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    if args.slow_disk_seconds > 0:
+        import torch.distributed.checkpoint as dcp
+
+        save = dcp.save
+
+        def slow_save(*a, **kw):
+            time.sleep(args.slow_disk_seconds)
+            return save(*a, **kw)
+
+        dcp.save = slow_save
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.manual_seed(1234)
@@ -75,10 +87,10 @@ def main() -> int:
         pad = args.step_seconds - (time.perf_counter() - t0)
         if pad > 0:
             time.sleep(pad)
+    guard.close()  # writes a disk snapshot still owed at the end: the summary comes after it
     summary = {"rank": rank, "start": start, "restore": guard.restore_summary(), "memory": guard.memory_summary(),
                "resumed_from": str(guard.resumed_from or ""), "max_step_seconds": max(step_times, default=0.0),
                "records": [{"step": r.step, "tier": r.tier, "ok": r.ok} for r in guard.records]}
-    guard.close()
     summary.update(state_digests(model, optim))
     with open(args.out, "a") as f:
         f.write(json.dumps(summary) + "\n")
