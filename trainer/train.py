@@ -112,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="hold after a migrate snapshot at least this long (a request may ask for longer)")
     ap.add_argument("--memory-interval-steps", type=int, default=0,
                     help="in-memory snapshot (own node + a peer replica) every N steps (0: off)")
+    ap.add_argument("--migrate-ack", choices=("durable", "memory"), default="durable",
+                    help="acknowledge a migrate snapshot once on disk too (durable) or once in memory and "
+                         "replicated (memory: the drain starts sooner; two adjacent victims fall back to disk)")
     ap.add_argument("--replica-bytes-per-second", type=float, default=0.0,
                     help="throttle the peer replica copy (0: as fast as it goes)")
     ap.add_argument("--progress", help="append one JSON line per computed step (rank 0)")
@@ -149,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                           interval_steps=args.interval_steps, keep=args.keep,
                           migrate_hold_seconds=args.migrate_hold_seconds,
                           memory_interval_steps=args.memory_interval_steps,
-                          replica_bytes_per_second=args.replica_bytes_per_second)
+                          replica_bytes_per_second=args.replica_bytes_per_second,
+                          migrate_ack=args.migrate_ack)
     t_guard = time.time()
     start = guard.resume()
     # where the seconds from process start to the first step go (bench/migration.py's timeline)
