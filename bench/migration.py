@@ -1,19 +1,28 @@
-"""Migration benchmark: repeated `sentinel drill` runs; median and max of each stage, trip -> first
-step on the spare, lost steps; side by side with a plain crash (kill -9, no warning) restarted on
-the spare from a periodic snapshot every M steps.
+"""Migration benchmark: repeated `sentinel drill` runs, interleaved so every path sees the same
+machine noise; median and max of each stage, trip -> first step on the spare, lost steps.
 
-    python bench/migration.py [--runs 5] [--interval-steps 10] [--json PATH]
+Paths, side by side in one run:
+  warm        Sentinel: predicted fault, migrate snapshot, warm spare (python -m trainer.elastic)
+  warm-etcd   the same with torch's etcd-v2 rendezvous on a local etcd (--etcd; Debian etcd-server)
+  two         two victims at once (3 nodes, 2 warm spares): one membership change
+  cold        the before: the same predicted migration with plain torchrun and a cold spare
+  crash       plain torchrun crash failover: kill -9, no warning, cold spare, periodic snapshot
 
-``--json`` figures (medians over the drills that succeeded): ``migration_trip_to_first_step_seconds``,
-``migration_fault_to_first_step_seconds``, ``migration_stage_<stage>_seconds`` per timeline stage,
-``migration_lost_steps``, and for the plain crash ``crash_fault_to_first_step_seconds`` and
-``crash_lost_steps``.
+    python bench/migration.py [--runs 5] [--interval-steps 10] [--etcd] [--json PATH]
+
+--json (bench/_report.py's shape; sentinel/sim/measured.py reads it): medians over the drills
+that succeeded. ``migration_*`` is the warm-spare path (``migration_trip_to_first_step_seconds``,
+``migration_fault_to_first_step_seconds``, ``migration_lost_steps``, ``migration_ok_fraction``,
+``migration_stage_<stage>_seconds`` = each stage's own duration), ``crash_*`` the plain torchrun
+crash failover, and ``two_victims_*``, ``etcd_migration_*``, ``cold_spare_torchrun_*`` the other
+paths, plus ``*_ratio`` figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -23,67 +32,126 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _report  # noqa: E402
 
+PATHS = {
+    "warm": ("Sentinel, warm spare (c10d)", ["--fault", "xid79"]),
+    "warm-etcd": ("Sentinel, warm spare (etcd-v2)", ["--fault", "xid79", "--rdzv-backend", "etcd-v2"]),
+    "two": ("Sentinel, 2 victims, 2 warm spares", ["--fault", "xid79", "--nodes", "3", "--spares", "2", "--victims", "2"]),
+    "cold": ("before: torchrun, cold spare", ["--fault", "xid79", "--agent", "torchrun"]),
+    "crash": ("plain torchrun crash failover", ["--fault", "kill", "--agent", "torchrun"]),
+}
+FIGURE_PREFIX = {"warm": "migration_", "warm-etcd": "etcd_migration_", "two": "two_victims_",
+                 "cold": "cold_spare_torchrun_", "crash": "crash_"}
 
-def drill(fault: str, interval: int, extra: list[str]) -> dict:
-    r = subprocess.run([sys.executable, "-m", "sentinel", "drill", "--json", "--fault", fault,
-                        "--interval-steps", str(interval), *extra], capture_output=True, text=True, timeout=600, cwd=REPO)
+
+def drill(interval: int, extra: list[str]) -> dict:
+    r = subprocess.run([sys.executable, "-m", "sentinel", "drill", "--json", "--interval-steps", str(interval), *extra],
+                       capture_output=True, text=True, timeout=900, cwd=REPO)
     if not r.stdout.strip().startswith("{"):
         return {"ok": False, "error": r.stderr[-500:]}
     return json.loads(r.stdout)
 
 
+def median(vals: list[float]) -> float | None:
+    return statistics.median(vals) if vals else None
+
+
+def stage_durations(rows: list[dict]) -> dict[str, list[float]]:
+    """Each stage's time since the trip (its own clock start), per run."""
+    out: dict[str, list[float]] = {}
+    for r in rows:
+        trip = next((e["time"] for e in r["timeline"] if e["stage"] == "detected"), None)
+        for e in r["timeline"]:
+            if trip is not None and e["stage"] not in ("fault injected", "job finished"):
+                out.setdefault(e["stage"], []).append(e["time"] - trip)
+    return out
+
+
+def slug(stage: str) -> str:
+    return stage.replace(" ", "_").replace("-", "_")
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--interval-steps", type=int, default=10)
-    ap.add_argument("--fault", default="xid79")
+    ap.add_argument("--etcd", action="store_true", help="also the etcd-v2 rendezvous (needs etcd on PATH)")
+    ap.add_argument("--only", help="comma-separated paths to run (default: all)")
     _report.add_json_argument(ap)
     args, extra = ap.parse_known_args()
-    planned, crashed = [], []
-    for _ in range(args.runs):  # interleaved, so both see the same machine noise
-        planned.append(drill(args.fault, args.interval_steps, extra))
-        crashed.append(drill("kill", args.interval_steps, extra))
-    ok = [r for r in planned if r.get("ok")]
-    print(f"planned migration ({args.fault}): {len(ok)}/{len(planned)} drills ok")
-    durations: dict[str, list[float]] = {}
-    for r in ok:
-        for e in r["timeline"]:
-            durations.setdefault(e["stage"], []).append(e["duration"])
-    print(f"{'stage':<26} {'median s':>9} {'max s':>8}")
-    for stage, vals in durations.items():
-        print(f"{stage:<26} {statistics.median(vals):>9.2f} {max(vals):>8.2f}")
+    names = args.only.split(",") if args.only else [n for n in PATHS if n != "warm-etcd" or args.etcd]
+    unknown = set(names) - set(PATHS)
+    if unknown:
+        ap.error(f"unknown path(s) {sorted(unknown)}; choose from {sorted(PATHS)}")
+    rows: dict[str, list[dict]] = {n: [] for n in names}
+    for _ in range(args.runs):  # interleaved, so every path sees the same machine noise
+        for n in names:
+            rows[n].append(drill(args.interval_steps, PATHS[n][1] + extra))
+    load = os.getloadavg()
+    print(f"host: {os.cpu_count()} CPUs, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min) at the end")
 
-    def summary(rows: list[dict], key: str) -> str:
-        vals = [r[key] for r in rows if r.get(key) is not None]
+    figures: dict[str, float] = {}
+    for n in names:
+        ok = [r for r in rows[n] if r.get("ok")]
+        print(f"\n{PATHS[n][0]}: {len(ok)}/{len(rows[n])} drills ok; seconds after the trip (median / max)")
+        for r in rows[n]:
+            if not r.get("ok") and r.get("error"):
+                print(f"  failed: {r['error'][-200:]}")
+        for stage, vals in stage_durations(ok).items():
+            print(f"  {stage:<26} {median(vals):>7.2f} {max(vals):>7.2f}")
+        if n == "warm":  # each stage's own duration, as the goodput simulator reads them
+            own: dict[str, list[float]] = {}
+            for r in ok:
+                for e in r["timeline"]:
+                    own.setdefault(e["stage"], []).append(e["duration"])
+            for stage, vals in own.items():
+                figures[f"migration_stage_{slug(stage)}_seconds"] = median(vals)
+        if ok and ok[0]["timeline"] and any(e.get("phases") for e in ok[0]["timeline"]):
+            phases: dict[str, list[float]] = {}
+            for r in ok:
+                for e in r["timeline"]:
+                    for k, v in (e.get("phases") or {}).items():
+                        phases.setdefault(k, []).append(v)
+            print("  spare worker setup: " + ", ".join(f"{k} {median(v):.2f}" for k, v in phases.items()))
+        trip = [r["trip_to_first_step_seconds"] for r in ok if r.get("trip_to_first_step_seconds") is not None]
+        fault = [r["fault_to_first_step_seconds"] for r in ok if r.get("fault_to_first_step_seconds") is not None]
+        lost = [len(r["recomputed_steps"]) for r in ok]
+        p = FIGURE_PREFIX[n]
+        if n != "crash":
+            figures[f"{p}trip_to_first_step_seconds"] = median(trip)
+        figures[f"{p}fault_to_first_step_seconds"] = median(fault)
+        figures[f"{p}lost_steps"] = median(lost)
+        figures[f"{p}ok_fraction"] = len(ok) / len(rows[n]) if rows[n] else None
+        verified = [r for r in ok if "verify" in r]
+        if verified:
+            figures[f"{p}bitwise_equal_fraction"] = sum(bool(r["verify"]["bitwise_equal"]) for r in verified) / len(verified)
+
+    def fmt(vals: list[float]) -> str:
         return f"{statistics.median(vals):.2f} / {max(vals):.2f}" if vals else "-"
 
-    def lost(rows: list[dict]) -> str:
-        vals = [len(r["recomputed_steps"]) for r in rows if "recomputed_steps" in r]
-        return f"{statistics.median(vals):g} / {max(vals)}" if vals else "-"
-
-    print()
-    print(f"{'path':<38} {'ok':>5} {'fault->first step s (med/max)':>30} {'trip->first step s':>20} {'recomputed steps (med/max)':>27}")
-    ok_c = [r for r in crashed if r.get("ok")]
-    print(f"{'Sentinel: predicted, snapshot + spare':<38} {len(ok)}/{len(planned):<3} {summary(ok, 'fault_to_first_step_seconds'):>30} "
-          f"{summary(ok, 'trip_to_first_step_seconds'):>20} {lost(ok):>27}")
-    print(f"{'plain crash, periodic every %d steps' % args.interval_steps:<38} {len(ok_c)}/{len(crashed):<3} "
-          f"{summary(ok_c, 'fault_to_first_step_seconds'):>30} {'-':>20} {lost(ok_c):>27}")
-
-    def median_of(rows: list[dict], key: str) -> float | None:
-        vals = [r[key] for r in rows if r.get(key) is not None]
-        return statistics.median(vals) if vals else None
-
-    figures = {
-        "migration_trip_to_first_step_seconds": median_of(ok, "trip_to_first_step_seconds"),
-        "migration_fault_to_first_step_seconds": median_of(ok, "fault_to_first_step_seconds"),
-        "migration_lost_steps": statistics.median([len(r["recomputed_steps"]) for r in ok]) if ok else None,
-        "migration_ok_fraction": len(ok) / len(planned) if planned else None,
-        "crash_fault_to_first_step_seconds": median_of(ok_c, "fault_to_first_step_seconds"),
-        "crash_lost_steps": statistics.median([len(r["recomputed_steps"]) for r in ok_c]) if ok_c else None,
-        "crash_ok_fraction": len(ok_c) / len(crashed) if crashed else None,
-    }
-    for stage, vals in durations.items():
-        figures[f"migration_stage_{stage.replace(' ', '_').replace('-', '_')}_seconds"] = statistics.median(vals)
+    print(f"\n{'path':<38} {'ok':>5} {'fault->first step s':>20} {'trip->first step s':>19} {'recomputed':>11}"
+          f" {'bitwise':>8}")
+    for n in names:
+        ok = [r for r in rows[n] if r.get("ok")]
+        trip = [r["trip_to_first_step_seconds"] for r in ok if r.get("trip_to_first_step_seconds") is not None]
+        fault = [r["fault_to_first_step_seconds"] for r in ok if r.get("fault_to_first_step_seconds") is not None]
+        lost = [len(r["recomputed_steps"]) for r in ok]
+        verified = [r for r in ok if "verify" in r]
+        bitwise = f"{sum(r['verify']['bitwise_equal'] for r in verified)}/{len(verified)}" if verified else "-"
+        print(f"{PATHS[n][0]:<38} {len(ok)}/{len(rows[n]):<3} {fmt(fault):>20} {fmt(trip) if n != 'crash' else '-':>19}"
+              f" {fmt(lost):>11} {bitwise:>8}")
+    base = figures.get("migration_trip_to_first_step_seconds")
+    if base:
+        print()
+        for key, name, label in (
+                ("two_victims_trip_to_first_step_seconds", "two_victims_over_one_ratio", "two victims / one victim"),
+                ("cold_spare_torchrun_trip_to_first_step_seconds", "cold_torchrun_over_warm_ratio",
+                 "before (torchrun, cold spare) / warm"),
+                ("crash_fault_to_first_step_seconds", "plain_failover_over_warm_ratio",
+                 "plain torchrun crash failover / warm"),
+                ("etcd_migration_trip_to_first_step_seconds", "etcd_over_c10d_ratio", "etcd-v2 / c10d")):
+            if figures.get(key):
+                figures[name] = figures[key] / base
+                print(f"{label:<38} {figures[name]:>6.2f}x")
     _report.write(args.json, "migration", figures)
 
 

@@ -348,7 +348,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from sentinel.launch import launch
 
     command = args.command[1:] if args.command and args.command[0] == "--" else args.command
-    return launch(command, Path(args.pidfile), Path(args.state_dir), user=args.user)
+    return launch(command, Path(args.pidfile), Path(args.state_dir), user=args.user, warm=args.warm)
+
+
+def cmd_admit(args: argparse.Namespace) -> int:
+    """Admit a warm spare: its agent joins the rendezvous now (see sentinel.launch.admit)."""
+    from sentinel.launch import admit
+
+    return admit(Path(args.pidfile))
 
 
 def cmd_install(args: argparse.Namespace) -> int:
@@ -461,16 +468,22 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     la.add_argument("--user", default=os.environ.get("SENTINEL_AGENT_USER", ""),
                     help="run the agent (the training job) as this user; the launcher stays root "
                          "(default: $SENTINEL_AGENT_USER, else the launcher's own user)")
+    la.add_argument("--warm", action="store_true",
+                    help="a warm spare: the agent starts but joins the rendezvous only on `sentinel admit`")
     la.add_argument("command", nargs=argparse.REMAINDER)
     la.set_defaults(func=cmd_launch)
+
+    ad = sub.add_parser("admit", help="let a warm spare's agent (sentinel launch --warm) join the rendezvous")
+    ad.add_argument("--pidfile", default=os.path.join(os.environ.get("SENTINEL_RUNTIME_DIR", "/run/sentinel"), "agent.pid"))
+    ad.set_defaults(func=cmd_admit)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
-    parser = build_parser(command if command in ("run", "check-config", "status", "uncordon", "launch", "install", "scan",
-                                                  "explain", *TOOLS) else None)
+    parser = build_parser(command if command in ("run", "check-config", "status", "uncordon", "launch", "admit", "install",
+                                                  "scan", "explain", *TOOLS) else None)
     args = parser.parse_args(argv)
     return args.func(args)
 

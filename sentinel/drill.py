@@ -1,9 +1,14 @@
 """`sentinel drill`: the whole path on one machine, no GPU.
 
-A rendezvous store, N "nodes" — each a Sentinel daemon with its own simulated GPUs, runtime and
-state directories and metrics port, plus a torchrun agent running ``trainer/train.py`` — and S
-cold spare nodes (daemon running, agent started only when a migration begins: a running spare
-plus any rank crash starts an endless 3-nodes-for-2-slots re-rendezvous loop). A fault is
+A rendezvous store (a c10d TCPStore, or etcd with ``--rdzv-backend etcd-v2``), N "nodes" — each
+a Sentinel daemon with its own simulated GPUs, runtime and state directories and metrics port,
+plus an elastic agent running ``trainer/train.py`` — and S spare nodes. With ``--agent warm``
+(the default) every agent is ``python -m trainer.elastic`` under ``sentinel launch``, and a spare's
+agent is started at once with ``--warm``: torch and the training module imported, forkserver up,
+*outside* the rendezvous until the migration admits it (``sentinel admit``: a spare inside the
+rendezvous plus any rank crash starts an endless 3-nodes-for-2-slots re-rendezvous loop). With
+``--agent torchrun`` the agents are plain torchrun and spares are cold (the agent starts only
+when a migration begins): the "before" of ``bench/migration.py``. A fault is
 injected at step K into one node's simulated GPU; the timeline of every stage is printed; the
 exit status is 0 only when the job finished with a spare in place of the failed node and no
 step was lost (``--verify`` also compares the final parameters bitwise with an uninterrupted
@@ -113,20 +118,41 @@ class Drill:
         return p
 
     def start_store(self) -> None:
-        self.spawn([sys.executable, "-m", "trainer.store", "--port", str(self.store_port)], self.work / "store.log")
+        if self.args.rdzv_backend == "etcd-v2":
+            etcd = shutil.which("etcd")
+            if etcd is None:
+                raise DrillError("--rdzv-backend etcd-v2 needs etcd (Debian package etcd-server)")
+            import importlib.util
+
+            if importlib.util.find_spec("etcd") is None:
+                raise DrillError("--rdzv-backend etcd-v2 needs the python-etcd package: pip install python-etcd==0.4.5")
+            peer = free_port()
+            url, peer_url = f"http://127.0.0.1:{self.store_port}", f"http://127.0.0.1:{peer}"
+            self.spawn([etcd, "--name", "drill", "--data-dir", str(self.work / "etcd"), "--enable-v2=true",
+                        "--listen-client-urls", url, "--advertise-client-urls", url, "--listen-peer-urls", peer_url,
+                        "--initial-advertise-peer-urls", peer_url, "--initial-cluster", f"drill={peer_url}",
+                        "--log-level", "warn"], self.work / "store.log")
+        else:
+            self.spawn([sys.executable, "-m", "trainer.store", "--port", str(self.store_port)], self.work / "store.log")
         _wait(lambda: _port_open(self.store_port), 30, "rendezvous store")
 
     def agent_argv(self, node: Node) -> list[str]:
         a = self.args
         nnodes = f"{a.min_nodes or a.nodes}:{a.nodes}"
-        rdzv_conf = ("is_host=false,keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2,"
-                     f"join_timeout={int(a.timeout)}")
+        # etcd-v2 is torch's dynamic rendezvous (as c10d) with its state in etcd: the same settings
+        rdzv_conf = ("protocol=http," if a.rdzv_backend == "etcd-v2" else "is_host=false,") + (
+            f"keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2,join_timeout={int(a.timeout)}")
+        launch = [sys.executable, "-m", "sentinel", "launch", "--pidfile", str(node.pidfile), "--state-dir", str(node.state_dir)]
+        if a.agent == "warm":
+            launch += ["--warm"] if node.spare else []
+            agent = [sys.executable, "-m", "trainer.elastic", "--preload", "trainer.train",
+                     "--ready-file", str(node.runtime / "warm.json"), "--"]
+        else:
+            agent = [sys.executable, "-m", "torch.distributed.run", f"--start-method={a.start_method}"]
         return [
-            sys.executable, "-m", "sentinel", "launch", "--pidfile", str(node.pidfile), "--state-dir", str(node.state_dir), "--",
-            sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={a.procs_per_node}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.store_port}", f"--rdzv-id={self.run_id}",
+            *launch, "--", *agent, f"--nnodes={nnodes}", f"--nproc-per-node={a.procs_per_node}",
+            f"--rdzv-backend={a.rdzv_backend}", f"--rdzv-endpoint=127.0.0.1:{self.store_port}", f"--rdzv-id={self.run_id}",
             f"--rdzv-conf={rdzv_conf}", f"--max-restarts={a.max_restarts}", "--monitor-interval=0.1",
-            f"--start-method={a.start_method}",
             "-m", "trainer.train", "--steps", str(a.steps), "--snapshot-dir", str(self.snapshots),
             "--interval-steps", str(a.interval_steps), "--step-seconds", str(a.step_seconds),
             "--progress", str(self.progress), "--final", str(self.work / "final.json"),
@@ -159,6 +185,7 @@ class Drill:
             (self.pool / f"{name}.json").write_text(json.dumps({
                 "name": name, "argv": self.agent_argv(node), "env": self.node_env(node),
                 "log": str(node.root / "agent.log"), "cwd": str(_repo_root()),
+                "warm": self.args.agent == "warm", "pidfile": str(node.pidfile),
             }))
             (self.pool / f"{name}.free").write_text("")
         return node
@@ -209,10 +236,13 @@ class Drill:
                     pass
             shutil.rmtree(self.memory_root / victim.name, ignore_errors=True)  # the node's memory died with it
         elif fault == "rank-crash" and victim.agent is not None:
-            workers = [p for p in descendants(victim.agent.pid)  # a rank, not torchrun (its argv names the module too)
-                       if b"trainer.train" in _cmdline(p) and b"torch.distributed.run" not in _cmdline(p)]
-            if workers:
-                os.kill(workers[0], signal.SIGKILL)
+            # a rank of this node, by the pid it logged: argv cannot tell a rank from its agent (a
+            # warm agent's and its forkserver's argv name the training module too)
+            below = set(descendants(victim.agent.pid))
+            ranks = [e["pid"] for e in reversed(self.events())
+                     if e["event"] == "admitted" and e["node"] == victim.name and e.get("pid") in below]
+            if ranks:
+                os.kill(ranks[0], signal.SIGKILL)
         return t
 
     def ramp(self, victim: Node, until: float) -> None:
@@ -252,8 +282,16 @@ class Drill:
         for n in self.nodes:
             self.wait_daemon(n)
         for n in self.nodes:
-            if not n.spare:
+            if not n.spare or a.agent == "warm":  # warm spares start now and wait outside the rendezvous
                 self.start_agent(n)
+        if a.agent == "warm":
+            for n in (n for n in self.nodes if n.spare):
+                ready, agent = n.runtime / "warm.json", n.agent
+                _wait(lambda: ready.exists() or agent.poll() is not None, max(1.0, t_start + a.timeout - time.time()),
+                      f"{n.name}'s agent to be warm")
+                if agent.poll() is not None:
+                    raise DrillError(f"{n.name}'s agent exited before it was warm: "
+                                     f"{(n.root / 'agent.log').read_text()[-1500:]}")
         victims = self.nodes[1:1 + a.victims] if a.nodes > a.victims else self.nodes[:a.victims]
         victim = victims[0]
         deadline = t_start + a.timeout
@@ -355,12 +393,17 @@ class Drill:
         loaded = [e for e in events if e["event"] == "resumed" and e["node"] in spares and e["time"] >= t_fault]
         if not loaded:  # no spare joined: the job went on with the nodes it had (or did not resume at all)
             loaded = [e for e in events if e["event"] == "resumed" and e["time"] >= t_fault]
+        left = [e for e in events if e["event"] == "drained" and e["time"] >= t_fault]
+        tl.add("survivors left the hold", min((e["time"] for e in left), default=None))
+        started = [e.get("process_started") for e in admitted if e.get("process_started")]
+        tl.add("spare workers started", min(started, default=None), warm=self.args.agent == "warm")
         t_admit = min((e["time"] for e in admitted), default=None)
         tl.add("spare admitted", t_admit, node=admitted[0]["node"] if admitted else None)
         t_loaded = min((e["time"] for e in loaded), default=None)
         restore = (loaded[0].get("restore") or {}) if loaded else {}
         tl.add("snapshot loaded", t_loaded, start_step=loaded[0]["start"] if loaded else None,
-               source=loaded[0]["source"] if loaded else None, tier=restore.get("tier"))
+               source=loaded[0]["source"] if loaded else None, tier=restore.get("tier"),
+               phases=loaded[0].get("phases") if loaded else None)
         steps = [e for e in events if e["event"] == "step"]
         after = [e for e in steps if t_loaded is not None and e["time"] >= t_loaded]
         t_first = after[0]["time"] if after else None
@@ -385,6 +428,9 @@ class Drill:
             "spare_in_place": bool(admitted) and victim.name not in final_nodes,
             "final_nodes": final_nodes,
             "recomputed_steps": lost,
+            # worker groups formed after the fault (rank 0 admitted once per re-rendezvous)
+            "membership_changes": sum(1 for e in events if e["event"] == "admitted" and e["rank"] == 0
+                                      and e["time"] >= t_fault),
             "trip_to_first_step_seconds": round(t_first - times["tripped"], 3) if t_first and "tripped" in times else None,
             "fault_to_first_step_seconds": round(t_first - t_fault, 3) if t_first else None,
             "migration_notes": mig.get("notes", []),
@@ -531,13 +577,6 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
 def _port_open(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
@@ -562,6 +601,14 @@ def claim_spare(pool: Path) -> int:
         except FileNotFoundError:
             continue  # another node claimed it first
         spec = json.loads(free.with_suffix(".json").read_text())
+        if spec.get("warm"):  # its agent is running and warm: let it join the rendezvous
+            from sentinel.launch import admit
+
+            if admit(Path(spec["pidfile"])) != 0:
+                os.rename(claimed, free.with_suffix(".dead"))
+                continue  # it died while waiting: the next one
+            print(f"admitted warm spare {spec['name']}")
+            return 0
         with open(spec["log"], "a") as out:
             subprocess.Popen(spec["argv"], env=spec["env"], stdout=out, stderr=subprocess.STDOUT, cwd=spec["cwd"],
                              start_new_session=True)
@@ -609,8 +656,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the disk is full when the migrate snapshot is written (root: a small tmpfs is filled)")
     p.add_argument("--min-nodes", type=int, default=0, help="--nnodes minimum (default: --nodes)")
     p.add_argument("--max-restarts", type=int, default=3)
+    p.add_argument("--agent", choices=["warm", "torchrun"], default="warm",
+                   help="warm: python -m trainer.elastic, preloaded forkserver, warm spares, graceful leave;"
+                        " torchrun: plain torchrun and cold spares (the before)")
+    p.add_argument("--rdzv-backend", choices=["c10d", "etcd-v2"], default="c10d",
+                   help="c10d: a standalone TCPStore; etcd-v2: a local etcd (Debian etcd-server) on loopback")
     p.add_argument("--start-method", choices=["spawn", "fork", "forkserver"], default="spawn",
-                   help="torchrun worker start method")
+                   help="torchrun worker start method (--agent torchrun; a -m module ignores it)")
     p.add_argument("--timeout", type=float, default=180.0)
     p.add_argument("--verify", action="store_true", help="also run uninterrupted and compare final parameters bitwise")
     p.add_argument("--json", action="store_true", help="print the machine-readable result")

@@ -8,7 +8,10 @@ signals the unit's main process), removes the pidfile when the agent exits, and 
 agent's status. Training ranks are the agent's descendants — that is how the daemon tells a
 rank of this job from any other local process (:mod:`sentinel.channel`).
 
-It refuses to start on a cordoned node (exit 3).
+It refuses to start on a cordoned node (exit 3). The agent gets ``SENTINEL_STATE_DIR`` (so an
+agent that understands it, ``python -m trainer.elastic``, never re-joins the rendezvous while
+its node is being drained) and, with ``--warm``, ``SENTINEL_WARM=1``: the agent starts completely
+but waits outside the rendezvous until ``sentinel admit`` sends it SIGUSR1 (a warm spare).
 
 The launcher runs as root and, with ``user`` (``--user``, or ``SENTINEL_AGENT_USER`` from the
 agent unit's environment file), runs the agent — and so the whole job — as that user: the child
@@ -40,7 +43,7 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
-def launch(command: list[str], pidfile: Path, state_dir: Path, user: str = "") -> int:
+def launch(command: list[str], pidfile: Path, state_dir: Path, user: str = "", *, warm: bool = False) -> int:
     from sentinel.migration import read_cordon
 
     account = None
@@ -65,6 +68,9 @@ def launch(command: list[str], pidfile: Path, state_dir: Path, user: str = "") -
     except OSError as exc:
         return _fail(f"cannot create {pidfile.parent}: {exc.strerror}", 2)
 
+    env = {**os.environ, "SENTINEL_STATE_DIR": str(state_dir)}
+    if warm:
+        env["SENTINEL_WARM"] = "1"
     r, w = os.pipe2(os.O_CLOEXEC)
     pid = os.fork()
     if pid == 0:  # the agent
@@ -77,8 +83,8 @@ def launch(command: list[str], pidfile: Path, state_dir: Path, user: str = "") -
                 os.initgroups(account.pw_name, account.pw_gid)
                 os.setgid(account.pw_gid)
                 os.setuid(account.pw_uid)
-                os.environ.update(USER=account.pw_name, LOGNAME=account.pw_name, HOME=account.pw_dir)
-            os.execvp(command[0], command)
+                env.update(USER=account.pw_name, LOGNAME=account.pw_name, HOME=account.pw_dir)
+            os.execvpe(command[0], command, env)
         except OSError as exc:
             os.write(w, str(exc.errno or errno.ENOENT).encode())
         os._exit(127)
@@ -122,3 +128,21 @@ def launch(command: list[str], pidfile: Path, state_dir: Path, user: str = "") -
     if os.WIFSIGNALED(status):
         return 128 + os.WTERMSIG(status)
     return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1
+
+
+def admit(pidfile: Path) -> int:
+    """``sentinel admit``: tell the warm spare agent recorded in ``pidfile`` to join the
+    rendezvous (SIGUSR1 through a pidfd, only to the process the record still names)."""
+    from sentinel import procs
+
+    try:
+        agent = procs.read_agent_record(pidfile, owners=frozenset({0, os.geteuid()}))
+        procs.signal_agent(agent, signal.SIGUSR1)
+    except FileNotFoundError:
+        return _fail(f"no agent to admit: {pidfile} does not exist", 1)
+    except ProcessLookupError:
+        return _fail(f"no agent to admit: the agent recorded in {pidfile} has exited", 1)
+    except (procs.NotTrusted, OSError) as exc:
+        return _fail(f"not admitting the agent recorded in {pidfile}: {exc}", 1)
+    print(f"admitted the agent pid {agent.pid}")
+    return 0

@@ -116,6 +116,36 @@ class MigrationRecord:
     scheduler_cordoned: bool | None = None  # None: not tried yet; False: the backend's cordon failed (retried)
 
 
+def leaving_reason(state_dir: Path) -> str:
+    """Why this node is leaving the job, or "" when it is not: a cordon marker (or one that cannot
+    be trusted: fail safe, as ``sentinel launch`` does), or a migration record in any phase (from
+    the trip on, every path of a migration ends with the node drained). The agent asks this
+    before it re-joins the rendezvous after its workers failed: a node being drained must not
+    come back as a participant for the seconds until its own drain signal arrives."""
+    if not os.access(state_dir, os.X_OK):
+        return ""  # the job's user (sentinel launch --user) may not look: torch's own behaviour
+    cordon = state_dir / "cordon.json"
+    if cordon.exists() and not os.access(cordon, os.R_OK):
+        return "node is cordoned (its cordon marker exists but this user cannot read it)"
+    marker, problem = read_cordon(cordon)
+    if marker is not None:
+        return f"node is cordoned: {marker['reason']}"
+    if problem:
+        return f"node is cordoned ({problem})"
+    try:
+        raw = read_trusted(state_dir / "migration.json", owners=frozenset({0, os.geteuid()}), max_bytes=1 << 20)
+    except (FileNotFoundError, PermissionError):
+        return ""  # none, or not this user's to read: torch's own behaviour
+    except (UnsafePath, OSError) as exc:
+        return f"untrusted migration record: {exc}"
+    try:
+        record = json.loads(raw)
+        phase = Phase(record["phase"])
+    except (ValueError, KeyError, TypeError):
+        return "unreadable migration record"
+    return f"migration {record.get('request_id', '?')} is {phase.value}: {record.get('rule', '')}: {record.get('reason', '')}"
+
+
 class Migrator:
     def __init__(
         self,

@@ -392,3 +392,11 @@ def test_the_reused_state_dict_follows_the_training_and_an_lr_schedule(tmp_path)
     guard2.step(6)
     assert guard2.memory.wait_idle() and guard2.memory.agreed_step == 6
     guard2.close(flush=False)
+
+
+def test_migrate_ack_mode_is_checked(tmp_path):
+    """A migrate snapshot is acknowledged once durable unless the job opts into memory-only acks;
+    any other spelling is refused before anything starts."""
+    from trainer.guard import SnapshotGuard
+    with pytest.raises(ValueError, match="migrate_ack must be 'durable' or 'memory'"):
+        SnapshotGuard(tmp_path, {}, memory_interval_steps=1, migrate_ack="fast")

@@ -82,6 +82,18 @@ def state_digests(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, s
     return out
 
 
+def _process_start_time() -> float | None:
+    """Wall-clock time this process started (a worker forked from a warm forkserver starts late
+    and fast; a cold one imports torch first): /proc/self/stat field 22 plus the boot time."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                     if line.startswith("btime "))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=50)
@@ -100,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="hold after a migrate snapshot at least this long (a request may ask for longer)")
     ap.add_argument("--memory-interval-steps", type=int, default=0,
                     help="in-memory snapshot (own node + a peer replica) every N steps (0: off)")
+    ap.add_argument("--migrate-ack", choices=("durable", "memory"), default="durable",
+                    help="acknowledge a migrate snapshot once on disk too (durable) or once in memory and "
+                         "replicated (memory: the drain starts sooner; two adjacent victims fall back to disk)")
     ap.add_argument("--replica-bytes-per-second", type=float, default=0.0,
                     help="throttle the peer replica copy (0: as fast as it goes)")
     ap.add_argument("--progress", help="append one JSON line per computed step (rank 0)")
@@ -107,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pg-timeout", type=float, default=120.0, help="process-group timeout (s): a hung peer is noticed only then")
     args = ap.parse_args(argv)
 
+    t_started = time.time()
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=args.pg_timeout))
@@ -116,10 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     def record(event: str, **fields) -> None:
         if args.progress:
             with open(args.progress, "a") as f:  # O_APPEND: whole lines from many ranks
-                f.write(json.dumps({"event": event, "rank": rank, "world": world, "node": node,
+                f.write(json.dumps({"event": event, "rank": rank, "world": world, "node": node, "pid": os.getpid(),
                                     "time": time.time(), **fields}) + "\n")
 
-    record("admitted")
+    t_admitted = time.time()
+    record("admitted", started=t_started, process_started=_process_start_time())
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     device = torch.device("cuda") if cuda else torch.device("cpu")
@@ -130,14 +147,21 @@ def main(argv: list[str] | None = None) -> int:
         fully_shard(layer)
     fully_shard(model)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    t_model = time.time()
     guard = SnapshotGuard(args.snapshot_dir, {"app": ModelOptimState(model, optim)},
                           interval_steps=args.interval_steps, keep=args.keep,
                           migrate_hold_seconds=args.migrate_hold_seconds,
                           memory_interval_steps=args.memory_interval_steps,
-                          replica_bytes_per_second=args.replica_bytes_per_second)
+                          replica_bytes_per_second=args.replica_bytes_per_second,
+                          migrate_ack=args.migrate_ack)
+    t_guard = time.time()
     start = guard.resume()
-    record("resumed", start=start, source=str(guard.resumed_from or ""), channel_error=guard.channel_error,
-           skipped=[str(p) for p in guard.skipped_on_resume], restore=guard.restore_summary())
+    # where the seconds from process start to the first step go (bench/migration.py's timeline)
+    phases = {"process_group": t_admitted - t_started, "model": t_model - t_admitted, "guard": t_guard - t_model,
+              "load": time.time() - t_guard}
+    record("resumed", start=start, phases={k: round(v, 4) for k, v in phases.items()}, source=str(guard.resumed_from or ""),
+           channel_error=guard.channel_error, skipped=[str(p) for p in guard.skipped_on_resume],
+           restore=guard.restore_summary())
     loss_fn = nn.CrossEntropyLoss()
     reported = 0
 
