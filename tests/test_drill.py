@@ -90,8 +90,10 @@ def test_sudden_kill_of_a_whole_node_loses_at_most_one_step_with_the_memory_tier
     r = drill("--fault", "kill", "--verify")
     assert r["ok"], r
     assert len(r["recomputed_steps"]) <= 1 and r["spare_in_place"] and r["verify"]["bitwise_equal"]
-    # the killed node's memory died with it: its shard came from the replica on node0
-    assert r["restore"]["tier"] == "memory" and r["restore"]["peer"] == [1] and r["restore"]["own"] == [0]
+    # the killed node's memory died with it: its shard came from the replica on the survivor. Which
+    # rank the spare gets depends on the rendezvous order: shard 0 or 1 is pulled, the other is own
+    restore = r["restore"]
+    assert restore["tier"] == "memory" and len(restore["peer"]) == 1 and sorted(restore["own"] + restore["peer"]) == [0, 1]
     loaded = next(e for e in r["timeline"] if e["stage"] == "snapshot loaded")
     assert loaded["tier"] == "memory" and loaded["source"].startswith("memory:step-")
 
