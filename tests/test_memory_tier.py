@@ -192,8 +192,11 @@ def crash_then_resume(tmp_path: Path, *, run_id: str, exit_at: int = 6, between=
 @pytest.mark.slow
 def test_crash_restores_from_own_memory_bitwise_equal(tmp_path, reference):
     rows, _ = crash_then_resume(tmp_path, run_id="own")
+    # The crash (os._exit right after step 6) may land while step 6's replica is still copying:
+    # then the newest agreed memory snapshot is step 5 and one step is recomputed, never more.
+    assert len({row["start"] for row in rows}) == 1
     for row in rows:
-        assert row["start"] == 7 and row["resumed_from"] == "memory:step-000000006"
+        assert row["start"] in (6, 7) and row["resumed_from"] == f"memory:step-{row['start'] - 1:09d}"
         assert row["restore"]["tier"] == "memory" and row["restore"]["own"] == [0, 1, 2, 3] and row["restore"]["peer"] == []
     assert rows[0]["params"] == reference["params"] and rows[0]["optim"] == reference["optim"]
 
@@ -203,7 +206,8 @@ def test_a_lost_node_s_shards_are_pulled_from_the_peer_replica_bitwise_equal(tmp
     import shutil
 
     rows, _ = crash_then_resume(tmp_path, run_id="peer", between=lambda h: shutil.rmtree(h / "node1"))
-    assert {r["restore"]["tier"] for r in rows} == {"memory"} and rows[0]["start"] == 7
+    # at most one step lost to the crash (step 6's copy may still have been in flight)
+    assert {r["restore"]["tier"] for r in rows} == {"memory"} and rows[0]["start"] in (6, 7)
     assert rows[0]["restore"]["own"] == [0, 1] and rows[0]["restore"]["peer"] == [2, 3]
     assert rows[0]["params"] == reference["params"] and rows[0]["optim"] == reference["optim"]
     assert rows[0]["memory"]["replica_errors"] == 0 and rows[0]["memory"]["agreed_step"] >= 10  # 11 may still be copying
