@@ -30,6 +30,27 @@ from pathlib import Path
 NODES = ("node1", "node2", "node3", "node4")
 
 
+
+def stop_groups(procs, grace: float) -> None:
+    """SIGTERM each process's group (each was started with its own session), wait up to ``grace``
+    seconds for all of them together, then SIGKILL the groups still there."""
+    procs = list(procs)
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    end = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(timeout=5)
+
 class SlurmUnavailable(RuntimeError):
     pass
 
@@ -179,18 +200,7 @@ PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=U
                   "nodes idle again")
 
     def stop(self) -> None:
-        for p in self.procs.values():
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        end = time.monotonic() + 10
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=max(0.1, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=5)
+        stop_groups(self.procs.values(), grace=10)
 
 
 # -- the drill ------------------------------------------------------------------------------------

@@ -9,14 +9,13 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import signal
 import ssl
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
-from sentinel.drill_slurm import free_ports
+from sentinel.drill_slurm import free_ports, stop_groups
 
 KUBE_APISERVER = Path(os.environ.get("SENTINEL_KUBE_BIN", "/var/cache/sentinel-ci/kube/bin")) / "kube-apiserver"
 NODES = ("node1", "node2", "node3", "node4")
@@ -163,15 +162,4 @@ current-context: c
         return "\n".join(out)
 
     def stop(self) -> None:
-        for p in self.procs.values():
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        end = time.monotonic() + 15
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=max(0.1, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=5)
+        stop_groups(self.procs.values(), grace=15)
