@@ -64,9 +64,6 @@ OWN_SLOTS = 3
 REPLICA_SLOTS = 2
 META_ROOM = 64 * 1024  # room for the JSON meta: the non-tensor leaves change between snapshots
 CHUNK = 16 << 20  # replica and restore transfers go in chunks of this size (throttled, and yielding, per chunk)
-# Background work (the replica thread) runs at this nice value: on a node whose cores are all busy
-# with training, the copy waits for a free core instead of stretching the training step.
-BACKGROUND_NICE = 10
 # madvise(MADV_POPULATE_WRITE) (Linux 5.14; Python < 3.12 has no name for it): map every page of a
 # slot at setup, so the first snapshots into it do not pay a page fault per 4 KiB.
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
@@ -588,7 +585,9 @@ class Replicator:
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        _lower_priority()
+        # Not niced: measured here at nice 10 a copy took 2-3x longer (snapshots late) and the step
+        # gained nothing; while it waits for a core, it may also hold the interpreter lock the
+        # training thread needs.
         while True:
             job = self._jobs.get()
             if job is None:
@@ -705,16 +704,6 @@ def _unpack_head(head: torch.Tensor) -> tuple[int, int, int, int, bytes]:
     if not 0 <= meta_len <= META_ROOM:
         raise MemoryTierError(f"a replica head with a meta of {meta_len} bytes")
     return step, data_len, crc, meta_len, raw[_HEAD.size:_HEAD.size + min(meta_len, HEAD_BYTES - _HEAD.size)]
-
-
-def _lower_priority() -> None:
-    """Run the calling thread at :data:`BACKGROUND_NICE` (Linux: nice is per thread). Raising one's
-    own nice value needs no privilege; failing to is harmless (logged at debug)."""
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), BACKGROUND_NICE))
-    except (AttributeError, OSError) as exc:
-        log.debug("cannot lower the priority of thread %s: %s", threading.current_thread().name, exc)
 
 
 def _rank() -> int:
