@@ -26,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sentinel.sources import simulated  # noqa: E402
+from sentinel.sources.simulated import CountingNvml  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 FLEET_NODES = 2048
@@ -67,23 +68,6 @@ def cardinality(port: int, gpus: int) -> dict[str, float]:
         "fleet_scrape_mb": len(body) * FLEET_NODES / 1e6,
         "fleet_scrape_gzip_mb": len(zipped) * FLEET_NODES / 1e6,
     }
-
-
-class CountingNvml:
-    """Counts the device calls a source makes through a pynvml look-alike."""
-
-    def __init__(self, nvml) -> None:
-        self._nvml = nvml
-        self.calls = 0
-
-    def __getattr__(self, name):
-        value = getattr(self._nvml, name)
-        if callable(value) and name.startswith("nvmlDevice") and not isinstance(value, type):
-            def counted(*args, **kw):
-                self.calls += 1
-                return value(*args, **kw)
-            return counted
-        return value
 
 
 def nvml_calls(gpus: int, batch: bool, polls: int = 5) -> float:

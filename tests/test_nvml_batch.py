@@ -13,6 +13,7 @@ from sentinel.metrics import View, build_registry
 from sentinel.readings import FIELDS, NodeReadings
 from sentinel.sources import simulated
 from sentinel.sources.nvml import NvmlSource
+from sentinel.sources.simulated import CountingNvml
 
 CALLS_PER_GPU_TARGET = 10
 
@@ -61,23 +62,6 @@ def test_simulated_h100_with_18_links_in_at_most_10_calls(tmp_path):
         assert g.values["ecc_corrected_volatile"] == 3
     finally:
         src.close()
-
-
-class CountingNvml:
-    """Counts every device call a source makes through a pynvml look-alike."""
-
-    def __init__(self, nvml) -> None:
-        self._nvml = nvml
-        self.calls = 0
-
-    def __getattr__(self, name):
-        value = getattr(self._nvml, name)
-        if callable(value) and name.startswith("nvmlDevice") and not isinstance(value, type):
-            def counted(*args, **kw):
-                self.calls += 1
-                return value(*args, **kw)
-            return counted
-        return value
 
 
 def test_one_field_unsupported_or_failing_inside_the_batch_is_that_fields_alone():

@@ -517,3 +517,22 @@ class SimulatedNvml:
 
     def nvmlEventSetFree(self, event_set: _EventSet) -> None:
         return None
+
+
+class CountingNvml:
+    """Counts the device calls a source makes through a pynvml look-alike (the poll benchmark and
+    the batching tests measure NVML calls per GPU per poll with it)."""
+
+    def __init__(self, nvml) -> None:
+        self._nvml = nvml
+        self.calls = 0
+
+    def __getattr__(self, name):
+        value = getattr(self._nvml, name)
+        if callable(value) and name.startswith("nvmlDevice") and not isinstance(value, type):
+            def counted(*args, **kw):
+                self.calls += 1
+                return value(*args, **kw)
+            return counted
+        return value
+
