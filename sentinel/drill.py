@@ -106,8 +106,14 @@ class Drill:
         self.run_id = f"drill-{os.getpid()}"
         # Each node's memory-tier holder: a tmpfs directory of its own ("node memory").
         self.memory_root = Path("/dev/shm") / f"sentinel-drill-{os.getpid()}-{os.urandom(3).hex()}"
-        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-                    "PYTHONUNBUFFERED": "1", "PYTHONPATH": _pythonpath()}
+        # plain torchrun keeps the first round's worker-store address for good (a spare deadlocks
+        # waiting for MASTER_ADDR): its rank-0 worker hosts the store instead; trainer.elastic
+        # forgets the address every round, and its rank-0 agent hosts the store (README)
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": _pythonpath()}
+        if args.agent == "torchrun":
+            self.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        else:
+            self.env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
 
     # -- processes -------------------------------------------------------------------------------
     def spawn(self, argv: list[str], log: Path, env: dict[str, str] | None = None, session: bool = True) -> subprocess.Popen:
@@ -492,7 +498,7 @@ class Drill:
         last = max(resumed, key=lambda e: e["time"])  # the restart that stuck
         r = last["restore"]
         out = {"tier": r.get("tier"), "step": last["start"] - 1, "own": r.get("own", []), "peer": r.get("peer", []),
-               "seconds": r.get("seconds"), "memory_rejected": r.get("memory_rejected", {})}
+               "disk": r.get("disk", []), "seconds": r.get("seconds"), "memory_rejected": r.get("memory_rejected", {})}
         if self.args.memory_interval_steps > 0 and r.get("tier") != "memory":
             out["fallback"] = (f"memory tier could not restore ({r.get('memory_reason') or 'unknown'}): fell back to "
                                f"the newest disk snapshot ({last['source'] or 'none'})")
@@ -629,8 +635,9 @@ def print_timeline(result: dict[str, Any]) -> None:
     print(f"recomputed steps (work lost): {len(result['recomputed_steps'])} {result['recomputed_steps'] or ''}")
     rs = result.get("restore") or {}
     if rs.get("tier"):
+        disk = f", from the disk snapshot of that step (every memory copy lost): {rs['disk']}" if rs.get("disk") else ""
         print(f"restored from: {rs['tier']}" + (f" at step {rs['step']} (shards from this node's memory: {rs['own']}, "
-                                                f"from a peer's replica: {rs['peer']})" if rs["tier"] == "memory" else ""))
+                                                f"from a peer's replica: {rs['peer']}{disk})" if rs["tier"] == "memory" else ""))
     for note in result["migration_notes"] + result.get("notes", []):
         print(f"note: {note}")
     if "verify" in result:

@@ -114,11 +114,17 @@ def test_rank_crash_restores_from_the_node_s_own_memory_without_disk_or_peer():
 
 
 def test_two_nodes_fail_at_once():
-    r = drill("--nodes", "3", "--spares", "2", "--victims", "2", "--fault", "dbe")
+    r = drill("--nodes", "3", "--spares", "2", "--victims", "2", "--fault", "dbe", "--verify")
     assert r["ok"], r
     assert sorted(r["final_nodes"]) == ["node0", "spare0", "spare1"] and r["recomputed_steps"] == []
     assert r["other_migrations"][0]["phase"] == "drained"
     assert r["membership_changes"] == 1  # both nodes replaced in one re-rendezvous, not one after another
+    # of 3 nodes any 2 hold each other's replica: one shard survives nowhere in memory. Its new rank
+    # reads it from the (durable) migrate snapshot on disk while the other two come from memory
+    restore = r["restore"]
+    assert restore["tier"] == "memory" and len(restore["disk"]) == 1, restore
+    assert sorted(restore["own"] + restore["peer"] + restore["disk"]) == [0, 1, 2]
+    assert r["verify"]["bitwise_equal"]
 
 
 def test_plain_torchrun_with_a_cold_spare_still_migrates():

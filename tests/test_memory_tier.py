@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.needs_torch]
 torch = pytest.importorskip("torch")
 
 from trainer.memory import (  # noqa: E402
-    COMPLETE, OWN, REPLICA, WRITING, Layout, MemoryBudgetError, MemoryTier, MemoryTierError, Slot, SlotInfo,
+    COMPLETE, DISK, OWN, REPLICA, WRITING, Layout, MemoryBudgetError, MemoryTier, MemoryTierError, Slot, SlotInfo,
     ensure_holder, inventory, plan_restore, ring_partners, slot_name,
 )
 
@@ -62,6 +62,30 @@ def test_both_copies_lost_means_no_memory_plan_and_says_which_shard():
     assert plan is None and why == "no memory snapshot of this run"
     plan, why = plan_restore(4, ["A", "A", "S", "S"], {"A": [info(OWN, 0, 5), info(OWN, 1, 5)], "S": []})
     assert plan is None and "shard(s) [2, 3]" in why and "both lost" in why
+
+
+def test_a_shard_whose_every_copy_died_is_read_from_disk_at_the_disk_snapshot_s_step():
+    # nodes B and C failed together and C held B's replica: shards 2, 3 exist nowhere in memory
+    holders = ["A", "A", "S", "S"]
+    found = {"A": [info(OWN, 0, 5), info(OWN, 1, 5), info(OWN, 0, 4, 1), info(OWN, 1, 4, 1)], "S": []}
+    plan, why = plan_restore(4, holders, found, disk_step=5)
+    assert why == "" and plan.step == 5 and plan.local == [0, 1] and plan.peer == [] and plan.disk == [2, 3]
+    assert plan.senders == {0: None, 1: None, 2: DISK, 3: DISK}
+    # only at the disk snapshot's own step: any other step would mix two points of the training
+    assert plan_restore(4, holders, found, disk_step=3)[0] is None
+    assert plan_restore(4, holders, found, disk_step=4)[0].step == 4
+    assert plan_restore(4, holders, found)[0] is None  # no disk reader: the caller loads all from disk
+    # nothing from memory at all: that is a plain disk load, not a memory restore
+    plan, why = plan_restore(4, ["S", "S", "T", "T"], {"A": [info(OWN, 0, 5)], "S": [], "T": []}, disk_step=5)
+    assert plan is None and "shard(s) [1, 2, 3]" in why
+
+
+def test_a_complete_memory_step_newer_than_the_disk_snapshot_needs_no_disk():
+    holders = ["A", "A", "B", "B"]
+    found = {"A": [info(OWN, 0, 6), info(OWN, 1, 6), info(REPLICA, 2, 6), info(REPLICA, 3, 6)],
+             "B": [info(OWN, 2, 6), info(OWN, 3, 6)]}
+    plan, _ = plan_restore(4, holders, found, disk_step=5)
+    assert plan.step == 6 and plan.disk == [] and plan.local == [0, 1, 2, 3]
 
 
 def test_a_copy_of_another_layout_is_never_chosen():

@@ -129,10 +129,24 @@ class Rendezvous:
         dr._sentinel_original_delay = original_delay
         dr._delay = functools.partial(_polling_delay, self, original_delay)
         original_next = self.handler.next_rendezvous
+        # torch keeps the first round's worker-store address (``_bootstrap_store_info``) for every
+        # later round unless the node is rank 0 without a store: after a membership change a spare
+        # waits forever for a MASTER_ADDR the new rank 0 never publishes (it kept its old one), and
+        # a survivor points its workers at the store of a node that was drained. Forget it every
+        # round: the new rank 0's agent starts the workers' store before its workers exist (no
+        # worker's connection is refused and retried with backoff, 0.4-0.7 s here, as when
+        # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 makes the rank-0 worker host it).
+        fresh_store_info = hasattr(self.handler, "_bootstrap_store_info") and hasattr(self.handler, "_shared_tcp_store_server")
+        if not fresh_store_info:
+            self.problems.append("torch's DynamicRendezvousHandler keeps no worker-store address: set "
+                                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for membership changes")
 
         def next_rendezvous():
             saved = holder._cache_duration
             holder._cache_duration = 0
+            if fresh_store_info:
+                self.handler._bootstrap_store_info = None
+                self.handler._shared_tcp_store_server = None  # rank 0 of the new round starts a new one
             try:
                 return original_next()
             finally:

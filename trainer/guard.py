@@ -42,6 +42,7 @@ Contract
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -377,13 +378,15 @@ class SnapshotGuard:
         if self.memory is not None:
             newest = self._from_rank0(candidates[0] if candidates else None)
             self._staging.clear()  # a load may replace the live tensors
-            info = self.memory.restore(self._live_state, newest[0] if newest is not None else -1)
+            read_disk = None if newest is None else functools.partial(self._read_own_part, Path(newest[1]))
+            info = self.memory.restore(self._live_state, newest[0] if newest is not None else -1, read_disk)
             self.restore_info = info
             if info.tier == "memory":
                 self._load_live(self._restored_state)
                 self.resumed_from = f"memory:step-{info.step:09d}"
                 log.info("resumed from memory at step %d (%d shard(s) from this node's memory, %d from a peer's "
-                         "replica) in %.3f s", info.step, len(info.local), len(info.peer), info.seconds)
+                         "replica, %d from the disk snapshot of that step) in %.3f s", info.step, len(info.local),
+                         len(info.peer), len(info.disk), info.seconds)
                 return info.step + 1
             if newest is not None or info.reason != "no memory snapshot of this run":
                 log.warning("memory tier: %s; falling back to the newest disk snapshot (%s)", info.reason,
@@ -412,6 +415,18 @@ class SnapshotGuard:
             if self.rank == 0:
                 self._set_aside(path)
             tried += 1
+
+    @staticmethod
+    def _read_own_part(path: Path, state: dict[str, Any]) -> None:
+        """Not collective: read this rank's part of the disk snapshot ``path`` into ``state`` (the
+        live state dict; DTensors take only their local shard). The memory tier calls it on the one
+        rank whose shard lost every memory copy, while the others restore from memory; the step is
+        the same, so the result is what a collective load of the whole snapshot gives."""
+        import warnings
+
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(path), no_dist=True)
 
     def _live_state(self) -> dict[str, Any]:
         self._restored_state = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in self.state.items()}
@@ -836,8 +851,8 @@ class SnapshotGuard:
         out: dict[str, Any] = {"tier": "memory" if info is not None and info.tier == "memory" else
                                ("disk" if self.resumed_from else "none")}
         if info is not None:
-            out.update(own=info.local, peer=info.peer, memory_reason=info.reason, memory_rejected=info.rejected,
-                       seconds=round(info.seconds, 4))
+            out.update(own=info.local, peer=info.peer, disk=info.disk, memory_reason=info.reason,
+                       memory_rejected=info.rejected, seconds=round(info.seconds, 4))
         return out
 
     def drain(self) -> None:

@@ -47,7 +47,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -457,27 +457,36 @@ def inventory(path: Path, *, run: str, world: int) -> tuple[list[SlotInfo], dict
 
 
 # -- restore planning (pure) --------------------------------------------------------------------------
+DISK = -1  # RestorePlan.senders: the shard's own rank reads it from the disk snapshot of the same step
+
+
 @dataclass
 class RestorePlan:
     """Which copy each shard is restored from, at one step every shard has."""
 
     step: int
-    # shard -> (holder id, file, data_len, crc): the copy chosen
+    # shard -> (holder id, file, data_len, crc): the copy chosen ("" holder: the disk snapshot)
     sources: dict[int, tuple[str, str, int, int | None]]
-    # shard -> the rank that sends it (None: the shard's own rank reads it from its node's memory)
+    # shard -> the rank that sends it (None: the shard's own rank reads it from its node's memory;
+    # DISK: the shard's own rank reads its part of the disk snapshot of this step, alone)
     senders: dict[int, int | None]
     local: list[int] = field(default_factory=list)
     peer: list[int] = field(default_factory=list)
+    disk: list[int] = field(default_factory=list)
 
 
 def plan_restore(world: int, holders: list[str], found: Mapping[str, list[SlotInfo]],
-                 layouts: list[str] | None = None) -> tuple[RestorePlan | None, str]:
+                 layouts: list[str] | None = None, disk_step: int | None = None) -> tuple[RestorePlan | None, str]:
     """The newest step every shard ``0..world-1`` can be restored from, and from where.
 
     ``holders[r]`` is the holder id of rank ``r``'s node now; ``found[h]`` the loadable slots in
     holder ``h``; ``layouts[r]`` rank ``r``'s layout hash (a copy of another layout is unusable).
     A shard's copy in its own rank's holder is preferred; otherwise the lowest rank on the holder
-    with a copy sends it. Returns (None, why) when no step has every shard."""
+    with a copy sends it. ``disk_step``: the step of the newest complete disk snapshot, if its
+    shards can be read one rank at a time: at that step a shard whose every memory copy was lost
+    (two adjacent nodes failed together) is read from disk by its own rank while the others come
+    from memory — unless no shard at all would come from memory. Returns (None, why) when no step
+    has every shard."""
     by_step: dict[int, dict[int, list[tuple[str, SlotInfo]]]] = {}
     for h, infos in found.items():
         for info in infos:
@@ -486,16 +495,24 @@ def plan_restore(world: int, holders: list[str], found: Mapping[str, list[SlotIn
             by_step.setdefault(info.step, {}).setdefault(info.shard, []).append((h, info))
     if not by_step:
         return None, "no memory snapshot of this run"
+    in_job = set(holders)
     missing_newest = ""
     for step in sorted(by_step, reverse=True):
-        copies = by_step[step]
-        missing = [r for r in range(world) if r not in copies]
-        if missing:
+        copies = {r: [hc for hc in c if hc[0] in in_job] for r, c in by_step[step].items()}
+        missing = [r for r in range(world) if not copies.get(r)]
+        mixed = step == disk_step and len(missing) < world
+        if missing and not mixed:
             if not missing_newest:
-                missing_newest = (f"no copy of shard(s) {missing[:8]} at step {step} (own and replica both lost)")
+                lost = [r for r in missing if r not in by_step[step]]
+                missing_newest = (f"no copy of shard(s) {lost[:8]} at step {step} (own and replica both lost)" if lost
+                                  else f"the copies of shard(s) {missing[:8]} at step {step} are on nodes that left the job")
             continue
         plan = RestorePlan(step, {}, {})
         for r in range(world):
+            if r in missing:
+                plan.sources[r], plan.senders[r] = ("", "", 0, None), DISK
+                plan.disk.append(r)
+                continue
             options = sorted(copies[r], key=lambda hc: (hc[0] != holders[r], hc[1].role != OWN, hc[0], hc[1].file))
             h, info = options[0]
             plan.sources[r] = (h, info.file, info.data_len, info.crc)
@@ -504,12 +521,9 @@ def plan_restore(world: int, holders: list[str], found: Mapping[str, list[SlotIn
                 plan.local.append(r)
             else:
                 on_h = [q for q in range(world) if holders[q] == h]
-                if not on_h:
-                    continue  # the holder left the job: its copy cannot be sent
                 plan.senders[r] = on_h[r % len(on_h)]
                 plan.peer.append(r)
-        if len(plan.sources) == world and all(r in plan.senders for r in range(world)):
-            return plan, ""
+        return plan, ""
     return None, missing_newest or "no step whose every shard is held by a node in the job"
 
 
@@ -723,6 +737,7 @@ class RestoreResult:
     step: int = -1
     local: list[int] = field(default_factory=list)  # shards read from this node's memory
     peer: list[int] = field(default_factory=list)  # shards pulled from another node's copy
+    disk: list[int] = field(default_factory=list)  # shards read from the disk snapshot of the same step
     reason: str = ""  # why memory was not used
     rejected: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
@@ -966,13 +981,17 @@ class MemoryTier:
         return self.layout.rebuild(template, self._disk_cache[key], meta.get("values", {}))
 
     # -- restore ------------------------------------------------------------------------------------
-    def restore(self, get_state, disk_step: int) -> RestoreResult:
+    def restore(self, get_state, disk_step: int, read_disk: Callable[[Mapping[str, Any]], None] | None = None
+                ) -> RestoreResult:
         """Collective. Find the newest step every shard of this run can be restored from memory
         (own node first, else the replica on a peer), load it into the live state and return what
         was done; ``tier == ""`` (with the reason) when memory has nothing as new as the newest
         disk snapshot ``disk_step`` (-1: none), or a copy failed to load on any rank — the caller
         then loads from disk. ``get_state()`` returns the live state dict (only called when
-        memory will be used)."""
+        memory will be used). ``read_disk(state)``, when given, reads this rank's part of the disk
+        snapshot of ``disk_step`` into ``state`` without collectives: a shard whose every memory
+        copy was lost (its node and the node holding its replica both failed) is then read from
+        disk by its own rank alone while every other shard still comes from memory."""
         t0 = time.perf_counter()
         found, rejected = inventory(self.dir, run=self.run, world=self.world)
         for what, n in rejected.items():
@@ -986,7 +1005,8 @@ class MemoryTier:
         for h in dict.fromkeys(self.holders):
             for k, n in next(e[2] for e in everyone if e[0] == h).items():
                 total_rejected[k] = total_rejected.get(k, 0) + n
-        plan, why = plan_restore(self.world, self.holders, by_holder)
+        mixed_step = disk_step if read_disk is not None and disk_step >= 0 else None
+        plan, why = plan_restore(self.world, self.holders, by_holder, disk_step=mixed_step)
         result = RestoreResult("", rejected=total_rejected)
         if plan is None or plan.step < disk_step:
             result.reason = why if plan is None else f"memory's newest complete step {plan.step} is older than disk's {disk_step}"
@@ -994,7 +1014,7 @@ class MemoryTier:
         state = get_state()
         layout = Layout.of(state)
         layouts = self._gather(layout.hash)
-        plan, why = plan_restore(self.world, self.holders, by_holder, layouts)
+        plan, why = plan_restore(self.world, self.holders, by_holder, layouts, disk_step=mixed_step)
         if plan is None or plan.step < disk_step:
             result.reason = (why if plan is None else f"memory's newest complete step {plan.step} is older than disk's "
                              f"{disk_step}") + " (after matching layouts)"
@@ -1004,7 +1024,7 @@ class MemoryTier:
         error = ""
         values: dict = {}
         try:
-            values = self._execute(plan, layout, state)
+            values = self._execute(plan, layout, state, read_disk)
         except Exception as exc:  # noqa: BLE001 - any failure: every rank goes to disk together
             error = f"{type(exc).__name__}: {exc}"
             log.error("restore from memory at step %d failed on rank %d: %s", plan.step, self.rank, error)
@@ -1016,10 +1036,12 @@ class MemoryTier:
             return result
         self._cleanup_after_first = True
         result.tier, result.step, result.local, result.peer = "memory", plan.step, plan.local, plan.peer
+        result.disk = plan.disk
         result.seconds = time.perf_counter() - t0
         return result
 
-    def _execute(self, plan: RestorePlan, layout: Layout, state: Mapping[str, Any]) -> dict:
+    def _execute(self, plan: RestorePlan, layout: Layout, state: Mapping[str, Any],
+                 read_disk: Callable[[Mapping[str, Any]], None] | None = None) -> dict:
         """Read or receive this rank's shard, send the shards this rank's node holds for others."""
         works, keep = [], []
         for shard, sender in sorted(plan.senders.items()):
@@ -1039,44 +1061,50 @@ class MemoryTier:
             for start in range(0, data_len, CHUNK):
                 works.append(dist.isend(src.data[start:start + CHUNK], dst=shard, group=self.group))
         values: dict = {}
-        _, name, data_len, crc = plan.sources[self.rank]
-        if data_len != layout.data_len:
-            raise MemoryTierError(f"the memory copy {name} holds {data_len} bytes, this rank's state {layout.data_len}")
-        sender = plan.senders[self.rank]
-        if sender is None:
-            slot = Slot(self.dir / name, data_len, create=False)
-            keep.append(slot)
-            state_, step, crc, meta = slot.header()
-            if state_ != COMPLETE or step != plan.step or meta.get("layout") != layout.hash:
-                raise MemoryTierError(f"{self.dir / name} is not the complete copy of step {plan.step} it was")
-            if crc is not None and slot.crc() != crc:
-                raise MemoryTierError(f"{self.dir / name} is corrupt (CRC mismatch)")
-            layout.restore_into(state, slot.views(layout), meta.get("values", {}))
-        else:
-            # received straight into an own slot: it is then this node's own copy of that step
-            slot = self._open(OWN, self.rank, 0, layout.data_len)
-            keep.append(slot)
-            slot.begin(plan.step)
-            head = torch.zeros(1, dtype=torch.int64)
-            dist.recv(head, src=sender, group=self.group)
-            raw = torch.zeros(int(head.item()), dtype=torch.uint8)
-            dist.recv(raw, src=sender, group=self.group)
-            for start in range(0, data_len, CHUNK):
-                dist.recv(slot.data[start:start + CHUNK], src=sender, group=self.group)
-            meta = json.loads(raw.numpy().tobytes())
-            if crc is not None and slot.crc() != crc:
-                raise MemoryTierError(f"shard {self.rank} received from rank {sender} is torn (CRC mismatch)")
-            if meta.get("layout") != layout.hash or meta.get("run") != self.run:
-                raise MemoryTierError(f"shard {self.rank} received from rank {sender} is of another layout or run")
-            meta["role"] = OWN
-            slot.finish(plan.step, meta, crc)
-            layout.restore_into(state, slot.views(layout), meta.get("values", {}))
-            slot.close()
-        for w in works:
-            w.wait()
-        for s in keep:
-            if isinstance(s, Slot):
-                s.close()
+        try:
+            _, name, data_len, crc = plan.sources[self.rank]
+            sender = plan.senders[self.rank]
+            if sender != DISK and data_len != layout.data_len:
+                raise MemoryTierError(f"the memory copy {name} holds {data_len} bytes, this rank's state {layout.data_len}")
+            if sender == DISK:
+                if read_disk is None:
+                    raise MemoryTierError(f"shard {self.rank} is to be read from disk, but no disk reader was given")
+                read_disk(state)  # this rank's part of the disk snapshot of plan.step, while the sends above run
+            elif sender is None:
+                slot = Slot(self.dir / name, data_len, create=False)
+                keep.append(slot)
+                state_, step, crc, meta = slot.header()
+                if state_ != COMPLETE or step != plan.step or meta.get("layout") != layout.hash:
+                    raise MemoryTierError(f"{self.dir / name} is not the complete copy of step {plan.step} it was")
+                if crc is not None and slot.crc() != crc:
+                    raise MemoryTierError(f"{self.dir / name} is corrupt (CRC mismatch)")
+                layout.restore_into(state, slot.views(layout), meta.get("values", {}))
+            else:
+                # received straight into an own slot: it is then this node's own copy of that step
+                slot = self._open(OWN, self.rank, 0, layout.data_len)
+                keep.append(slot)
+                slot.begin(plan.step)
+                head = torch.zeros(1, dtype=torch.int64)
+                dist.recv(head, src=sender, group=self.group)
+                raw = torch.zeros(int(head.item()), dtype=torch.uint8)
+                dist.recv(raw, src=sender, group=self.group)
+                for start in range(0, data_len, CHUNK):
+                    dist.recv(slot.data[start:start + CHUNK], src=sender, group=self.group)
+                meta = json.loads(raw.numpy().tobytes())
+                if crc is not None and slot.crc() != crc:
+                    raise MemoryTierError(f"shard {self.rank} received from rank {sender} is torn (CRC mismatch)")
+                if meta.get("layout") != layout.hash or meta.get("run") != self.run:
+                    raise MemoryTierError(f"shard {self.rank} received from rank {sender} is of another layout or run")
+                meta["role"] = OWN
+                slot.finish(plan.step, meta, crc)
+                layout.restore_into(state, slot.views(layout), meta.get("values", {}))
+                slot.close()
+        finally:  # the sends complete whatever happened to this rank's own shard
+            for w in works:
+                w.wait()
+            for s in keep:
+                if isinstance(s, Slot):
+                    s.close()
         return values
 
     def close(self) -> None:
