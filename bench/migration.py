@@ -4,6 +4,7 @@ machine noise; median and max of each stage, trip -> first step on the spare, lo
 Paths, side by side in one run:
   warm        Sentinel: predicted fault, migrate snapshot, warm spare (python -m trainer.elastic)
   warm-etcd   the same with torch's etcd-v2 rendezvous on a local etcd (--etcd; Debian etcd-server)
+  one3        one victim of a 3-node job (2 warm spares): the baseline for two victims of the same job
   two         two victims at once (3 nodes, 2 warm spares): one membership change
   cold        the before: the same predicted migration with plain torchrun and a cold spare
   crash       plain torchrun crash failover: kill -9, no warning, cold spare, periodic snapshot
@@ -14,8 +15,9 @@ Paths, side by side in one run:
 that succeeded. ``migration_*`` is the warm-spare path (``migration_trip_to_first_step_seconds``,
 ``migration_fault_to_first_step_seconds``, ``migration_lost_steps``, ``migration_ok_fraction``,
 ``migration_stage_<stage>_seconds`` = each stage's own duration), ``crash_*`` the plain torchrun
-crash failover, and ``two_victims_*``, ``etcd_migration_*``, ``cold_spare_torchrun_*`` the other
-paths, plus ``*_ratio`` figures.
+crash failover, and ``one_of_three_*``, ``two_victims_*``, ``etcd_migration_*``,
+``cold_spare_torchrun_*`` the other paths, plus ``*_ratio`` figures (``two_victims_over_one_same_job_ratio``:
+two victims / one victim of the same 3-node job; ``two_victims_over_one_ratio``: against the 2-node job).
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ import _report  # noqa: E402
 PATHS = {
     "warm": ("Sentinel, warm spare (c10d)", ["--fault", "xid79"]),
     "warm-etcd": ("Sentinel, warm spare (etcd-v2)", ["--fault", "xid79", "--rdzv-backend", "etcd-v2"]),
+    "one3": ("Sentinel, 1 victim of 3 nodes", ["--fault", "xid79", "--nodes", "3", "--spares", "2", "--victims", "1"]),
     "two": ("Sentinel, 2 victims, 2 warm spares", ["--fault", "xid79", "--nodes", "3", "--spares", "2", "--victims", "2"]),
     "cold": ("before: torchrun, cold spare", ["--fault", "xid79", "--agent", "torchrun"]),
     "crash": ("plain torchrun crash failover", ["--fault", "kill", "--agent", "torchrun"]),
 }
-FIGURE_PREFIX = {"warm": "migration_", "warm-etcd": "etcd_migration_", "two": "two_victims_",
+FIGURE_PREFIX = {"warm": "migration_", "warm-etcd": "etcd_migration_", "one3": "one_of_three_", "two": "two_victims_",
                  "cold": "cold_spare_torchrun_", "crash": "crash_"}
 
 
@@ -143,7 +146,8 @@ def main() -> None:
     if base:
         print()
         for key, name, label in (
-                ("two_victims_trip_to_first_step_seconds", "two_victims_over_one_ratio", "two victims / one victim"),
+                ("two_victims_trip_to_first_step_seconds", "two_victims_over_one_ratio",
+                 "two victims of 3 / one victim of 2 nodes"),
                 ("cold_spare_torchrun_trip_to_first_step_seconds", "cold_torchrun_over_warm_ratio",
                  "before (torchrun, cold spare) / warm"),
                 ("crash_fault_to_first_step_seconds", "plain_failover_over_warm_ratio",
@@ -152,6 +156,12 @@ def main() -> None:
             if figures.get(key):
                 figures[name] = figures[key] / base
                 print(f"{label:<38} {figures[name]:>6.2f}x")
+    # the same 3-node job losing one node or two at once (the same processes on the same 2 cores):
+    # what a second victim costs, without the bigger world's own cost on an oversubscribed host
+    one3, two = figures.get("one_of_three_trip_to_first_step_seconds"), figures.get("two_victims_trip_to_first_step_seconds")
+    if one3 and two:
+        figures["two_victims_over_one_same_job_ratio"] = two / one3
+        print(f"{'two victims / one victim, same 3-node job':<38} {two / one3:>6.2f}x")
     _report.write(args.json, "migration", figures)
 
 
