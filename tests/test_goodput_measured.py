@@ -210,6 +210,28 @@ def test_a_bundle_may_carry_reports_the_simulator_does_not_use(tmp_path):
     assert [r.bench for r in measured.load_all([str(path)])] == ["poll_overhead", "migration"]
 
 
+def test_the_migration_bench_s_warm_and_cold_spare_figures_feed_their_own_inputs(tmp_path):
+    names = ("migrate_seconds", "migrate_warm_seconds", "stall_seconds_per_gb", "node_write_gbps",
+             "memory_overhead_fraction", "restore_memory_seconds", "restore_peer_seconds", "restore_disk_seconds",
+             "detect_seconds", "restart_curve")
+    defaults = {f: getattr(Params(), f) for f in names}
+    # since issue 16 migration_* is the warm spare: it must not pass for the cold spare's time
+    now = report(tmp_path / "now.json", "migration", {"migration_trip_to_first_step_seconds": 1.1,
+                                                      "warm_spare_trip_to_first_step_seconds": 1.1,
+                                                      "cold_spare_torchrun_trip_to_first_step_seconds": 6.6})
+    values, where = measured.resolve(measured.load_all([now]), {}, defaults, nodes=2048)
+    assert values["migrate_seconds"] == 6.6 and "cold_spare_torchrun" in where["migrate_seconds"]
+    assert values["migrate_warm_seconds"] == 1.1
+    warm_only = report(tmp_path / "warm.json", "migration", {"migration_trip_to_first_step_seconds": 1.1,
+                                                             "warm_spare_trip_to_first_step_seconds": 1.1})
+    values, where = measured.resolve(measured.load_all([warm_only]), {}, defaults, nodes=2048)
+    assert where["migrate_seconds"].startswith("default") and values["migrate_warm_seconds"] == 1.1
+    # a report from before (migration_* was the cold spare) still counts as the cold spare
+    before = report(tmp_path / "before.json", "migration", {"migration_trip_to_first_step_seconds": 23.3})
+    values, _ = measured.resolve(measured.load_all([before]), {}, defaults, nodes=2048)
+    assert values["migrate_seconds"] == 23.3 and values["migrate_warm_seconds"] == Params().migrate_warm_seconds
+
+
 def test_cli_takes_measured_files_and_refuses_a_bad_one_cleanly(tmp_path):
     good = report(tmp_path / "mig.json", "migration", {"migration_trip_to_first_step_seconds": 8.0,
                                                         "migration_stage_detected_seconds": 0.25})

@@ -49,6 +49,8 @@ class Input:
     default_note: str
     valid: tuple[float, float] = (0.0, math.inf)
     noise: float = 0.0  # a measured value down to -noise is read as 0 (an overhead lost in run-to-run noise)
+    # (figure, marker): a report holding ``marker`` uses ``figure`` for something else (renamed since)
+    unless: tuple[tuple[str, str], ...] = ()
 
 
 INPUTS: tuple[Input, ...] = (
@@ -58,8 +60,12 @@ INPUTS: tuple[Input, ...] = (
           "assumed 5 GB/s per node to the shared filesystem", (1e-6, math.inf)),
     Input("memory_overhead_fraction", (("memory_snapshot_overhead_fraction", 1.0),), "of a step",
           "assumed 0.05: issue 15's target (<= 5 % of step time at K = 1), not yet measured", (0.0, 10.0), 0.5),
-    Input("migrate_seconds", (("migration_trip_to_first_step_seconds", 1.0),), "s",
-          "assumed 120 s (2 min)"),
+    # bench/migration.py before issue 16 wrote the cold-spare torchrun path as migration_*; since,
+    # migration_* is the warm spare (warm_spare_* says so) and the cold spare is cold_spare_torchrun_*
+    Input("migrate_seconds", (("cold_spare_torchrun_trip_to_first_step_seconds", 1.0),
+                              ("migration_trip_to_first_step_seconds", 1.0)), "s",
+          "assumed 120 s (2 min)",
+          unless=(("migration_trip_to_first_step_seconds", "warm_spare_trip_to_first_step_seconds"),)),
     Input("migrate_warm_seconds", (("warm_spare_trip_to_first_step_seconds", 1.0),), "s",
           "assumed 3 s: issue 16's target for a warm spare, not yet measured"),
     Input("restore_memory_seconds", (("restore_from_memory_seconds", 1.0),), "s",
@@ -199,6 +205,8 @@ def resolve(reports: list[Report], typed: dict[str, object], defaults: dict[str,
         found = None
         for report in reports:  # later files override earlier ones
             for name, factor in inp.figures:
+                if any(name == figure and marker in report.figures for figure, marker in inp.unless):
+                    continue
                 if name in report.figures:
                     found = (report, name, report.figures[name] * factor)
                     break
