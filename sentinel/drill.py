@@ -404,7 +404,8 @@ class Drill:
         started = [e.get("process_started") for e in admitted if e.get("process_started")]
         tl.add("spare workers started", min(started, default=None), warm=self.args.agent == "warm")
         t_admit = min((e["time"] for e in admitted), default=None)
-        tl.add("spare admitted", t_admit, node=admitted[0]["node"] if admitted else None)
+        tl.add("spare admitted", t_admit, node=admitted[0]["node"] if admitted else None,
+               worker_store=sorted({e.get("worker_store") or "?" for e in admitted}) or None)
         t_loaded = min((e["time"] for e in loaded), default=None)
         restore = (loaded[0].get("restore") or {}) if loaded else {}
         tl.add("snapshot loaded", t_loaded, start_step=loaded[0]["start"] if loaded else None,

@@ -123,6 +123,9 @@ def test_two_nodes_fail_at_once():
     # reads it from the (durable) migrate snapshot on disk while the other two come from memory
     restore = r["restore"]
     assert restore["tier"] == "memory" and len(restore["disk"]) == 1, restore
+    # a new rank 0 after the membership change: its agent hosts the workers' store (trainer.elastic
+    # forgets torch's cached address every round), not its worker
+    assert next(e for e in r["timeline"] if e["stage"] == "spare admitted")["worker_store"] == ["agent"]
     assert sorted(restore["own"] + restore["peer"] + restore["disk"]) == [0, 1, 2]
     assert r["verify"]["bitwise_equal"]
 
@@ -131,6 +134,8 @@ def test_plain_torchrun_with_a_cold_spare_still_migrates():
     r = drill("--fault", "xid79", "--agent", "torchrun")
     assert r["ok"] and r["spare_in_place"] and r["recomputed_steps"] == [], r
     assert not next(e for e in r["timeline"] if e["stage"] == "spare workers started")["warm"]
+    # plain torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: the rank-0 worker hosts the store
+    assert next(e for e in r["timeline"] if e["stage"] == "spare admitted")["worker_store"] == ["worker"]
 
 
 def test_no_spare_continues_on_fewer_nodes_when_nnodes_allows():

@@ -136,7 +136,10 @@ def main(argv: list[str] | None = None) -> int:
                                     "time": time.time(), **fields}) + "\n")
 
     t_admitted = time.time()
-    record("admitted", started=t_started, process_started=_process_start_time())
+    # who hosts this process group's store: the rank-0 agent ("agent", already listening) or the
+    # rank-0 worker (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: the other workers' connects may be refused and retried)
+    worker_store = {"True": "agent", "False": "worker"}.get(os.environ.get("TORCHELASTIC_USE_AGENT_STORE", ""), "")
+    record("admitted", started=t_started, process_started=_process_start_time(), worker_store=worker_store)
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     device = torch.device("cuda") if cuda else torch.device("cpu")
