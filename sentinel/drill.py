@@ -300,6 +300,7 @@ class Drill:
                                      f"{(n.root / 'agent.log').read_text()[-1500:]}")
         victims = self.nodes[1:1 + a.victims] if a.nodes > a.victims else self.nodes[:a.victims]
         victim = victims[0]
+        self.victim_names = {v.name for v in victims}
         deadline = t_start + a.timeout
         _wait(lambda: self.max_step() >= a.at_step or self._job_dead(), deadline - time.time(), f"step {a.at_step}")
         tl = Timeline(time.time())
@@ -399,7 +400,9 @@ class Drill:
         loaded = [e for e in events if e["event"] == "resumed" and e["node"] in spares and e["time"] >= t_fault]
         if not loaded:  # no spare joined: the job went on with the nodes it had (or did not resume at all)
             loaded = [e for e in events if e["event"] == "resumed" and e["time"] >= t_fault]
-        left = [e for e in events if e["event"] == "drained" and e["time"] >= t_fault]
+        # the survivors' ranks: the victims' own ranks leave their hold too, at their drain
+        victims = getattr(self, "victim_names", {victim.name})
+        left = [e for e in events if e["event"] == "drained" and e["time"] >= t_fault and e["node"] not in victims]
         tl.add("survivors left the hold", min((e["time"] for e in left), default=None))
         started = [e.get("process_started") for e in admitted if e.get("process_started")]
         tl.add("spare workers started", min(started, default=None), warm=self.args.agent == "warm")

@@ -251,6 +251,38 @@ def test_migrate_hold_is_bounded_and_training_continues(tmp_path):
     assert final(tmp_path / "f.json")["guard"]["snapshots"] == 1  # no second snapshot for any of them
 
 
+def test_sigterm_during_the_migrate_hold_leaves_like_a_drain(tmp_path):
+    # the membership change can reach a survivor as its own agent's SIGTERM (a warm spare in the
+    # wait list restarts every agent's workers) before its all-reduce sees the dead peer: the rank
+    # must leave the hold the same way (recorded, exit 75), not be killed without a trace
+    import signal
+    import time
+
+    runtime = tmp_path / "run"
+    register_agent(runtime)
+    daemon = DaemonEndpoint(runtime)
+    proc = torchrun(2, "--steps", "400", "--snapshot-dir", str(tmp_path / "snaps"), "--step-seconds", "0.02",
+                    "--migrate-hold-seconds", "60", "--progress", str(tmp_path / "p.jsonl"),
+                    env={"SENTINEL_RUNTIME_DIR": str(runtime)}, wait=False)
+    try:
+        pids = wait_for(lambda: (lambda p: p if len(p) == 2 else None)(daemon.rank_pids()), timeout=90, what="rank sockets")
+        assert daemon.request("migrate", "mig-1", "test", pids=pids) == 2
+        collect_acks(daemon, [], lambda a: len(committed(a)) == 2)
+        time.sleep(0.5)  # inside the hold
+        sent = time.time()
+        os.kill(pids[1], signal.SIGTERM)
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        daemon.close()
+    drained = {e["pid"]: e for e in progress(tmp_path / "p.jsonl") if e["event"] == "drained"}
+    assert pids[1] in drained, drained
+    assert "stopped by the agent (SIGTERM) during the migrate hold" in drained[pids[1]]["reason"]
+    assert drained[pids[1]]["time"] - sent < 1.0  # within a hold beat, not at the 60 s hold's end
+    assert pids[0] in drained  # its peer left: the other rank leaves its hold too
+
+
 def test_a_broken_control_channel_is_an_error_and_stays_visible(tmp_path, caplog):
     reason = "control socket ranks/1234.sock is squatted by uid 1001; using an alternative name"
     model = torch.nn.Linear(4, 4)

@@ -48,6 +48,8 @@ import logging
 import math
 import os
 import shutil
+import signal
+import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -787,16 +789,47 @@ class SnapshotGuard:
         log.warning("migrate snapshot at step %d committed; holding up to %.0f s for the drain", step, seconds)
         beats = max(1, math.ceil(seconds / HOLD_BEAT))
         flag = torch.zeros(1, dtype=torch.int32)
-        for _ in range(beats):
-            if self._inflight is not None and self._inflight.upload.done():
-                self._reap()  # the migrate snapshot committed in memory is now on disk: its marker
-            self._answer_while_holding()
-            if self.distributed and self.world > 1:
+        # The membership change can also reach this rank as its own agent's SIGTERM: a warm spare
+        # that moves to the rendezvous' wait list once the drained node left makes every agent
+        # restart its workers, and that may come before this rank's next all-reduce sees the dead
+        # peer. Either way the hold is over: leave the same way (NodeDrained), not killed mid-beat.
+        # It is raised only while waiting (the all-reduce, the sleep): never halfway through
+        # writing a marker or answering a request; a SIGTERM there is raised right after.
+        previous = None
+        pending: list[str] = []
+        waiting = [False]
+        if threading.current_thread() is threading.main_thread():
+            def stopped(signum, _frame):
+                why = (f"stopped by the agent ({signal.Signals(signum).name}) during the migrate hold at step "
+                       f"{step}: the membership change began")
+                if waiting[0]:
+                    raise NodeDrained(why)
+                pending.append(why)
+            previous = signal.signal(signal.SIGTERM, stopped)
+        try:
+            for _ in range(beats):
+                if self._inflight is not None and self._inflight.upload.done():
+                    self._reap()  # the migrate snapshot committed in memory is now on disk: its marker
+                self._answer_while_holding()
+                if pending:
+                    raise NodeDrained(pending[0])
+                waiting[0] = True
                 try:
-                    dist.all_reduce(flag, group=self.control_group)
-                except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError/DistBackendError on a dead peer
-                    raise NodeDrained(f"a peer left during the migrate hold at step {step}: {exc}") from exc
-            time.sleep(HOLD_BEAT)
+                    if self.distributed and self.world > 1:
+                        try:
+                            dist.all_reduce(flag, group=self.control_group)
+                        except NodeDrained:
+                            raise
+                        except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError/DistBackendError on a dead peer
+                            raise NodeDrained(f"a peer left during the migrate hold at step {step}: {exc}") from exc
+                    time.sleep(HOLD_BEAT)
+                finally:
+                    waiting[0] = False
+            if pending:
+                raise NodeDrained(pending[0])
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
         log.warning("no drain within %.0f s; training continues", seconds)
 
     def _answer_while_holding(self) -> None:
