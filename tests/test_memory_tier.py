@@ -252,6 +252,54 @@ def test_both_copies_lost_falls_back_to_disk_and_says_so(tmp_path, reference):
 
 
 @pytest.mark.slow
+def test_a_shard_lost_from_memory_is_read_alone_from_the_disk_snapshot_of_the_same_step(tmp_path, reference):
+    """Node 1 and every replica of its shards are gone (two adjacent nodes failed), but the newest
+    disk snapshot is of the newest memory step: ranks 2 and 3 read their own parts of it, without
+    a collective load, while ranks 0 and 1 restore from node 0's memory — bitwise equal."""
+    rows, r = job(tmp_path, "--steps", "12", "--interval-steps", "4", run_id="mixed")
+    assert len(rows) == 4, r.stdout[-2000:] + r.stderr[-2000:]
+    assert (tmp_path / "snaps" / "step-000000011").is_dir()  # disk: 3, 7 and 11 (close writes the last)
+    import shutil
+
+    shutil.rmtree(tmp_path / "holders" / "node1")
+    for replica in (tmp_path / "holders" / "node0").glob("replica-*.mem"):
+        replica.unlink()
+    rows, r = job(tmp_path, "--steps", "12", "--interval-steps", "4", run_id="mixed")
+    assert len(rows) == 4, r.stdout[-2000:] + r.stderr[-3000:]
+    for row in rows:
+        assert row["start"] == 12 and row["resumed_from"] == "memory:step-000000011", row
+        assert row["restore"]["tier"] == "memory" and row["restore"]["own"] == [0, 1] and row["restore"]["disk"] == [2, 3]
+    assert rows[0]["params"] == reference["params"] and rows[0]["optim"] == reference["optim"]
+
+
+@pytest.mark.slow
+def test_an_unreadable_disk_part_sends_every_rank_to_the_previous_disk_snapshot(tmp_path, reference):
+    """The same loss, but the lost shards' part of the disk snapshot is damaged: no rank keeps a
+    half-restored state — all fall back together, the damaged snapshot is set aside, and the job
+    resumes from the one before, recomputing the steps since (bitwise equal at the end)."""
+    rows, r = job(tmp_path, "--steps", "12", "--interval-steps", "4", run_id="mixbad")
+    assert len(rows) == 4, r.stdout[-2000:] + r.stderr[-2000:]
+    import shutil
+
+    shutil.rmtree(tmp_path / "holders" / "node1")
+    for replica in (tmp_path / "holders" / "node0").glob("replica-*.mem"):
+        replica.unlink()
+    damaged = sorted((tmp_path / "snaps" / "step-000000011").glob("__2_*.distcp"))
+    assert damaged
+    for part in damaged:
+        part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])
+    rows, r = job(tmp_path, "--steps", "12", "--interval-steps", "4", run_id="mixbad")
+    assert len(rows) == 4, r.stdout[-2000:] + r.stderr[-3000:]
+    for row in rows:
+        assert row["start"] == 8 and row["restore"]["tier"] == "disk", row
+        assert row["resumed_from"].endswith("step-000000007")
+    assert "cannot read this rank's part" in rows[2]["restore"]["memory_reason"]
+    assert rows[0]["restore"]["memory_reason"] == "the restore from memory failed on another rank"
+    assert any(p.name.startswith("step-000000011") and p.name != "step-000000011" for p in (tmp_path / "snaps").iterdir())
+    assert rows[0]["params"] == reference["params"] and rows[0]["optim"] == reference["optim"]
+
+
+@pytest.mark.slow
 def test_a_torn_replica_is_never_loaded(tmp_path, reference):
     """Node 1 is lost and node 0's newest replica of its shards was torn (its sender died
     mid-copy): the previous complete replica is used, one step older."""

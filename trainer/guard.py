@@ -428,7 +428,10 @@ class SnapshotGuard:
 
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=str(path), no_dist=True)
+            try:
+                dcp.load(state, checkpoint_id=str(path), no_dist=True)
+            except CheckpointException as exc:  # a BaseException: as an Exception, every rank goes to disk together
+                raise MemoryTierError(f"cannot read this rank's part of {path}: {str(exc)[:300]}") from None
 
     def _live_state(self) -> dict[str, Any]:
         self._restored_state = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in self.state.items()}
