@@ -29,6 +29,11 @@ rendezvous handler; what differs answers one measured slow path of a node replac
   ``--state-dir`` holds a cordon marker or a Sentinel migration record, the agent stops its
   workers, leaves the rendezvous and exits 0 instead of restarting them: several nodes drained at
   once make one membership change, not one per node.
+* **The workers' store, from the agent, every round.** torch caches the first round's worker-store
+  address for good (why plain torchrun needs ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, with which
+  the rank-0 *worker* hosts the store and the others' connects are refused and retried with
+  backoff: 0.4-0.7 s). This agent forgets it at every ``next_rendezvous``: the new rank 0's agent
+  starts the store before any worker exists.
 * **Rendezvous polling.** torch's dynamic rendezvous polls its backend once a second while it
   waits (a hard-coded ``_delay(seconds=1)``) and serves reads from a 1 s cache; a re-rendezvous
   costs up to 2 s of pure waiting. During ``next_rendezvous`` this agent polls every
