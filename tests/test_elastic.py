@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, wait_for
+from sentinel.drill import free_port
 
 pytestmark = [pytest.mark.needs_torch]
 pytest.importorskip("torch")
@@ -32,24 +33,9 @@ if len(sys.argv) > 2 and sys.argv[2] == "fail":
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(predicate, timeout: float, what: str) -> None:
-    end = time.time() + timeout
-    while time.time() < end:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
 @pytest.fixture
 def store(tmp_path):
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     p = subprocess.Popen([sys.executable, "-m", "trainer.store", "--port", str(port)], env=env, cwd=REPO,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -58,7 +44,7 @@ def store(tmp_path):
             with socket.socket() as s:
                 s.settimeout(0.2)
                 return s.connect_ex(("127.0.0.1", port)) == 0
-        _wait(up, 60, "the rendezvous store")
+        wait_for(up, 60, what="the rendezvous store")
         yield port
     finally:
         p.terminate()
@@ -109,7 +95,7 @@ def _stop(p: subprocess.Popen) -> None:
 def test_warm_agent_waits_outside_the_rendezvous_then_runs_preloaded_workers_when_admitted(tmp_path, store):
     p = _agent(tmp_path, store, "warm-admit", warm=True, worker_args=[])
     try:
-        _wait(lambda: (tmp_path / "warm.json").exists() or p.poll() is not None, 120, "the warm agent")
+        wait_for(lambda: (tmp_path / "warm.json").exists() or p.poll() is not None, 120, what="the warm agent")
         assert p.poll() is None, (tmp_path / "agent.log").read_text()[-3000:]
         time.sleep(0.5)
         assert _runs(tmp_path) == []  # warm, not running
@@ -131,7 +117,7 @@ def test_warm_agent_waits_outside_the_rendezvous_then_runs_preloaded_workers_whe
 def test_warm_agent_stopped_before_admission_exits_cleanly_without_running(tmp_path, store):
     p = _agent(tmp_path, store, "warm-stop", warm=True, worker_args=[])
     try:
-        _wait(lambda: (tmp_path / "warm.json").exists() or p.poll() is not None, 120, "the warm agent")
+        wait_for(lambda: (tmp_path / "warm.json").exists() or p.poll() is not None, 120, what="the warm agent")
         os.kill(p.pid, signal.SIGTERM)  # to sentinel launch, which forwards it
         assert p.wait(timeout=30) == 0, (tmp_path / "agent.log").read_text()[-3000:]
     finally:
