@@ -104,6 +104,7 @@ class Drill:
         self.filler: Path | None = None
         self.mounted = False
         self.run_id = f"drill-{os.getpid()}"
+        self.victim_names: set[str] = set()  # set by run(): the nodes it faults
         # Each node's memory-tier holder: a tmpfs directory of its own ("node memory").
         self.memory_root = Path("/dev/shm") / f"sentinel-drill-{os.getpid()}-{os.urandom(3).hex()}"
         # plain torchrun keeps the first round's worker-store address for good (a spare deadlocks
@@ -401,7 +402,7 @@ class Drill:
         if not loaded:  # no spare joined: the job went on with the nodes it had (or did not resume at all)
             loaded = [e for e in events if e["event"] == "resumed" and e["time"] >= t_fault]
         # the survivors' ranks: the victims' own ranks leave their hold too, at their drain
-        victims = getattr(self, "victim_names", {victim.name})
+        victims = self.victim_names or {victim.name}
         left = [e for e in events if e["event"] == "drained" and e["time"] >= t_fault and e["node"] not in victims]
         tl.add("survivors left the hold", min((e["time"] for e in left), default=None))
         started = [e.get("process_started") for e in admitted if e.get("process_started")]
