@@ -5,7 +5,7 @@
 
 Figure names end in their unit (``_seconds``, ``_bytes``, ``_fraction``, ``_count``, ``_ratio``,
 ``_bytes_per_second``, ``_seconds_per_gb``). Only finite numbers are written; a figure a run
-could not measure is left out, never written as 0. ``sentinel/sim/measured.py`` is the reader.
+could not measure is left out, never written as 0. ``sentinel_tools/sim/measured.py`` is the reader.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from sentinel.sim import goodput, measured  # noqa: E402
+from sentinel_tools.sim import goodput, measured  # noqa: E402
 
 OUT = REPO / "docs" / "measured.json"
 PLOT = REPO / "docs" / "ettr_vs_gpus.png"

@@ -11,7 +11,7 @@ Paths, side by side in one run:
 
     python bench/migration.py [--runs 5] [--interval-steps 10] [--etcd] [--json PATH]
 
---json (bench/_report.py's shape; sentinel/sim/measured.py reads it): medians over the drills
+--json (bench/_report.py's shape; sentinel_tools/sim/measured.py reads it): medians over the drills
 that succeeded. ``migration_*`` is the warm-spare path (``migration_trip_to_first_step_seconds``,
 ``migration_fault_to_first_step_seconds``, ``migration_lost_steps``, ``migration_ok_fraction``,
 ``migration_stage_<stage>_seconds`` = each stage's own duration), ``crash_*`` the plain torchrun

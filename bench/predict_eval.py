@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _report  # noqa: E402
-from sentinel import scenarios  # noqa: E402
+from sentinel_tools import scenarios  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parents[1] / "tests" / "scenarios"
 

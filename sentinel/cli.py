@@ -276,6 +276,17 @@ def cmd_inject(args: argparse.Namespace) -> int:
 
 
 # -- status ------------------------------------------------------------------------------------------
+def cmd_drill(args: argparse.Namespace) -> int:
+    """`sentinel drill`: the local drill, or with --scheduler slurm the one through a real Slurm cluster."""
+    if args.scheduler == "slurm":
+        from sentinel_tools.drill_slurm import run_slurm_drill
+
+        return run_slurm_drill(args)
+    from sentinel_tools.drill import run_drill
+
+    return run_drill(args)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from sentinel.fsutil import UnsafePath, read_trusted
 
@@ -405,7 +416,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     gp = simsub.add_parser("goodput", help="Monte Carlo of ETTR at scale from measured figures (--measured): periodic, async, "
                            "Sentinel, + memory tier, + warm spare; intervals searched; spares; sensitivity")
     if wanted("simulate"):
-        from sentinel.sim import goodput
+        from sentinel_tools.sim import goodput
 
         goodput.add_arguments(gp)
         gp.set_defaults(func=goodput.main_args)
@@ -428,11 +439,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
     dr_help = "end-to-end drill on this machine: N nodes + spares, a fault, a migration"
     if wanted("drill"):
-        from sentinel import drill
+        from sentinel_tools import drill
 
         dr = sub.add_parser("drill", help=dr_help, epilog="faults: " + "; ".join(f"{k}: {v}" for k, v in drill.FAULTS.items()))
         drill.add_arguments(dr)
-        dr.set_defaults(func=drill.run_drill)
+        dr.set_defaults(func=cmd_drill)
     else:
         sub.add_parser("drill", help=dr_help)
 

@@ -15,7 +15,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from sentinel.drill_slurm import free_ports, stop_groups
+from sentinel_tools.drill_slurm import free_ports, stop_groups
 
 KUBE_APISERVER = Path(os.environ.get("SENTINEL_KUBE_BIN", "/var/cache/sentinel-ci/kube/bin")) / "kube-apiserver"
 NODES = ("node1", "node2", "node3", "node4")

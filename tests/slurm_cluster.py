@@ -1,4 +1,4 @@
-"""The Slurm cluster fixture (the cluster itself lives in sentinel/drill_slurm.py, which the
+"""The Slurm cluster fixture (the cluster itself lives in sentinel_tools/drill_slurm.py, which the
 drill uses too)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sentinel.drill_slurm import SlurmCluster, missing
+from sentinel_tools.drill_slurm import SlurmCluster, missing
 
 
 @pytest.fixture(scope="module")

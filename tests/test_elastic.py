@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, wait_for
-from sentinel.drill import free_port
+from sentinel_tools.drill import free_port
 
 pytestmark = [pytest.mark.needs_torch]
 pytest.importorskip("torch")

@@ -11,7 +11,7 @@ import time
 from dataclasses import replace
 
 
-from sentinel.sim.goodput import (Params, closed_form_ettr, draw_failures, min_spares, run, simulate, young_daly)
+from sentinel_tools.sim.goodput import (Params, closed_form_ettr, draw_failures, min_spares, run, simulate, young_daly)
 
 
 def grid():

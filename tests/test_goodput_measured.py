@@ -13,8 +13,8 @@ from dataclasses import replace
 
 import pytest
 
-from sentinel.sim import measured
-from sentinel.sim.goodput import (DOMAIN_CLASSES, LLAMA3_CLASSES, Failure, Params, double_failure_probability,
+from sentinel_tools.sim import measured
+from sentinel_tools.sim.goodput import (DOMAIN_CLASSES, LLAMA3_CLASSES, Failure, Params, double_failure_probability,
                                   draw_failures, llama3_params, optimise_interval, run, simulate)
 
 HOUR = 3600.0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-TOOLS = ("sentinel.drill", "sentinel.sim.goodput", "sentinel.sources.simulated")
+TOOLS = ("sentinel_tools.drill", "sentinel_tools.sim.goodput", "sentinel.sources.simulated")
 
 
 def test_parsing_a_daemon_command_loads_no_tool():
@@ -25,7 +25,7 @@ def test_a_running_daemon_never_imported_the_drill_or_goodput(sim_state, start_d
     assert d.stop() == 0
     log = d.log()
     assert "sentinel.daemon" in log  # the import-time profile is there
-    for module in ("sentinel.drill", "sentinel.sim.goodput"):
+    for module in ("sentinel_tools.drill", "sentinel_tools.sim.goodput"):
         assert f"| {module}\n" not in log and f"|   {module}\n" not in log and f" {module}\n" not in log, module
 
 

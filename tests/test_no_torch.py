@@ -1,4 +1,4 @@
-"""The daemon never imports torch: import every sentinel module and run a daemon in one process."""
+"""The daemon and its tools never import torch: import every sentinel and sentinel_tools module and run a daemon in one process."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from conftest import REPO
 
 SCRIPT = r"""
 import importlib, pkgutil, sys, tempfile, os
-import sentinel
-for m in pkgutil.walk_packages(sentinel.__path__, "sentinel."):
-    if m.name != "sentinel.__main__":
-        importlib.import_module(m.name)
+import sentinel, sentinel_tools
+for pkg in (sentinel, sentinel_tools):
+    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+        if m.name != "sentinel.__main__":
+            importlib.import_module(m.name)
 from sentinel import config
 from sentinel.builder import build_daemon
 from sentinel.sources import simulated

@@ -5,7 +5,7 @@ import dataclasses
 from sentinel.config import PolicyConfig, parse
 from sentinel.policy import Health, Policy, PolicyState, theil_sen
 from sentinel.readings import GpuReading, NodeReadings, XidEvent
-from sentinel.scenarios import HEALTHY
+from sentinel_tools.scenarios import HEALTHY
 
 BASE = {k: float(v) for k, v in HEALTHY.items() if k != "nvlink_crc"}
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from sentinel import rules, scenarios
+from sentinel import rules
+from sentinel_tools import scenarios
 from sentinel.config import PolicyConfig
 from sentinel.policy import RULES, Policy, PolicyState
 from sentinel.readings import FIELDS, GpuReading, KernelEvent, NodeReadings, XidEvent

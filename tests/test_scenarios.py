@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from sentinel import rules, scenarios
+from sentinel import rules
+from sentinel_tools import scenarios
 
 CORPUS = Path(__file__).parent / "scenarios"
 FILES = sorted(CORPUS.glob("*.toml"))

@@ -771,7 +771,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def params_from(args: argparse.Namespace) -> tuple[Params, dict[str, str], bool]:
     """Params, where each input came from, and whether intervals are to be searched.
     Raises measured.MeasuredError (a file it cannot use) or ValueError (a bad value)."""
-    from sentinel.sim import measured
+    from sentinel_tools.sim import measured
 
     base = Params()
     typed = {"stall_seconds_per_gb": args.stall_seconds_per_gb, "node_write_gbps": args.node_write_gbps,
@@ -826,7 +826,7 @@ def provenance(p: Params, where: dict[str, str]) -> str:
 
 
 def main_args(args: argparse.Namespace) -> int:
-    from sentinel.sim.measured import MeasuredError
+    from sentinel_tools.sim.measured import MeasuredError
 
     try:
         p, where, search = params_from(args)

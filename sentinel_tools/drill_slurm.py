@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from sentinel_tools import drill
+
 NODES = ("node1", "node2", "node3", "node4")
 
 
@@ -207,13 +209,7 @@ PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=U
 SBATCH = Path(__file__).resolve().parents[1] / "deploy" / "slurm" / "train.sbatch"
 
 
-def _drill_module():
-    from sentinel import drill
-
-    return drill
-
-
-class SlurmDrill(_drill_module().Drill):
+class SlurmDrill(drill.Drill):
     """The local drill's job, daemons and report, with Slurm as the scheduler."""
 
     def __init__(self, args) -> None:
@@ -260,7 +256,7 @@ class SlurmDrill(_drill_module().Drill):
                "SENTINEL_RUNTIME_DIR": str(self.work / "%n" / "run"), "SENTINEL_STATE_DIR": str(self.work / "%n" / "state")}
         nodelist = ",".join(n.name for n in self.nodes)
         r = subprocess.run(["sbatch", "--parsable", f"--nodes={len(self.nodes)}", f"--nodelist={nodelist}",
-                            f"--output={self.work / 'job-%j.out'}", f"--chdir={drill._repo_root()}", str(SBATCH), *torchrun],
+                            f"--output={self.work / 'job-%j.out'}", f"--chdir={drill.repo_root()}", str(SBATCH), *torchrun],
                            env=env, capture_output=True, text=True, timeout=60)
         if r.returncode != 0:
             raise drill.DrillError(f"sbatch failed: {r.stderr.strip()}")
@@ -288,13 +284,13 @@ class SlurmDrill(_drill_module().Drill):
         self.submit()
         victim = self.nodes[1] if a.nodes > 1 else self.nodes[0]
         deadline = t_start + a.timeout
-        drill._wait(lambda: self.max_step() >= a.at_step or self.job_state() not in ("PENDING", "RUNNING", "CONFIGURING"),
+        drill.wait(lambda: self.max_step() >= a.at_step or self.job_state() not in ("PENDING", "RUNNING", "CONFIGURING"),
                     deadline - time.time(), f"step {a.at_step} of Slurm job {self.job_id}")
         tl = drill.Timeline(time.time())
         t_fault = time.time()
         simulated.inject(victim.gpus, 0, ["xid=79"])
         tl.add("fault injected", t_fault, node=victim.name, fault="xid79")
-        drill._wait(lambda: self.job_state() not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"),
+        drill.wait(lambda: self.job_state() not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"),
                     max(1.0, deadline - time.time()), f"Slurm job {self.job_id} to end")
         result = self.report(tl, victim, t_fault)
         result["slurm"] = self.slurm_checks(victim)

@@ -120,7 +120,7 @@ class Drill:
     def spawn(self, argv: list[str], log: Path, env: dict[str, str] | None = None, session: bool = True) -> subprocess.Popen:
         with open(log, "a") as out:
             p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env or self.env,
-                                 start_new_session=session, cwd=str(_repo_root()))
+                                 start_new_session=session, cwd=str(repo_root()))
         self.procs.append(p)
         return p
 
@@ -141,7 +141,7 @@ class Drill:
                         "--log-level", "warn"], self.work / "store.log")
         else:
             self.spawn([sys.executable, "-m", "trainer.store", "--port", str(self.store_port)], self.work / "store.log")
-        _wait(lambda: _port_open(self.store_port), 30, "rendezvous store")
+        wait(lambda: _port_open(self.store_port), 30, "rendezvous store")
 
     def agent_argv(self, node: Node) -> list[str]:
         a = self.args
@@ -177,7 +177,7 @@ class Drill:
         node.runtime.mkdir(parents=True)
         node.runtime.chmod(0o755)
         simulated.write_state(node.gpus, simulated.healthy_state(self.args.gpus_per_node))
-        spare_cmd = json.dumps([sys.executable, "-m", "sentinel.drill", "claim-spare", "--pool", str(self.pool)])
+        spare_cmd = json.dumps([sys.executable, "-m", "sentinel_tools.drill", "claim-spare", "--pool", str(self.pool)])
         (node.root / "sentinel.toml").write_text(
             "[daemon]\npoll_interval_seconds = 0.2\nnvml_deadline_seconds = 1.0\n"
             f'runtime_dir = "{node.runtime}"\nstate_dir = "{node.state_dir}"\nnode_name = "{name}"\n'
@@ -191,7 +191,7 @@ class Drill:
             self.pool.mkdir(exist_ok=True)
             (self.pool / f"{name}.json").write_text(json.dumps({
                 "name": name, "argv": self.agent_argv(node), "env": self.node_env(node),
-                "log": str(node.root / "agent.log"), "cwd": str(_repo_root()),
+                "log": str(node.root / "agent.log"), "cwd": str(repo_root()),
                 "warm": self.args.agent == "warm", "pidfile": str(node.pidfile),
             }))
             (self.pool / f"{name}.free").write_text("")
@@ -203,7 +203,7 @@ class Drill:
 
     def wait_daemon(self, node: Node) -> None:
         status = node.runtime / "status.json"
-        _wait(lambda: status.exists() or (node.daemon and node.daemon.poll() is not None), 60, f"{node.name} daemon")
+        wait(lambda: status.exists() or (node.daemon and node.daemon.poll() is not None), 60, f"{node.name} daemon")
         if node.daemon and node.daemon.poll() is not None:
             raise DrillError(f"{node.name}'s daemon exited: {(node.root / 'daemon.log').read_text()[-1500:]}")
         node.metrics_port = json.loads(status.read_text())["metrics_port"]
@@ -294,7 +294,7 @@ class Drill:
         if a.agent == "warm":
             for n in (n for n in self.nodes if n.spare):
                 ready, agent = n.runtime / "warm.json", n.agent
-                _wait(lambda: ready.exists() or agent.poll() is not None, max(1.0, t_start + a.timeout - time.time()),
+                wait(lambda: ready.exists() or agent.poll() is not None, max(1.0, t_start + a.timeout - time.time()),
                       f"{n.name}'s agent to be warm")
                 if agent.poll() is not None:
                     raise DrillError(f"{n.name}'s agent exited before it was warm: "
@@ -303,7 +303,7 @@ class Drill:
         victim = victims[0]
         self.victim_names = {v.name for v in victims}
         deadline = t_start + a.timeout
-        _wait(lambda: self.max_step() >= a.at_step or self._job_dead(), deadline - time.time(), f"step {a.at_step}")
+        wait(lambda: self.max_step() >= a.at_step or self._job_dead(), deadline - time.time(), f"step {a.at_step}")
         tl = Timeline(time.time())
         if a.fail_snapshot:
             self.fill_disk()
@@ -316,7 +316,7 @@ class Drill:
         if a.fault == "kill":
             # The nodes died with their daemons' help unavailable: the scheduler replaces them.
             for _ in victims:
-                subprocess.run([sys.executable, "-m", "sentinel.drill", "claim-spare", "--pool", str(self.pool)],
+                subprocess.run([sys.executable, "-m", "sentinel_tools.drill", "claim-spare", "--pool", str(self.pool)],
                                env=self.env, check=False, timeout=30, capture_output=True)
         short = a.spares < a.victims and a.fault != "rank-crash"
         what = "the job to finish"
@@ -331,7 +331,7 @@ class Drill:
                 self.filler = None
             return any(e["event"] == "finished" for e in events) or self._job_dead()
 
-        _wait(done, max(1.0, deadline - time.time()), what)
+        wait(done, max(1.0, deadline - time.time()), what)
         result = self.report(tl, victim, t_fault)
         if self.spare_notes:
             result.setdefault("notes", []).extend(self.spare_notes)
@@ -376,7 +376,7 @@ class Drill:
                         pass
             if not Path(f"/proc/{pid}").exists() and not (self.pool / f"{n.name}.dead").exists():
                 (self.pool / f"{n.name}.dead").write_text("")
-                r = subprocess.run([sys.executable, "-m", "sentinel.drill", "claim-spare", "--pool", str(self.pool)],
+                r = subprocess.run([sys.executable, "-m", "sentinel_tools.drill", "claim-spare", "--pool", str(self.pool)],
                                    env=self.env, check=False, timeout=30, capture_output=True, text=True)
                 self.spare_notes.append(f"spare {n.name} died during the migration; "
                                         + (r.stdout.strip() or r.stderr.strip() or "no replacement"))
@@ -516,7 +516,7 @@ class Drill:
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nodes * a.procs_per_node}",
                 "-m", "trainer.train", "--steps", str(a.steps), "--snapshot-dir", str(ref / "snapshots"),
                 "--final", str(ref / "final.json")]
-        r = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=600, cwd=str(_repo_root()))
+        r = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=600, cwd=str(repo_root()))
         if r.returncode != 0:
             return {"bitwise_equal": False, "error": r.stderr[-2000:]}
         want = json.loads((ref / "final.json").read_text())
@@ -559,7 +559,7 @@ class DrillError(RuntimeError):
     pass
 
 
-def _wait(predicate, timeout: float, what: str) -> None:
+def wait(predicate, timeout: float, what: str) -> None:
     end = time.time() + timeout
     while time.time() < end:
         if predicate():
@@ -594,12 +594,12 @@ def _port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _repo_root() -> Path:
+def repo_root() -> Path:
     return Path(__file__).resolve().parents[1]
 
 
 def _pythonpath() -> str:
-    parts = [str(_repo_root())] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    parts = [str(repo_root())] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     return os.pathsep.join(parts)
 
 
@@ -686,10 +686,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_drill(args: argparse.Namespace) -> int:
-    if args.scheduler == "slurm":
-        from sentinel.drill_slurm import run_slurm_drill
-
-        return run_slurm_drill(args)
     if args.spares < 1 and not args.min_nodes:
         print("sentinel drill: --spares 0 needs --min-nodes < --nodes (continue on fewer nodes)", file=sys.stderr)
     drill = Drill(args)
@@ -709,7 +705,7 @@ def run_drill(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sentinel.drill")
+    ap = argparse.ArgumentParser(prog="python -m sentinel_tools.drill")
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("claim-spare")
     c.add_argument("--pool", required=True, type=Path)
