@@ -133,6 +133,10 @@ class Params:
     # spares
     spares: int | None = None  # None: unlimited
     repair_hours: float = 72.0
+    # circuit breaker (sentinel/backends/breaker.py; its defaults)
+    breaker_max_fraction: float = 0.5
+    breaker_window_seconds: float = 300.0
+    breaker_nodes: int | None = None  # the partition the breaker counts (None: the job's nodes + spares)
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -147,6 +151,8 @@ class Params:
             raise ValueError("gpus, gpus_per_node, memory_interval_steps and domain_nodes must be >= 1")
         if self.interval_hours <= 0 or self.step_seconds <= 0 or self.days <= 0:
             raise ValueError("interval_hours, step_seconds and days must be > 0")
+        if not 0 < self.breaker_max_fraction <= 1:
+            raise ValueError(f"breaker_max_fraction must be in (0, 1], not {self.breaker_max_fraction!r}")
 
     @property
     def nodes(self) -> int:
@@ -208,6 +214,21 @@ class Failure:
     predictable: bool
     lead: float
     node: int
+    # trace replay (sentinel_tools.sim.trace): "sudden" | "process" from the class table; "" derives
+    # it from ``cls`` (the Poisson draws, whose class names are LLAMA3_CLASSES')
+    kind: str = ""
+    # trace replay: when the node that replaces this one is free (None: the SparePool model)
+    spare_ready: float | None = None
+
+    @property
+    def process(self) -> bool:
+        """The node survives (its host memory too): the workers restart in place."""
+        return self.kind == "process" if self.kind else self.cls in PROCESS_CLASSES
+
+    @property
+    def domain(self) -> bool:
+        """A whole failure domain at once (a trace lists each of its nodes instead)."""
+        return False if self.kind else self.cls in DOMAIN_CLASSES
 
 
 @dataclass
@@ -218,6 +239,7 @@ class Outcome:
     failures: int = 0
     migrations: int = 0
     fallbacks: int = 0  # memory tier: restarts that had to load from disk
+    breaker_refusals: int = 0  # predicted failures the circuit breaker did not let Sentinel drain
 
 
 def draw_failures(p: Params, rng: random.Random) -> list[Failure]:
@@ -274,6 +296,25 @@ class SparePool:
         return ready
 
 
+class Breaker:
+    """Sentinel's fleet circuit breaker (sentinel/backends/breaker.py): a drain is refused when it
+    would put more than ``breaker_max_fraction`` of the partition's nodes (the job's plus its
+    spares) under a Sentinel drain made in the last ``breaker_window_seconds``."""
+
+    def __init__(self, p: Params) -> None:
+        self.fraction = p.breaker_max_fraction
+        self.window = p.breaker_window_seconds / H
+        self.nodes = p.breaker_nodes or p.nodes + (p.spares or 0)
+        self.recent: list[float] = []
+
+    def allow(self, t: float) -> bool:
+        self.recent = [r for r in self.recent if t - self.window <= r <= t]
+        if (len(self.recent) + 1) / self.nodes > self.fraction:
+            return False
+        self.recent.append(t)
+        return True
+
+
 def partner(p: Params, node: int) -> int:
     """The node holding ``node``'s memory replica: the next node (``adjacent``, as a ring of
     consecutive nodes) or the same slot in the next failure domain (``cross_domain``)."""
@@ -283,7 +324,7 @@ def partner(p: Params, node: int) -> int:
 
 def both_holders_lost(p: Params, f: Failure) -> bool:
     """A domain-wide failure takes a shard's replica with it when the partner shares the domain."""
-    if f.cls not in DOMAIN_CLASSES or p.nodes < 2:
+    if not f.domain or p.nodes < 2:
         return False
     return partner(p, f.node) // p.domain_nodes == f.node // p.domain_nodes
 
@@ -314,6 +355,7 @@ def simulate(p: Params, strategy: str, failures: list[Failure]) -> Outcome:
     migrate = p.migrate_h(warm)
     min_lead = p.min_lead_hours + p.detect_seconds / H
     pool = SparePool(p.spares, p.repair_hours)
+    breaker = Breaker(p)
     out = Outcome(ettr=0.0, failures=len(failures))
     lost: dict[str, float] = {}
     gpu_h = p.gpus  # while the job is down or redoing work, every GPU of it is idle
@@ -344,10 +386,17 @@ def simulate(p: Params, strategy: str, failures: list[Failure]) -> Outcome:
 
     for f in failures:
         if f.time < start:  # failed while the job was restarting
-            if memory and f.time < exposed_until and f.node in exposed and f.cls not in PROCESS_CLASSES:
+            again = restart["peer"] if memory else restart["disk"]
+            if f.spare_ready is not None and f.spare_ready > f.time and f.spare_ready + again > start:
+                # trace replay: a node lost during the restart whose replacement is not free yet
+                later = f.spare_ready + again
+                lost[f.cls] = lost.get(f.cls, 0.0) + (later - start) * gpu_h
+                out.waited_for_spare = True
+                start = later
+            if memory and f.time < exposed_until and f.node in exposed and not f.process:
                 # the partner died before the replicas were re-made: that restart must load from disk
                 committed -= rollback
-                ready = pool.take(f.time)
+                ready = f.spare_ready if f.spare_ready is not None else pool.take(f.time)
                 out.waited_for_spare |= ready > f.time
                 later = max(start, max(f.time, ready) + restart["disk"])
                 lost["memory_fallback"] = lost.get("memory_fallback", 0.0) + (rollback + later - start) * gpu_h
@@ -358,14 +407,21 @@ def simulate(p: Params, strategy: str, failures: list[Failure]) -> Outcome:
         if predict and f.predictable and f.lead >= min_lead and f.time - f.lead >= start:
             t_snap = f.time - f.lead
             committed += progress_at(t_snap)
-            ready = pool.take(t_snap)
-            out.waited_for_spare |= ready > t_snap
-            start = max(t_snap, ready) + migrate
-            lost["migration"] = lost.get("migration", 0.0) + (start - t_snap) * gpu_h
-            out.migrations += 1
-            continue
+            if not breaker.allow(t_snap):
+                # refused: the ranks still snapshot (nothing before t_snap is lost), the node is not
+                # drained and fails at f.time like an unpredicted one
+                out.breaker_refusals += 1
+                start = t_snap
+                f = replace(f, predictable=False)
+            else:
+                ready = f.spare_ready if f.spare_ready is not None else pool.take(t_snap)
+                out.waited_for_spare |= ready > t_snap
+                start = max(t_snap, ready) + migrate
+                lost["migration"] = lost.get("migration", 0.0) + (start - t_snap) * gpu_h
+                out.migrations += 1
+                continue
         done = progress_at(f.time)
-        node_lost = f.cls not in PROCESS_CLASSES
+        node_lost = not f.process
         source = "disk"
         if memory:
             double = node_lost and ((f.time < exposed_until and f.node in exposed) or both_holders_lost(p, f))
@@ -375,7 +431,10 @@ def simulate(p: Params, strategy: str, failures: list[Failure]) -> Outcome:
         if memory and source == "disk":
             out.fallbacks += 1
         committed += saved
-        ready = pool.take(f.time, (p.domain_nodes if f.cls in DOMAIN_CLASSES else 1) if node_lost else 0)
+        if f.spare_ready is not None:
+            ready = f.spare_ready if node_lost else f.time
+        else:
+            ready = pool.take(f.time, (p.domain_nodes if f.domain else 1) if node_lost else 0)
         out.waited_for_spare |= ready > f.time
         restart_at = max(f.time, ready) + restart[source]
         lost[f.cls] = lost.get(f.cls, 0.0) + ((done - saved) + (restart_at - f.time)) * gpu_h
@@ -766,6 +825,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sensitivity", action="store_true",
                     help="what must hold for ETTR >= 0.97 at 16,384 GPUs and >= 0.95 at 100,000")
     ap.add_argument("--plot", metavar="PNG", help="also plot ETTR vs N (1k..100k GPUs); needs matplotlib")
+    g = ap.add_argument_group("fault trace (docs/goodput.md, 'Replaying a fault trace')")
+    g.add_argument("--trace", metavar="FILE", help="replay this node fault trace (JSON or CSV) instead of drawing "
+                   "Poisson failures; --spares then adds spare nodes outside the trace that never fail")
+    g.add_argument("--trace-classes", metavar="TOML", help="fault class table entries that replace or extend the "
+                   "shipped one (sentinel_tools/sim/trace_classes.toml)")
+    g.add_argument("--breaker-max-fraction", type=float, default=0.5,
+                   help="circuit breaker: most of the partition Sentinel may drain in the window (actions.breaker_max_fraction)")
+    g.add_argument("--breaker-window-seconds", type=float, default=300.0, help="circuit breaker window")
 
 
 def params_from(args: argparse.Namespace) -> tuple[Params, dict[str, str], bool]:
@@ -792,7 +859,9 @@ def params_from(args: argparse.Namespace) -> tuple[Params, dict[str, str], bool]
                restart_extra_seconds=args.restart_extra_seconds,
                restart_hours=None if args.restart_minutes is None else args.restart_minutes / 60,
                placement=args.placement, domain_nodes=args.domain_nodes, lead_mean_hours=args.lead_mean_minutes / 60,
-               spares=args.spares, repair_hours=args.repair_hours, prediction=not args.no_prediction, **values)
+               spares=None if getattr(args, "trace", None) else args.spares, repair_hours=args.repair_hours,
+               prediction=not args.no_prediction, breaker_max_fraction=args.breaker_max_fraction,
+               breaker_window_seconds=args.breaker_window_seconds, **values)
     for name, flag in (("write_hours", "--write-minutes"), ("restart_hours", "--restart-minutes")):
         if getattr(p, name) is not None:
             where[name] = f"typed ({flag})"
@@ -837,6 +906,10 @@ def main_args(args: argparse.Namespace) -> int:
         print("sentinel simulate goodput: --runs must be >= 1", file=sys.stderr)
         return 2
     print(provenance(p, where))
+    if args.trace:
+        from sentinel_tools.sim import trace
+
+        return trace.main(args, p, search)
     strategies = tuple(args.strategies)
     print(table(run(p, runs=args.runs, seed=args.seed, strategies=strategies, optimise=search,
                     optimise_runs=min(args.runs, 20)), p))
