@@ -233,7 +233,6 @@ class SlurmDrill(drill.Drill):
         return path
 
     def make_slurm_node(self, name: str, spare: bool):
-        drill = _drill_module()
         from sentinel.sources import simulated
 
         node = drill.Node(name, self.work / name, spare)
@@ -247,7 +246,6 @@ class SlurmDrill(drill.Drill):
                                  env={**self.env, "SLURM_CONF": str(self.cluster.conf)})
 
     def submit(self) -> None:
-        drill = _drill_module()
         a = self.args
         torchrun = self.agent_argv(self.nodes[0])
         torchrun = torchrun[torchrun.index("--") + 1:]
@@ -268,7 +266,6 @@ class SlurmDrill(drill.Drill):
         return m.group(1) if m else "GONE"
 
     def run(self) -> dict:
-        drill = _drill_module()
         from sentinel.sources import simulated
 
         a = self.args
@@ -333,7 +330,6 @@ class SlurmDrill(drill.Drill):
 
 
 def run_slurm_drill(args) -> int:
-    drill = _drill_module()
     why = missing()
     if why:
         print(f"sentinel drill --scheduler slurm: needs {why}", file=sys.stderr)
