@@ -131,17 +131,20 @@ def read_lines(stream: IO[bytes], stats: KernelLogStats) -> Iterator[tuple[int, 
 
 def logical_lines(lines: Iterator[tuple[int, str]], stats: KernelLogStats) -> Iterator[tuple[int, str]]:
     """The kernel messages of a log, each as (its first line's number, its text): every line read
-    by :func:`sentinel.sources.kmsg.parse_log_line`; continuation lines (indented, with no prefix
-    of their own: dmesg's and journalctl's multi-line records, a /dev/kmsg record's KEY=value
-    lines) joined to the record they continue with newlines; other programs' lines skipped; the
-    rest counted in ``stats``."""
+    by :func:`sentinel.sources.kmsg.parse_log_line`; continuation lines joined to the record they
+    continue with newlines: indented lines with no prefix of their own (dmesg's and journalctl's
+    multi-line records, a /dev/kmsg record's KEY=value lines) and, in a log whose lines carry
+    prefixes, a line with none (a record the paste or the terminal wrapped); other programs'
+    lines skipped; the rest counted in ``stats``."""
     from sentinel.sources.kmsg import parse_log_line
 
     pending: tuple[int, str, str] | None = None  # (line number, kind, text)
     first_bare = 0
     for lineno, text in lines:
         parsed = parse_log_line(text)
-        if (pending is not None and text[:1] in (" ", "\t") and parsed is not None and parsed.kind == "bare"):
+        wrapped = stats.prefixed > 0  # a line with no prefix of its own in a prefixed log: the paste wrapped a record
+        if (pending is not None and parsed is not None and parsed.kind == "bare"
+                and (text[:1] in (" ", "\t") or wrapped)):
             if pending[1] != "other" and len(pending[2]) + len(parsed.message) < MAX_CONTINUATION:
                 pending = (pending[0], pending[1], pending[2] + "\n" + parsed.message)
             continue  # a continuation of another program's line, or beyond a record's size: not ours

@@ -99,7 +99,7 @@ _META = re.compile(r"-- .{1,200} --$")
 # unreadable, never taken for a bare message.
 _LOOKS_PREFIXED = re.compile(
     rf"(?:\[\s*[\d+<]|\[{_DAY}\b|\[{_MON}\b|<\d|\d{{4}}-\d\d-\d\d|\d{{9,}}(?:\.\d+)?\s|\d{{1,3}},\d+,\d+,"
-    rf"|(?:{_DAY}|{_MON})\b|[a-z0-9]{{2,8}}\s*:\s*{_LEVELS}\b|[A-Z_][A-Z0-9_]{{1,63}}=|\{{\s*\")")
+    rf"|(?:{_DAY}|{_MON})\b|[a-z0-9]{{2,8}}\s*[:.]\s*{_LEVELS}\b|[A-Z_][A-Z0-9_]{{1,63}}=|\{{\s*\")")
 
 
 @dataclass(frozen=True)
