@@ -282,8 +282,8 @@ class Drill:
             if r.returncode != 0:
                 raise DrillError(f"--fail-snapshot needs root to mount a small tmpfs: {r.stderr.strip()}")
             self.mounted = True
-        self.start_store()
         progress(f"starting {a.nodes} node(s) and {a.spares} spare(s) in {self.work}")
+        self.start_store()
         self.nodes = [self.make_node(i, False) for i in range(a.nodes)] + [self.make_node(i, True) for i in range(a.spares)]
         for n in self.nodes:
             self.start_daemon(n)
