@@ -30,8 +30,23 @@ def fail(message: str, code: int = 2) -> int:
     return code
 
 
+DEFAULT_CONFIG = "/etc/sentinel/sentinel.toml"  # what `sentinel install` writes and the units read
+
+
 def load_config(path: str | None) -> config_mod.Config:
-    return config_mod.load(path) if path else config_mod.Config()
+    """The config at ``path`` (built-in defaults without one). A file that is not there is the
+    usual first-run mistake: the error says how to create it."""
+    if not path:
+        return config_mod.Config()
+    try:
+        return config_mod.load(path)
+    except config_mod.ConfigError as exc:
+        if not os.path.lexists(path):
+            hint = ("`sentinel install` writes it (the default config, the units and the directories)"
+                    if os.path.abspath(path) == DEFAULT_CONFIG else
+                    f"create it, or run `sentinel install` for the default one at {DEFAULT_CONFIG}")
+            raise config_mod.ConfigError(f"{exc}; {hint}") from None
+        raise
 
 
 def with_overrides(cfg: config_mod.Config, args: argparse.Namespace) -> config_mod.Config:
@@ -242,7 +257,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 # -- check-config --------------------------------------------------------------------------------
 def cmd_check_config(args: argparse.Namespace) -> int:
     try:
-        config_mod.load(args.file)
+        load_config(args.file)
     except config_mod.ConfigError as exc:
         return fail(str(exc))
     print(f"{args.file}: ok")
@@ -389,7 +404,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     def wanted(name: str) -> bool:
         return only is None or only == name
 
+    from sentinel import __version__
+
     p = argparse.ArgumentParser(prog="sentinel", description="GPU failure prediction, snapshot and spare migration daemon")
+    p.add_argument("--version", action="version", version=f"sentinel {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run the daemon")
@@ -493,10 +511,24 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
+    if command is None and argv[:1] == ["--version"]:
+        command = "--version"  # the light parser: nothing but the version is needed
     parser = build_parser(command if command in ("run", "check-config", "status", "uncordon", "launch", "admit", "install",
-                                                  "scan", "explain", *TOOLS) else None)
+                                                  "scan", "explain", "--version", *TOOLS) else None)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # `sentinel ... | head`: the reader left before the output ended
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not raise again
+        except (OSError, ValueError):
+            pass
+        return fail(f"{args.command}: the output was closed before it ended (broken pipe)", 1)
+    except PermissionError as exc:
+        where = f" on {exc.filename}" if exc.filename else ""
+        hint = f"; run it as root (sudo sentinel {args.command} ...)" if os.geteuid() != 0 else ""
+        return fail(f"{args.command}: permission denied{where} ({exc.strerror or exc}){hint}", 1)
 
 
 if __name__ == "__main__":

@@ -2,16 +2,18 @@
 human (the way operators use ``gpud scan`` or ``dcgmi diag -r 1``).
 
 It reads NVML once (or ``--simulate STATE``) and a kernel log (``--kmsg FILE``, ``-`` for stdin,
-default: the kernel ring buffer now, read from /dev/kmsg), classifies every kernel-log line with
+default: the kernel ring buffer now, read from /dev/kmsg) in any format dmesg, journalctl -k or a
+syslog daemon writes (:func:`sentinel.sources.kmsg.parse_log_line`; docs/scan.md), classifies every kernel message with
 the signature catalog (:mod:`sentinel.signatures`) and runs the policy's rules over one NVML
 poll. It prints a verdict per finding and per GPU and exits with Nagios codes: 0 ok, 1 warning,
-2 critical, 3 unknown (it could not check: an unreadable log, NVML unavailable).
+2 critical, 3 unknown (it could not check: an unreadable log or log line, a log without a kernel
+message, NVML unavailable). It never answers OK about input it could not read.
 
 The kernel log is streamed: one line at a time, each cut at :data:`MAX_LINE` bytes, and at most
 :data:`MAX_FINDINGS` findings are kept in full (the rest are counted, and still count for the exit
 code), so a 100 MB log costs the same memory as a small one. A line that is not text (bad UTF-8,
-NUL bytes) or is cut is counted as malformed and classified no further; a line that matches no
-signature is no finding.
+NUL bytes), is cut, or is in no known format is counted as unreadable and classified no further;
+a kernel message that matches no signature is no finding.
 """
 
 from __future__ import annotations
@@ -43,10 +45,35 @@ class ScanError(RuntimeError):
 
 @dataclass
 class KernelLogStats:
+    """What was read of one kernel log. A line is unreadable when it is not text (bad UTF-8, NUL
+    bytes, longer than MAX_LINE: ``malformed``), when it starts like a log prefix the reader does
+    not know (``unrecognised``), or when it carries no prefix in a log whose other lines do
+    (``bare`` while ``prefixed`` > 0). Any unreadable line makes the verdict UNKNOWN unless a
+    critical finding stands (what could not be read may hide a failure; OK is never said of it)."""
+
     source: str
     lines: int = 0
     malformed: int = 0
+    unrecognised: int = 0
+    bare: int = 0
+    prefixed: int = 0
+    messages: int = 0
+    first_unreadable: int | None = None
     findings_dropped: int = 0
+
+    @property
+    def unreadable(self) -> int:
+        return self.malformed + self.unrecognised + (self.bare if self.prefixed else 0)
+
+    def as_dict(self) -> dict:
+        return {"source": self.source, "lines": self.lines, "messages": self.messages, "unreadable": self.unreadable,
+                "malformed": self.malformed, "unrecognised": self.unrecognised,
+                "bare": self.bare if self.prefixed else 0, "first_unreadable_line": self.first_unreadable,
+                "findings_dropped": self.findings_dropped}
+
+    def unreadable_at(self, lineno: int) -> None:
+        if self.first_unreadable is None or lineno < self.first_unreadable:
+            self.first_unreadable = lineno
 
 
 @dataclass
@@ -85,42 +112,72 @@ def read_lines(stream: IO[bytes], stats: KernelLogStats) -> Iterator[tuple[int, 
         stats.lines += 1
         if not raw.endswith(b"\n") and len(raw) >= MAX_LINE:
             stats.malformed += 1
+            stats.unreadable_at(lineno)
             while raw and not raw.endswith(b"\n"):  # skip the rest of the overlong line
                 raw = stream.readline(MAX_LINE)
             continue
         if b"\0" in raw:
             stats.malformed += 1
+            stats.unreadable_at(lineno)
             continue
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
             stats.malformed += 1
+            stats.unreadable_at(lineno)
             continue
         yield lineno, text.rstrip("\r\n")
 
 
-def logical_lines(lines: Iterator[tuple[int, str]]) -> Iterator[tuple[int, str]]:
-    """Join dmesg's continuation lines (indented, with no timestamp of their own) to the line they
-    continue, as one record with newlines; each logical line keeps its first line's number."""
-    from sentinel.sources.xidparse import strip_prefix
+def logical_lines(lines: Iterator[tuple[int, str]], stats: KernelLogStats) -> Iterator[tuple[int, str]]:
+    """The kernel messages of a log, each as (its first line's number, its text): every line read
+    by :func:`sentinel.sources.kmsg.parse_log_line`; continuation lines joined to the record they
+    continue with newlines: indented lines with no prefix of their own (dmesg's and journalctl's
+    multi-line records, a /dev/kmsg record's KEY=value lines) and, in a log whose lines carry
+    prefixes, a line with none (a record the paste or the terminal wrapped); other programs'
+    lines skipped; the rest counted in ``stats``."""
+    from sentinel.sources.kmsg import parse_log_line
 
-    pending: tuple[int, str] | None = None
+    pending: tuple[int, str, str] | None = None  # (line number, kind, text)
+    first_bare = 0
     for lineno, text in lines:
-        stripped = text.strip()
-        continuation = (pending is not None and text[:1] in (" ", "\t") and stripped
-                        and strip_prefix(text) == stripped and len(pending[1]) + len(stripped) < MAX_CONTINUATION)
-        if continuation:
-            pending = (pending[0], pending[1] + "\n" + stripped)
+        parsed = parse_log_line(text)
+        wrapped = stats.prefixed > 0  # a line with no prefix of its own in a prefixed log: the paste wrapped a record
+        if (pending is not None and parsed is not None and parsed.kind == "bare"
+                and (text[:1] in (" ", "\t") or wrapped)):
+            if pending[1] != "other" and len(pending[2]) + len(parsed.message) < MAX_CONTINUATION:
+                pending = (pending[0], pending[1], pending[2] + "\n" + parsed.message)
+            continue  # a continuation of another program's line, or beyond a record's size: not ours
+        if pending is not None and pending[1] != "other":
+            yield pending[0], pending[2]
+        pending = None
+        if parsed is None:
+            stats.unrecognised += 1
+            stats.unreadable_at(lineno)
             continue
-        if pending is not None:
-            yield pending
-        pending = (lineno, text)
-    if pending is not None:
-        yield pending
+        if parsed.kind == "bare":
+            stats.bare += 1
+            if stats.prefixed == 0 and stats.bare == 1:
+                first_bare = lineno
+            if stats.prefixed:
+                stats.unreadable_at(lineno)
+        elif parsed.kind in ("kernel", "other", "meta"):
+            if stats.prefixed == 0 and stats.bare:
+                stats.unreadable_at(first_bare)  # the bare lines before it were unreadable too
+            stats.prefixed += 1
+        if parsed.kind in ("kernel", "bare"):
+            stats.messages += 1
+            pending = (lineno, parsed.kind, parsed.message)
+        elif parsed.kind == "other":
+            pending = (lineno, "other", "")
+    if pending is not None and pending[1] != "other":
+        yield pending[0], pending[2]
 
 
 def kmsg_records(path: str = "/dev/kmsg") -> Iterator[bytes]:
-    """The records in the kernel ring buffer now, as ``message\\n`` lines (header removed)."""
+    """The records in the kernel ring buffer now, as ``prio,seq,usec,flags;message\\n`` lines
+    (their KEY=value lines dropped); :func:`logical_lines` reads the header (a record user space
+    wrote has a facility other than kern and is no kernel message)."""
     from sentinel.sources.kmsg import split_record
 
     try:
@@ -140,9 +197,9 @@ def kmsg_records(path: str = "/dev/kmsg") -> Iterator[bytes]:
                 raise ScanError(f"reading {path} failed: {exc.strerror}") from None
             if not data:
                 return
-            parsed = split_record(data.split(b"\n", 1)[0])
-            if parsed is not None:
-                yield parsed[1].encode("utf-8", "replace") + b"\n"
+            record = data.split(b"\n", 1)[0]
+            if split_record(record) is not None:
+                yield record + b"\n"
     finally:
         os.close(fd)
 
@@ -162,8 +219,8 @@ def scan_kernel_log(stream: IO[bytes] | _Records, source: str, result: Result, c
     from sentinel.rules.xid import XID_APPLICATION
 
     stats = result.kernel_log = KernelLogStats(source)
-    for lineno, text in logical_lines(read_lines(stream, stats)):
-        m = catalog.classify_line(text)
+    for lineno, text in logical_lines(read_lines(stream, stats), stats):
+        m = catalog.classify(text)
         if m is None:
             continue
         gpu = None
@@ -268,36 +325,77 @@ def run(args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:
     except ScanError as exc:
         return _unknown(str(exc), out, args.json)
     gpu_verdicts(result, gpus)
+    code = verdict(result)
+    try:
+        write_report(result, code, out, args.json)
+    except BrokenPipeError:  # `sentinel scan | head`: the reader left; the verdict stands
+        _stdout_gone(out)
+    return code
+
+
+def verdict(result: Result) -> int:
+    """The exit code: the worst finding, except that what could not be checked (an unreadable
+    log line, a GPU that did not answer) turns OK or WARNING into UNKNOWN; CRITICAL stands (as in
+    Icinga's worst-state order: CRITICAL > UNKNOWN > WARNING > OK)."""
     code = result.worst
-    if any(g["verdict"] == "unknown" for g in result.gpus) and code == OK:
+    kl = result.kernel_log
+    cannot_check = any(g["verdict"] == "unknown" for g in result.gpus)
+    if kl is not None and (kl.unreadable or kl.messages == 0):
+        cannot_check = True
+    if cannot_check and code < CRITICAL:
         code = UNKNOWN
-    if args.json:
-        kl = result.kernel_log
+    return code
+
+
+def write_report(result: Result, code: int, out: IO[str], as_json: bool) -> None:
+    kl = result.kernel_log
+    if as_json:
         out.write(json.dumps({"findings": result.findings, "gpus": result.gpus,
-                              "kernel_log": None if kl is None else kl.__dict__, "status": EXIT_NAMES[code]}) + "\n")
-        return code
+                              "kernel_log": None if kl is None else kl.as_dict(), "status": EXIT_NAMES[code]}) + "\n")
+        out.flush()
+        return
     c = result.counts
     out.write(f"SENTINEL {EXIT_NAMES[code]} - {c['critical']} critical, {c['warning']} warning, {c['info']} info "
-              f"finding(s); {len(result.gpus)} GPU(s)\n")
+              f"finding(s); {len(result.gpus)} GPU(s)"
+              + (f"; {kl.unreadable} unreadable kernel-log line(s)" if kl is not None and kl.unreadable else "")
+              + (f"; no kernel message in {kl.source}" if kl is not None and kl.messages == 0 else "") + "\n")
     for f in result.findings:
         where = f"GPU {f['gpu']}" if f["gpu"] is not None else (f["pci_bus_id"] or "node")
         line = f"line {f['lineno']}" if f["lineno"] is not None else "nvml"
         out.write(f"  {f['severity'].upper():<8} {line:<12} {where:<14} {f['kind']} -> {f['action']}: {f['message']}\n")
     for g in result.gpus:
         out.write(f"  GPU {g['index']} {g['pci_bus_id']} {g['verdict'].upper()} ({g['findings']} finding(s))\n")
-    if result.kernel_log is not None:
-        kl = result.kernel_log
-        out.write(f"  kernel log {kl.source}: {kl.lines} line(s), {kl.malformed} malformed (ignored)"
+    if kl is not None:
+        out.write(f"  kernel log {kl.source}: {kl.lines} line(s), {kl.messages} kernel message(s), {kl.unreadable} unreadable"
+                  + (f" (the first at line {kl.first_unreadable}: not text, or in no format sentinel scan reads; "
+                     f"see docs/scan.md)" if kl.unreadable else "")
                   + (f", {kl.findings_dropped} finding(s) not listed" if kl.findings_dropped else "") + "\n")
-    return code
+    out.flush()
+
+
+def _stdout_gone(out: IO[str]) -> None:
+    """The reader of our output went away: say so once on stderr, and keep the interpreter's
+    final flush from raising again."""
+    print("sentinel scan: the output was closed before the report ended (broken pipe); the exit code is the verdict",
+          file=sys.stderr)
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, out.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # not a file descriptor (a StringIO)
+        pass
 
 
 def _unknown(message: str, out: IO[str], as_json: bool) -> int:
     print(f"sentinel scan: {message}", file=sys.stderr)
-    if as_json:
-        out.write(json.dumps({"findings": [], "gpus": [], "kernel_log": None, "status": "UNKNOWN", "error": message}) + "\n")
-    else:
-        out.write(f"SENTINEL UNKNOWN - {message}\n")
+    try:
+        if as_json:
+            out.write(json.dumps({"findings": [], "gpus": [], "kernel_log": None, "status": "UNKNOWN", "error": message}) + "\n")
+        else:
+            out.write(f"SENTINEL UNKNOWN - {message}\n")
+        out.flush()
+    except BrokenPipeError:
+        _stdout_gone(out)
     return UNKNOWN
 
 

@@ -282,6 +282,7 @@ class Drill:
             if r.returncode != 0:
                 raise DrillError(f"--fail-snapshot needs root to mount a small tmpfs: {r.stderr.strip()}")
             self.mounted = True
+        progress(f"starting {a.nodes} node(s) and {a.spares} spare(s) in {self.work}")
         self.start_store()
         self.nodes = [self.make_node(i, False) for i in range(a.nodes)] + [self.make_node(i, True) for i in range(a.spares)]
         for n in self.nodes:
@@ -310,6 +311,7 @@ class Drill:
         for v in victims:  # several nodes at once: each daemon migrates its own node
             t_fault = self.inject(v)
             tl.add("fault injected", t_fault, node=v.name, fault=a.fault)
+            progress(f"fault {a.fault} injected into {v.name}")
         t_fault = tl.events[0]["time"]
         if a.fault == "sbe-ramp":
             self.ramp(victim, min(deadline, time.time() + 30))
@@ -559,12 +561,30 @@ class DrillError(RuntimeError):
     pass
 
 
-def wait(predicate, timeout: float, what: str) -> None:
-    end = time.time() + timeout
-    while time.time() < end:
+PROGRESS_EVERY = 15.0  # seconds between "still waiting" lines on stderr
+
+
+def progress(message: str, out: Any = None) -> None:
+    """One progress line on stderr (stdout stays the result: the timeline or --json)."""
+    print(f"sentinel drill {time.strftime('%H:%M:%S')}: {message}", file=out or sys.stderr, flush=True)
+
+
+def wait(predicate, timeout: float, what: str, *, clock=time.monotonic, sleep=time.sleep,
+         report_every: float = PROGRESS_EVERY, out: Any = None) -> None:
+    """Poll ``predicate`` until it is true or ``timeout`` seconds pass (DrillError). Says on
+    stderr what it waits for, and again every ``report_every`` seconds while it waits."""
+    start = clock()
+    end = start + timeout
+    next_report = start + report_every
+    progress(f"waiting for {what} (up to {timeout:.0f} s)", out)
+    while clock() < end:
         if predicate():
             return
-        time.sleep(0.05)
+        now = clock()
+        if now >= next_report:
+            progress(f"still waiting for {what}: {now - start:.0f} s of {timeout:.0f} s", out)
+            next_report = now + report_every
+        sleep(0.05)
     raise DrillError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 

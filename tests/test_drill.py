@@ -19,8 +19,9 @@ def drill(*args: str, timeout: float = 400) -> dict:
     r = subprocess.run([sys.executable, "-m", "sentinel", "drill", "--json", *args], capture_output=True, text=True,
                        timeout=timeout, cwd=REPO)
     assert r.stdout.strip().startswith("{"), r.stdout[-2000:] + r.stderr[-3000:]
-    result = json.loads(r.stdout)
+    result = json.loads(r.stdout)  # stdout is the result alone: progress goes to stderr
     result["rc"] = r.returncode
+    result["stderr"] = r.stderr
     return result
 
 
@@ -41,6 +42,11 @@ def test_xid79_migrates_to_the_spare_with_no_lost_step_and_bitwise_equal_result(
     loaded = next(e for e in r["timeline"] if e["stage"] == "snapshot loaded")
     assert loaded["start_step"] == committed["step"] + 1 and committed["ok"]
     assert r["trip_to_first_step_seconds"] < 60
+    # progress on stderr while it runs: what it starts, what it waits for, the fault
+    progress = [line.split(": ", 1)[1] for line in r["stderr"].splitlines() if line.startswith("sentinel drill ")]
+    assert progress[0].startswith("starting 2 node(s) and 1 spare(s)")
+    assert "fault xid79 injected into node1" in progress and any(p.startswith("waiting for step 25 ") for p in progress)
+    assert any(p.startswith("waiting for the job to finish") for p in progress)
 
 
 def at(result: dict, stage: str) -> float:

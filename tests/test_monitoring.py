@@ -20,7 +20,7 @@ def test_alert_rules_pass_promtool():
     if promtool is None:
         pytest.skip("promtool not installed (apt-get install prometheus)")
     r = subprocess.run([promtool, "check", "rules", str(MON / "alerts.yml")], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and "SUCCESS: 9 rules found" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and f"SUCCESS: {len(alert_rules())} rules found" in r.stdout, r.stdout + r.stderr
     r = subprocess.run([promtool, "test", "rules", "alerts_test.yml"], capture_output=True, text=True, timeout=60, cwd=MON)
     assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
 
@@ -41,3 +41,49 @@ def test_dashboard_queries_name_exported_metrics(sim_state, start_daemon):
         for target in panel["targets"]:
             for name in re.findall(r"\b(sentinel_[a-z_]+)", target["expr"]):
                 assert name in exported, f"panel {panel['title']!r} queries {name}, which the daemon does not export"
+
+
+def alert_rules() -> list[dict]:
+    import yaml
+
+    return [r for g in yaml.safe_load((MON / "alerts.yml").read_text())["groups"] for r in g["rules"] if "alert" in r]
+
+
+def test_every_alert_has_a_runbook_section_in_the_docs():
+    """runbook_url -> docs/runbooks.md#<anchor>, and the anchor is a heading there (GitHub's slug)."""
+    base = "https://github.com/sentinel-gpu/sentinel/blob/main/docs/runbooks.md#"
+    headings = {re.sub(r"[^a-z0-9 _-]", "", h.strip().lower()).replace(" ", "-")
+                for h in re.findall(r"^#{1,6} (.+)$", (REPO / "docs" / "runbooks.md").read_text(), re.M)}
+    rules = alert_rules()
+    assert len(rules) >= 13
+    for rule in rules:
+        url = rule["annotations"].get("runbook_url", "")
+        assert url.startswith(base), f"{rule['alert']}: runbook_url {url!r} does not point into docs/runbooks.md"
+        assert url[len(base):] in headings, f"{rule['alert']}: docs/runbooks.md has no section #{url[len(base):]}"
+
+
+def test_the_issue_s_alerts_exist_and_daemon_down_matches_the_podmonitor_job():
+    import yaml
+
+    by_name = {r["alert"]: r for r in alert_rules()}
+    assert {"SentinelAgentMissing", "SentinelFailureWhileMigrating", "SentinelConfigReloadRejected",
+            "SentinelLoopErrors"} <= set(by_name)
+    podmonitor = yaml.safe_load((REPO / "deploy" / "kubernetes" / "podmonitor.yaml").read_text())
+    assert podmonitor["spec"]["jobLabel"] == "app.kubernetes.io/name"
+    daemonset = yaml.safe_load_all((REPO / "deploy" / "kubernetes" / "daemonset.yaml").read_text())
+    pod_labels = next(d for d in daemonset if d and d.get("kind") == "DaemonSet")["spec"]["template"]["metadata"]["labels"]
+    job = pod_labels[podmonitor["spec"]["jobLabel"]]
+    expr = by_name["SentinelDaemonDown"]["expr"]
+    matcher = re.search(r'job=~"([^"]+)"', expr).group(1)
+    for produced in (job, f"{podmonitor['metadata']['namespace']}/{podmonitor['metadata']['name']}"):
+        assert re.fullmatch(matcher, produced), f"{expr} misses job={produced!r}"
+
+
+def test_the_state_panel_counts_each_state_not_the_metric_name():
+    dash = json.loads((MON / "grafana-dashboard.json").read_text())
+    panel = next(p for p in dash["panels"] if p["title"] == "GPUs not healthy (by state)")
+    assert [(t["expr"], t["legendFormat"]) for t in panel["targets"]] == [
+        ("count(sentinel_gpu_health == 1) or vector(0)", "watch"),
+        ("count(sentinel_gpu_health == 2) or vector(0)", "predicted"),
+        ("count(sentinel_gpu_health == 3) or vector(0)", "failed")]  # values checked by promql_expr_test
+    assert not any("__name__" in t["expr"] for p in dash["panels"] for t in p["targets"])

@@ -39,7 +39,7 @@ def log(tmp_path, *lines: str) -> Path:
 
 def test_a_clean_node_is_ok(tmp_path, state):
     r = scan("--simulate", str(state), "--kmsg", str(log(tmp_path, "[ 1.0] usb 1-1: new device",
-                                                            "NVRM: GPU at PCI:0000:2a:00: GPU-5e0a1c2d")))
+                                                            "[ 1.1] NVRM: GPU at PCI:0000:2a:00: GPU-5e0a1c2d")))
     assert r.returncode == 0, r.stderr.decode()
     assert r.stdout.decode().startswith("SENTINEL OK - 0 critical, 0 warning, 0 info")
 

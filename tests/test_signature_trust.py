@@ -40,6 +40,7 @@ def test_an_unprivileged_user_cannot_write_the_kernel_log(attacker):
 @pytest.mark.parametrize("path", ["ebpf", "kmsg"])
 def test_a_process_named_like_a_driver_report_trips_nothing(path, attacker, kmsg_writer):
     from sentinel.scan import kmsg_records
+    from sentinel.sources.kmsg import split_record
     from sentinel.sources.xid import XidSource
 
     if path == "ebpf":
@@ -67,7 +68,8 @@ def test_a_process_named_like_a_driver_report_trips_nothing(path, attacker, kmsg
 
         wait_for(marker_seen, timeout=15, what="the marker Xid after the forged lines")
         # the forged lines are in the kernel log (a segfault line is rate-limited: count those logged)
-        logged = [rec.decode() for rec in kmsg_records() if any(f"[{p}]: segfault" in rec.decode() for p in pids)]
+        messages = (split_record(rec.rstrip(b"\n"))[1] for rec in kmsg_records())  # records come with their header
+        logged = [m for m in messages if any(f"[{p}]: segfault" in m for p in pids)]
         assert logged and all(rec.startswith(FORGED_NAMES) for rec in logged), logged
         # ... reached the classifier (the eBPF filter passes them: they start with catalog prefixes) ...
         assert src.counters()[line_key] - lines_before >= len(logged) + 1

@@ -27,7 +27,8 @@ def test_the_corpus_has_sources_and_both_kinds_of_line():
     # every kind the issue names is in the corpus at least once
     assert {"gpu_fallen_off_bus", "gsp_timeout", "rm_init_failed", "reset_required", "nvswitch_sxid", "host_memory_ue",
             "host_memory_ce", "machine_check", "hardware_error_fatal", "pcie_aer_uncorrected", "pcie_aer_corrected",
-            "xid"} <= kinds
+            "xid", "gsp_pmu_halted", "nvlink_discovery_failed", "rm_assertion", "host_memory_error_reported",
+            "machine_check_uncorrected", "hardware_error_reported"} <= kinds
 
 
 @pytest.mark.parametrize("entry", CORPUS, ids=[f"{i}:{e['kind'] or 'benign'}" for i, e in enumerate(CORPUS)])

@@ -94,13 +94,19 @@ def test_xid_text_echoed_inside_a_kernel_message_is_not_a_report(prefix):
     assert parse_message(prefix + SPOOF) is None
 
 
-@pytest.mark.parametrize("junk", ["x ", "sh: ", "kernel: ", "[ 8.1] x ", "Nov 30 05:02:27 host sshd: ", "<4>x ",
-                                  "6,1,2,-;x ", "[drm] ", "host kernel: "])
+@pytest.mark.parametrize("junk", ["x ", "sh: ", "kernel: x ", "[ 8.1] x ", "Nov 30 05:02:27 host sshd: ", "<4>x ",
+                                  "6,1,2,-;x ", "[drm] ", "host kernel: ", "<14>", "14,1,2,-;",
+                                  "user  :warn  : [ 8.1] ", "Nov 30 05:02:27 host sshd[7]: "])
 def test_only_the_documented_prefixes_may_stand_before_the_report(junk):
     assert parse(junk + XID79) is None
 
 
-@pytest.mark.parametrize("prefix", ["Nov 30 05:02:27 host kernel: [ 1234.567890] ", "<4>[ 1234.567890] ",
+@pytest.mark.parametrize("prefix", ["Nov 30 05:02:27 host kernel: [ 1234.567890] ", "<4>[ 1234.567890] ", "kernel: ",
+                                    "Nov 3 05:02:27 kernel: ", "Nov 03 05:02:27.123456 host kernel: ",
+                                    "[Nov 3 05:02] ", "[  +0.000123] ", "kern  :warn  : [ 1234.567890] ",
+                                    "2026-11-30T05:02:27,123456+00:00 ", "[ 1234.567890 <    0.000123>] ",
+                                    "[    1.234567] host kernel: ", "Mon 2026-11-30 05:02:27 UTC host kernel: ",
+                                    "1764478947.123456 host kernel: ",
                                     "6,1234,5678,-,caller=T42;", "2026-11-30T05:02:27Z host kernel: "])
 def test_combined_and_extended_prefixes_still_parse(prefix):
     assert parse(prefix + XID79) == XidReport("0000:18:00.0", 79, 1, "x", "GPU has fallen off the bus")

@@ -13,6 +13,12 @@ start-up read, milliseconds, is skipped too, as one logged before start is).
 
 ``read`` is injectable (``os.read`` by default) so tests can drive a fake device (a FIFO) that
 produces gaps and EPIPEs.
+
+:func:`parse_log_line` is the one reader of kernel-log TEXT formats (what ``sentinel scan`` and the
+signature catalog's ``classify_line`` take): it knows the /dev/kmsg record header and every
+prefix that dmesg, journalctl and syslog daemons write (listed on :data:`FORMATS` and in
+docs/scan.md), and says of each line whether it is a kernel message (and which), another
+program's line, journalctl's ``-- ... --`` note, a bare message, or a line it cannot read.
 """
 
 from __future__ import annotations
@@ -20,8 +26,10 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import select
 import threading
+from dataclasses import dataclass
 from typing import Callable
 
 log = logging.getLogger("sentinel.kmsg")
@@ -43,6 +51,136 @@ def split_record(record: bytes) -> tuple[int, str] | None:
     if len(fields) < 4 or not fields[1].isdigit():
         return None
     return int(fields[1]), message.decode("utf-8", "replace")
+
+
+# -- kernel-log text formats ---------------------------------------------------------------------
+FORMATS = (
+    "bare message (dmesg -t, journalctl -o cat)",
+    "dmesg: [   12.345678]; -r <4>[   12.345678]; -T/--time-format=ctime [Tue Dec  1 21:31:52 2026]; "
+    "-H/-e/--time-format=reltime [Dec 1 21:31] and [  +0.000123]; -d [   12.345678 <    0.000123>]; "
+    "--time-format=delta [<    0.000123>]; --time-format=iso 2026-12-01T21:31:52,254954+00:00; "
+    "-x (kern  :warn  : before any of these); --color escapes",
+    "journalctl -k -o short, short-precise, short-iso, short-iso-precise, short-full, short-unix, short-monotonic "
+    "(and journalctl's '-- ... --' notes)",
+    "syslog: 'Dec  1 21:31:52 host kernel:', the day with one or two spaces or a leading 0, with or without the "
+    "host, optionally followed by a dmesg timestamp; RFC 3339 times; a bare 'kernel:' prefix",
+    "a /dev/kmsg record header 4,1234,5678,-; (its ' KEY=value' lines continue the record)",
+)
+_MON = r"(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)"
+_DAY = r"(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun)"
+_NUM = r"\s*\d{1,10}\.\d{1,9}"
+_DMESG_TS = (rf"\[(?:{_NUM}(?: <{_NUM}>)?"  # default; -d
+             rf"|<{_NUM}>"  # --time-format=delta
+             rf"|\s*\+{_NUM.removeprefix(chr(92) + 's*')}"  # -H/-e: the delta since the last line
+             rf"|{_MON} ?[ \d]?\d(?: \d{{4}})? \d\d:\d\d(?::\d\d)?"  # -H/-e: the minute
+             rf"|{_DAY} {_MON} [ \d]\d \d\d:\d\d:\d\d \d{{4}})\]")  # -T, --time-format=ctime
+_ISO = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d{1,9})?(?:Z|[+-]\d\d:?\d\d)?"
+_SYSLOG_TIME = (rf"(?:{_MON} {{1,2}}\d{{1,2}} \d\d:\d\d:\d\d(?:\.\d{{1,9}})?"  # syslog, journal short(-precise)
+                rf"|{_ISO}"  # RFC 3339, journal short-iso(-precise)
+                rf"|{_DAY} \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d{{1,9}})? [A-Za-z][\w+-]{{0,31}}"  # short-full
+                r"|\d{9,11}\.\d{1,9})")  # short-unix
+_LEVELS = r"(?:emerg|alert|crit|err|warn|notice|info|debug)"
+_FACILITIES = ("kern", "user", "mail", "daemon", "auth", "syslog", "lpr", "news", "uucp", "cron", "authpriv", "ftp",
+               "res0", "res1", "res2", "res3", "local0", "local1", "local2", "local3", "local4", "local5", "local6",
+               "local7")
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_KMSG_HEADER = re.compile(r"(?P<prio>\d{1,3}),\d{1,20},\d{1,20},[^;\s]*;")
+_RAW = re.compile(rf"<(?P<prio>\d{{1,3}})>\s*(?:{_DMESG_TS}\s?)?")
+_DECODE = re.compile(rf"(?P<facility>[a-z][a-z0-9]{{2,7}})\s*:\s*{_LEVELS}\s*:\s?(?:{_DMESG_TS}\s?)?")
+_DMESG = re.compile(rf"(?:{_DMESG_TS}|{_ISO})(?: |$)")
+_SYSLOG = re.compile(rf"{_SYSLOG_TIME} ")
+_MONOTONIC_JOURNAL = re.compile(rf"\[{_NUM}\] \S+ kernel: ")
+_KERNEL_TAG = re.compile(r"kernel(?:\[\d{1,10}\])?:(?: |$)")
+_OTHER_TAG = re.compile(r"(?:\S+ )?[^\s:\[\]]+(?:\[\d{1,10}\])?:(?: |$)")
+_SYSLOG_KERNEL_TS = re.compile(rf"{_DMESG_TS}\s?")
+_META = re.compile(r"-- .{1,200} --$")
+# What a line that carries no known prefix may still start with when it is a log prefix this
+# reader does not know (a timestamp, a priority, a facility, a journal field): such a line is
+# unreadable, never taken for a bare message.
+_LOOKS_PREFIXED = re.compile(
+    rf"(?:\[\s*[\d+<]|\[{_DAY}\b|\[{_MON}\b|<\d|\d{{4}}-\d\d-\d\d|\d{{9,}}(?:\.\d+)?\s|\d{{1,3}},\d+,\d+,"
+    rf"|(?:{_DAY}|{_MON})\b|[a-z0-9]{{2,8}}\s*[:.]\s*{_LEVELS}\b|[A-Z_][A-Z0-9_]{{1,63}}=|\{{\s*\")")
+
+
+@dataclass(frozen=True)
+class LogLine:
+    """One line of a kernel-log text, read.
+
+    ``kind``: ``kernel`` (a kernel message, behind a prefix), ``bare`` (no prefix: a message as
+    ``dmesg -t`` prints it), ``other`` (another program's syslog/journal line, or a record
+    user space wrote to /dev/kmsg: its facility is not kern), ``meta`` (journalctl's ``-- ... --``),
+    ``blank``. ``message`` is the message text (kernel, bare) or ""."""
+
+    kind: str
+    message: str = ""
+
+
+def _facility_is_kernel(prio: str) -> bool:
+    return int(prio) >> 3 == 0  # user space cannot write facility 0 (kern) to /dev/kmsg
+
+
+def parse_log_line(line: str) -> LogLine | None:
+    """Read one line of a kernel log in any format of :data:`FORMATS`; None when the line starts
+    like a log prefix this reader does not know (it cannot be read, so nothing can be said about
+    it). Never raises."""
+    text = line.strip()
+    if "\x1b" in text:
+        text = _ANSI.sub("", text).strip()
+    if not text:
+        return LogLine("blank")
+    m = _KMSG_HEADER.match(text) or _RAW.match(text)
+    if m:
+        rest = text[m.end():]
+        if not _facility_is_kernel(m.group("prio")):
+            return LogLine("other")
+        return LogLine("kernel", _after_kernel_tag(rest))
+    m = _DECODE.match(text)
+    if m and m.group("facility") in _FACILITIES:
+        return LogLine("kernel" if m.group("facility") == "kern" else "other", text[m.end():].strip())
+    m = _MONOTONIC_JOURNAL.match(text)
+    if m:
+        return LogLine("kernel", text[m.end():].strip())
+    syslog = _SYSLOG.match(text)
+    if syslog:  # "<time> [host] kernel: ..." (an RFC 3339 time is dmesg --time-format=iso's too)
+        rest = text[syslog.end():]
+        host = rest.split(" ", 1)
+        if _KERNEL_TAG.match(rest):
+            return LogLine("kernel", _after_kernel_tag(rest))
+        if len(host) == 2 and _KERNEL_TAG.match(host[1]):
+            return LogLine("kernel", _after_kernel_tag(host[1]))
+    m = _DMESG.match(text)
+    if m:
+        return LogLine("kernel", text[m.end():].strip())
+    if syslog:  # another program's line
+        rest = text[syslog.end():]
+        return LogLine("other") if _OTHER_TAG.match(rest) or _META.match(rest.split(" ", 1)[-1]) else None
+    if _KERNEL_TAG.match(text):
+        return LogLine("kernel", _after_kernel_tag(text))
+    if _META.match(text):
+        return LogLine("meta")
+    if _LOOKS_PREFIXED.match(text):
+        return None
+    return LogLine("bare", text)
+
+
+def _after_kernel_tag(rest: str) -> str:
+    """The message after an optional ``kernel:`` tag and the dmesg timestamp syslog keeps after it."""
+    m = _KERNEL_TAG.match(rest)
+    if m:
+        rest = rest[m.end():]
+    m = _SYSLOG_KERNEL_TS.match(rest)
+    if m:
+        rest = rest[m.end():]
+    return rest.strip()
+
+
+def message_of(line: str) -> str:
+    """The kernel message a log line carries, or the line itself (stripped) when it carries none
+    (another program's line, an unreadable one): such text starts with no catalog prefix."""
+    parsed = parse_log_line(line)
+    if parsed is not None and parsed.kind in ("kernel", "bare"):
+        return parsed.message
+    return line.strip()
 
 
 class KmsgReader:

@@ -7,11 +7,9 @@ text (``process 'sh' launched '/tmp/NVRM: Xid (PCI:0000:18:00): 79, ...' with NU
 :func:`parse_message` takes a bare message text, as the kernel paths deliver it (printk:console,
 and /dev/kmsg once its record header is removed): it must begin with ``NVRM: Xid (``.
 
-:func:`parse` takes a log line: the message may follow these prefixes and nothing else,
-``[12345.678901]`` (dmesg), ``[Mon Nov 30 05:02:27 2026]`` (``dmesg -T``), ``Nov 30 05:02:27 host
-kernel:`` (syslog), ``2026-11-30T05:02:27.123456+00:00 host kernel:`` (journal ISO), both of the
-last two optionally followed by a dmesg timestamp, ``<4>`` (``dmesg -r``, optionally followed by a
-dmesg timestamp) and ``4,1234,5678,-;`` (a /dev/kmsg record header)::
+:func:`parse` takes a log line in any format :func:`sentinel.sources.kmsg.parse_log_line` reads
+(dmesg in all its time formats, journalctl -k, syslog, a /dev/kmsg record): one documented prefix,
+then the message::
 
     NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python3, GPU has fallen off the bus.
     NVRM: Xid (PCI:0001:c1:00): 13, pid='<unknown>', name=<unknown>, Graphics Exception ...
@@ -26,6 +24,7 @@ import re
 from dataclasses import dataclass
 
 from sentinel.pci import normalize_bus_id
+from sentinel.sources.kmsg import message_of
 
 XID_MARKER = "NVRM: Xid ("
 
@@ -34,19 +33,6 @@ _BUS_ONLY = re.compile(_BUS)
 _XID = re.compile(
     rf"NVRM: Xid \((?:PCI:)?(?P<bus>{_BUS})\): "
     r"(?P<xid>\d{1,5})(?:,\s*(?P<rest>.*))?$"
-)
-_DMESG_TS = r"\[\s*\d{1,10}\.\d{1,9}\]"
-_DMESG_T_TS = r"\[[A-Z][a-z]{2} [A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \d{4}\]"
-_SYSLOG = r"[A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \S+ kernel:"
-_JOURNAL_ISO = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{1,9})?(?:Z|[+-]\d\d:?\d\d)? \S+ kernel:"
-_KMSG_HEADER = r"\d{1,3},\d{1,20},\d{1,20},[^;\s]*;"
-# Exactly the documented prefixes, each anchored at the start of the line; nothing else may
-# stand before "NVRM:".
-_PREFIX = re.compile(
-    rf"(?:{_KMSG_HEADER}"
-    rf"|<\d{{1,3}}>\s*(?:{_DMESG_TS}\s*)?"
-    rf"|(?:{_SYSLOG}|{_JOURNAL_ISO})\s*(?:{_DMESG_TS}\s*)?"
-    rf"|(?:{_DMESG_TS}|{_DMESG_T_TS})\s*)?"
 )
 _PID = re.compile(r"^pid=(?:'?(?P<pid>\d+|<unknown>)'?)(?:,\s*|$)")
 _NAME = re.compile(r"^name=(?P<name>[^,]*)(?:,\s*|$)")
@@ -65,9 +51,9 @@ normalize_bus = normalize_bus_id  # the one normaliser (sentinel.pci)
 
 
 def strip_prefix(line: str) -> str:
-    """The message text of one log line: exactly one documented prefix (or none) removed."""
-    text = line.strip()
-    return text[_PREFIX.match(text).end():]  # the prefix is optional: always matches
+    """The message text of one log line: exactly one documented prefix (or none) removed, by the
+    one log-format reader (:func:`sentinel.sources.kmsg.message_of`)."""
+    return message_of(line)
 
 
 def parse(line: str) -> XidReport | None:
