@@ -66,7 +66,7 @@ def worker(rank: int, world: int, per_node: int, port: int, cfg: dict, out: dict
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
     from trainer.guard import ModelOptimState, SnapshotGuard
-    from trainer.memory import _local, _walk
+    from trainer.memory.layout import local, walk
 
     if cfg["big_mb"]:
         n = max(1, cfg["big_mb"] // CHUNK_MB)
@@ -107,7 +107,7 @@ def worker(rank: int, world: int, per_node: int, port: int, cfg: dict, out: dict
 
         def shard() -> list[torch.Tensor]:  # what a memory snapshot copies: local shards, optimizer state
             sd = ModelOptimState(model, optim).state_dict()  # its tensors are the live ones (in place)
-            return [_local(v) for _, v in _walk(sd) if isinstance(v, torch.Tensor)]
+            return [local(v) for _, v in walk(sd) if isinstance(v, torch.Tensor)]
 
     holder = Path(cfg["holders"])
     node = f"node{rank // per_node}"

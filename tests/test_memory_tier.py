@@ -1,4 +1,4 @@
-"""The memory tier (trainer/memory.py): slots, inventory, restore planning, budget; and end to end
+"""The memory tier (trainer/memory/): slots, inventory, restore planning, budget; and end to end
 with 4 ranks on 2 simulated nodes (each with its own holder directory) under torchrun."""
 
 from __future__ import annotations

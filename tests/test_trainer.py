@@ -182,11 +182,11 @@ RANKS_DISAGREE = textwrap.dedent("""
     # and a failure on any rank sends every rank to the previous snapshot.
     import os, sys
     import torch.distributed.checkpoint as dcp
-    import trainer.guard as guard_mod
+    import trainer.disk as disk_mod
     from trainer import train
 
     if os.environ["RANK"] == "1":
-        guard_mod.complete_snapshots = lambda directory: []
+        disk_mod.complete_snapshots = lambda directory: []
         _load = dcp.load
 
         def load(state, *, checkpoint_id, **kw):

@@ -23,10 +23,8 @@ Contract
 * Acknowledgements come in two phases: ``staged`` (with the staged state's size in bytes) as soon
   as the state is in host memory and the write has begun, then ``committed`` (``ok`` false when
   the write failed) once the write is durable.
-* Snapshots are ``dcp.async_save`` on a checkpoint process group of their own (gloo): the loop
-  is blocked only while state is staged to host memory; the write continues in the background.
-  The commit marker is written by rank 0 once the save completed on every rank (DCP writes its
-  metadata only after gathering every rank's writes). Retention keeps the last ``keep``.
+* Snapshots are ``dcp.async_save`` on a checkpoint process group of their own (gloo), committed
+  by rank 0's marker, the last ``keep`` retained: see :mod:`trainer.disk`.
 * After a ``migrate`` request the ranks wait for the write to finish, acknowledge, and hold at
   that step (a heartbeat all-reduce every ``HOLD_BEAT`` s) until the node is drained — a dead
   peer makes the heartbeat raise :class:`NodeDrained` so torchrun restarts the workers onto the
@@ -38,40 +36,38 @@ Contract
   not bind one at all and runs without the daemon) logs an ERROR at start and keeps the reason in
   :attr:`SnapshotGuard.channel_error`, in every :class:`SnapshotRecord` and in
   :meth:`SnapshotGuard.summary`: never a silent loss of the channel.
+
+The guard only coordinates (the channel, the agreement, the hold); the tiers store:
+:mod:`trainer.disk` (marker, async save, retention, set-aside) and :mod:`trainer.memory`.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import os
-import shutil
 import signal
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from sentinel.channel import Ack, NullEndpoint, RankEndpoint, Request
+from trainer.disk import (  # noqa: F401 - re-exported: trainer.guard's names from before the split
+    CORRUPT, MARKER, PREFIX, DiskTier, DiskWrite, complete_snapshots, snapshot_path, staged_bytes,
+)
 from trainer.memory import MemoryTier, MemoryTierError, RestoreResult, default_holder_dir
+from trainer.state import ModelOptimState, StagingState  # noqa: F401 - ModelOptimState re-exported
 
 log = logging.getLogger("sentinel.trainer")
 
-MARKER = "COMMITTED"
-PREFIX = "step-"
-CORRUPT = ".corrupt-"
 HOLD_BEAT = 0.2
 SERVED_IDS = 256
 # The daemon's default ack timeout (120 s) plus a drain budget: a hold must outlast both, or the
@@ -84,184 +80,13 @@ class NodeDrained(RuntimeError):
     """A peer left during the migrate hold: the node was drained; exit so torchrun restarts."""
 
 
-class ModelOptimState(Stateful):
-    """Model + optimizer as one DCP Stateful, through torch.distributed.checkpoint.state_dict
-    (FSDP2 DTensor shards are saved as shards and resharded on load)."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model = model
-        self.optimizer = optimizer
-
-    def state_dict(self) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
-                       optim_state_dict=state_dict["optim"])
-
-    # -- for the memory tier: reusing one state dict while it still is the live state ------------
-    def live_key(self) -> list[Any]:
-        """What :meth:`state_dict` is made of, cheaply: (address, dtype, shape) of every
-        parameter's local shard, every buffer and every optimizer state tensor, and the optimizer's
-        other per-parameter state. While it is unchanged, a state dict built earlier still holds
-        the live tensors (each step updates them in place); a load, a new optimizer state or a
-        reshaped parameter changes it."""
-        key: list[Any] = []
-        for t in self.model.parameters():
-            t = getattr(t, "_local_tensor", t)
-            key.append((t.data_ptr(), t.dtype, t.shape))
-        for t in self.model.buffers():
-            key.append((t.data_ptr(), t.dtype, t.shape))
-        for st in self.optimizer.state.values():
-            for name, v in st.items():
-                if isinstance(v, torch.Tensor):
-                    v = getattr(v, "_local_tensor", v)
-                    key.append((name, v.data_ptr(), v.dtype, v.shape))
-                else:
-                    key.append((name, v))
-        return key
-
-    def aliases_live(self, state_dict: Mapping[str, Any]) -> bool:
-        """Whether every tensor of ``state_dict`` shares memory with a live tensor (so it follows
-        the training in place) and nothing else in it can change behind our back (no module with
-        extra state). False: this state dict is a copy and must be rebuilt for every snapshot."""
-        if any(type(m).get_extra_state is not torch.nn.Module.get_extra_state for m in self.model.modules()):
-            return False
-        live = {getattr(t, "_local_tensor", t).data_ptr() for t in self.model.parameters()}
-        live |= {t.data_ptr() for t in self.model.buffers()}
-        live |= {getattr(v, "_local_tensor", v).data_ptr() for st in self.optimizer.state.values()
-                 for v in st.values() if isinstance(v, torch.Tensor)}
-        return all(getattr(t, "_local_tensor", t).data_ptr() in live for t in _tensors(state_dict))
-
-    def refresh_values(self, state_dict: dict[str, Any]) -> bool:
-        """Copy the optimizer's param-group settings (lr, betas, ...: a scheduler changes them) into
-        ``state_dict``, built earlier. False when the groups no longer match (rebuild it)."""
-        groups = state_dict.get("optim", {}).get("param_groups")
-        live = self.optimizer.param_groups
-        if not isinstance(groups, list) or len(groups) != len(live):
-            return False
-        for cached, group in zip(groups, live):
-            if not isinstance(cached, dict) or cached.keys() != group.keys():
-                return False
-            for name, v in group.items():
-                if name != "params":
-                    cached[name] = v
-        return True
-
-
-def _tensors(obj: Any):
-    if isinstance(obj, Mapping):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
-    elif isinstance(obj, torch.Tensor):
-        yield obj
-
-
-class _StagingState:
-    """The state dict the memory tier copies from, built once and reused while it is still the
-    live state.
-
-    Building it (``get_state_dict`` for an FSDP2 model and its optimizer) took about 2.3 ms of a
-    130 ms step on the reference job: as much as the copy itself. Its tensors are the live ones
-    (each parameter's local shard, the optimizer's ``exp_avg`` ...), updated in place by every
-    step, so for a :class:`ModelOptimState` the state dict of the previous snapshot is reused
-    while :meth:`ModelOptimState.live_key` is unchanged; its optimizer settings are refreshed at
-    each reuse. It is rebuilt when the key changes (the optimizer state appears, a load replaced
-    tensors, a shape changed), and never reused for a state whose state dict turned out to be a
-    copy. Other values in the guard's state (a plain mapping, another Stateful) are taken afresh
-    at every snapshot."""
-
-    def __init__(self, state: Mapping[str, Any]) -> None:
-        self.state = state
-        self._entries: dict[str, tuple[dict[str, Any], list[Any]]] = {}
-        self._copies: set[str] = set()  # items whose state dict does not alias the live tensors
-        self._last: dict[str, Any] | None = None
-
-    def get(self) -> tuple[dict[str, Any], bool]:
-        """(the state dict, whether it is the same object as last time with the same tensors)."""
-        out: dict[str, Any] = {}
-        reused = self._last is not None
-        for k, v in self.state.items():
-            if not isinstance(v, ModelOptimState) or k in self._copies:
-                out[k] = v.state_dict() if isinstance(v, Stateful) else v
-                reused = False
-                continue
-            entry = self._entries.get(k)
-            if entry is not None and entry[1] == v.live_key() and v.refresh_values(entry[0]):
-                out[k] = entry[0]
-                continue
-            reused = False
-            sd = v.state_dict()
-            if v.aliases_live(sd):
-                self._entries[k] = (sd, v.live_key())  # after the build: it may create optimizer state
-            else:
-                self._copies.add(k)
-                self._entries.pop(k, None)
-                log.info("memory tier: the state dict of %r is a copy of the live state; it is rebuilt for "
-                         "every snapshot", k)
-            out[k] = sd
-        if reused and self._last is not None and self._last.keys() == out.keys() and \
-                all(self._last[k] is out[k] for k in out):
-            return self._last, True
-        self._last = out
-        return out, False
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self._last = None
-
-
-def snapshot_path(directory: Path, step: int) -> Path:
-    return directory / f"{PREFIX}{step:09d}"
-
-
-def _step_of(name: str) -> int | None:
-    """The step of a snapshot directory name; None for anything else (``*.corrupt-*`` included)."""
-    if name.startswith(PREFIX) and name[len(PREFIX):].isdigit():
-        return int(name[len(PREFIX):])
-    return None
-
-
-def complete_snapshots(directory: str | Path) -> list[tuple[int, Path]]:
-    """(step, path) of snapshots with a commit marker, newest first. Snapshots renamed aside as
-    corrupt are not listed."""
-    out = []
-    directory = Path(directory)
-    if not directory.is_dir():
-        return out
-    for p in directory.iterdir():
-        step = _step_of(p.name)
-        if step is not None and (p / MARKER).is_file():
-            out.append((step, p))
-    return sorted(out, reverse=True)
-
-
-def staged_bytes(state_dict: Any) -> int:
-    """Approximate size of a state dict: the sum of its (local) tensors' bytes."""
-    if isinstance(state_dict, Mapping):
-        return sum(staged_bytes(v) for v in state_dict.values())
-    if isinstance(state_dict, (list, tuple)):
-        return sum(staged_bytes(v) for v in state_dict)
-    if isinstance(state_dict, torch.Tensor):
-        local = state_dict.to_local() if hasattr(state_dict, "to_local") else state_dict
-        return local.numel() * local.element_size()
-    return 0
-
-
 @dataclass
 class _Inflight:
-    step: int
-    path: Path
-    upload: Future
+    """The disk write in flight, and the requests it answers."""
+
+    write: DiskWrite
     requests: dict[str, Request]
-    blocked: float
     kind: int
-    started: float
-    bytes: int = 0
 
 
 @dataclass
@@ -280,26 +105,13 @@ class SnapshotRecord:
 
 
 class SnapshotGuard:
-    def __init__(
-        self,
-        directory: str | os.PathLike,
-        state: Mapping[str, Any],
-        *,
-        interval_steps: int = 0,
-        check_every: int = 1,
-        keep: int = 3,
-        migrate_hold_seconds: float = DEFAULT_MIGRATE_HOLD_SECONDS,
-        async_save: bool = True,
-        group: Any = None,
-        endpoint: RankEndpoint | NullEndpoint | None = None,
-        memory_interval_steps: int = 0,
-        memory_dir: str | os.PathLike | None = None,
-        memory_run_id: str | None = None,
-        local_world_size: int | None = None,
-        replica_bytes_per_second: float = 0.0,
-        memory_timeout: float = 120.0,
-        migrate_ack: str = "durable",
-    ) -> None:
+    def __init__(self, directory: str | os.PathLike, state: Mapping[str, Any], *, interval_steps: int = 0,
+                 check_every: int = 1, keep: int = 3, migrate_hold_seconds: float = DEFAULT_MIGRATE_HOLD_SECONDS,
+                 async_save: bool = True, group: Any = None, endpoint: RankEndpoint | NullEndpoint | None = None,
+                 memory_interval_steps: int = 0, memory_dir: str | os.PathLike | None = None,
+                 memory_run_id: str | None = None, local_world_size: int | None = None,
+                 replica_bytes_per_second: float = 0.0, memory_timeout: float = 120.0,
+                 migrate_ack: str = "durable") -> None:
         if check_every < 1:
             raise ValueError("check_every must be >= 1")
         if keep < 1:
@@ -321,9 +133,7 @@ class SnapshotGuard:
         self.state = dict(state)
         self.interval_steps = interval_steps
         self.check_every = check_every
-        self.keep = keep
         self.migrate_hold_seconds = migrate_hold_seconds
-        self.async_save = async_save
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
@@ -342,33 +152,35 @@ class SnapshotGuard:
         self._pending: dict[str, Request] = {}
         self._served: OrderedDict[str, int] = OrderedDict()  # request id -> step of the snapshot that served it
         self._inflight: _Inflight | None = None
-        self._stager = None
         self.records: list[SnapshotRecord] = []
         self.resumed_from: Path | str | None = None  # str: "memory:step-..."
         self.skipped_on_resume: list[Path] = []
         self.memory_interval_steps = memory_interval_steps
-        self.memory: MemoryTier | None = None
         self.restore_info: RestoreResult | None = None
         self._disk_owed = False
-        self._disk_pool = None
         self._last_step = -1  # the newest step passed to step(): what close() persists when owed
         self._step_failed = False
         self.flushed_at_close: int | None = None  # the step close() wrote to disk because it was owed
-        self._staging = _StagingState(self.state)
+        self._staging = StagingState(self.state)
+        self.memory: MemoryTier | None = None
         if memory_interval_steps > 0:
-            run_id = memory_run_id or os.environ.get("TORCHELASTIC_RUN_ID", "")
-            if not run_id:
-                raise MemoryTierError("the memory tier needs a run id to tell this job's memory from an older "
-                                      "one's: run under torchrun (it sets TORCHELASTIC_RUN_ID) or pass memory_run_id=")
-            local_world = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
-            # The replica copy runs on a thread of its own: its own gloo group (two threads never
-            # share one), never the training group nor the disk tier's.
-            replica_group = dist.new_group(backend="gloo") if self.distributed else None
-            self.memory = MemoryTier(memory_dir or default_holder_dir(), run_id=run_id, rank=self.rank,
-                                     world=self.world, local_world=local_world, group=replica_group,
-                                     bytes_per_second=replica_bytes_per_second, timeout=memory_timeout)
-        if self.rank == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            self.memory = self._open_memory(memory_dir, memory_run_id, local_world_size,
+                                            bytes_per_second=replica_bytes_per_second, timeout=memory_timeout)
+        self.disk = DiskTier(self.directory, group=self.group, rank=self.rank, world=self.world, keep=keep,
+                             async_save=async_save)
+
+    def _open_memory(self, directory: str | os.PathLike | None, run_id: str | None, local_world: int | None,
+                     **options: float) -> MemoryTier:
+        run_id = run_id or os.environ.get("TORCHELASTIC_RUN_ID", "")
+        if not run_id:
+            raise MemoryTierError("the memory tier needs a run id to tell this job's memory from an older "
+                                  "one's: run under torchrun (it sets TORCHELASTIC_RUN_ID) or pass memory_run_id=")
+        local_world = local_world or int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        # The replica copy runs on a thread of its own: its own gloo group (two threads never
+        # share one), never the training group nor the disk tier's.
+        replica_group = dist.new_group(backend="gloo") if self.distributed else None
+        return MemoryTier(directory or default_holder_dir(), run_id=run_id, rank=self.rank, world=self.world,
+                          local_world=local_world, group=replica_group, **options)
 
     # -- resume ---------------------------------------------------------------------------------
     def resume(self) -> int:
@@ -376,11 +188,11 @@ class SnapshotGuard:
 
         Rank 0 decides which snapshot (and, after a failed load, which one next); every rank
         loads exactly that one. Raises only what the collectives raise."""
-        candidates = complete_snapshots(self.directory) if self.rank == 0 else []
+        candidates = self.disk.snapshots() if self.rank == 0 else []
         if self.memory is not None:
             newest = self._from_rank0(candidates[0] if candidates else None)
             self._staging.clear()  # a load may replace the live tensors
-            read_disk = None if newest is None else functools.partial(self._read_own_part, Path(newest[1]))
+            read_disk = None if newest is None else functools.partial(self.disk.read_part, Path(newest[1]))
             info = self.memory.restore(self._live_state, newest[0] if newest is not None else -1, read_disk)
             self.restore_info = info
             if info.tier == "memory":
@@ -402,11 +214,7 @@ class SnapshotGuard:
                     log.error("no snapshot could be loaded (%d skipped); starting at step 0", len(self.skipped_on_resume))
                 return 0
             step, path = choice[0], Path(choice[1])
-            error = ""
-            try:
-                dcp.load(self.state, checkpoint_id=str(path), process_group=self.group)
-            except (CheckpointException, Exception) as exc:  # noqa: BLE001 - CheckpointException is a BaseException
-                error = f"{type(exc).__name__}: {exc}"
+            error = self.disk.load(self.state, path)
             if self._all_ok(not error):
                 self.resumed_from = path
                 log.info("resumed from %s", path)
@@ -415,23 +223,8 @@ class SnapshotGuard:
                         error or "failed on another rank")
             self.skipped_on_resume.append(path)
             if self.rank == 0:
-                self._set_aside(path)
+                self.disk.set_aside(path)
             tried += 1
-
-    @staticmethod
-    def _read_own_part(path: Path, state: dict[str, Any]) -> None:
-        """Not collective: read this rank's part of the disk snapshot ``path`` into ``state`` (the
-        live state dict; DTensors take only their local shard). The memory tier calls it on the one
-        rank whose shard lost every memory copy, while the others restore from memory; the step is
-        the same, so the result is what a collective load of the whole snapshot gives."""
-        import warnings
-
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            try:
-                dcp.load(state, checkpoint_id=str(path), no_dist=True)
-            except CheckpointException as exc:  # a BaseException: as an Exception, every rank goes to disk together
-                raise MemoryTierError(f"cannot read this rank's part of {path}: {str(exc)[:300]}") from None
 
     def _live_state(self) -> dict[str, Any]:
         self._restored_state = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in self.state.items()}
@@ -456,21 +249,6 @@ class SnapshotGuard:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(flag.item())
 
-    def _set_aside(self, path: Path) -> None:
-        """Rename a snapshot that failed to load, so its marker can never vouch for a later save
-        into the same step directory. Kept, not deleted: someone may want to know why."""
-        aside = path.with_name(f"{path.name}{CORRUPT}{int(time.time())}")
-        for n in range(1, 100):
-            if not aside.exists():
-                break
-            aside = path.with_name(f"{path.name}{CORRUPT}{int(time.time())}-{n}")
-        try:
-            os.rename(path, aside)
-            log.warning("moved the unloadable snapshot %s aside to %s", path, aside.name)
-        except OSError as exc:
-            # The save into this directory removes the stale marker first (see _snapshot).
-            log.error("could not move the unloadable snapshot %s aside: %s", path, exc)
-
     # -- the per-step hook ------------------------------------------------------------------------
     def step(self, step: int) -> None:
         self._step_failed = True  # until it returns: close() then writes nothing collective
@@ -478,7 +256,7 @@ class SnapshotGuard:
         self._step_failed = False
 
     def _step(self, step: int) -> None:
-        if self._inflight is not None and self._inflight.upload.done():
+        if self._inflight is not None and self._inflight.write.done():
             self._reap()
         if self.memory is not None:
             self.memory.after_agreed()
@@ -501,7 +279,7 @@ class SnapshotGuard:
                 self._wait_inflight()
                 self._hold(step, max(self.migrate_hold_seconds, hold))
             return
-        disk_busy = self._inflight is not None and not self._inflight.upload.done()
+        disk_busy = self._inflight is not None and not self._inflight.write.done()
         requested, mem_busy, disk_busy = self._agree_all(local, self.memory.busy(), disk_busy)
         self._disk_owed = self._disk_owed or due
         self._last_step = step
@@ -616,23 +394,13 @@ class SnapshotGuard:
                  state_dict: Mapping[str, Any]) -> None:
         """The disk tier from memory: DCP writes the staged slot on a background thread (on the
         checkpoint group, used by nothing else meanwhile); the loop is not blocked by it."""
-        from concurrent.futures import ThreadPoolExecutor
-
         self._wait_inflight()
-        path = snapshot_path(self.directory, step)
         self._mark_served(ids, step)
-        if self.rank == 0:
-            (path / MARKER).unlink(missing_ok=True)  # see _snapshot
-        t0 = time.perf_counter()
-        to_save = self.memory.disk_state(slot, state_dict)
-        self.memory.pinned = slot
-        if self._disk_pool is None:
-            self._disk_pool = ThreadPoolExecutor(1, thread_name_prefix="sentinel-disk")
-        inflight = _Inflight(step, path, Future(), requests, 0.0, kind, t0, self.memory.layout.data_len)
-        inflight.upload = self._disk_pool.submit(dcp.save, to_save, checkpoint_id=str(path), process_group=self.group)
-        inflight.blocked = time.perf_counter() - t0
-        self._ack_staged(inflight, list(requests.values()))
-        self._inflight = inflight
+        self.memory.pinned = slot  # the disk write reads it: never staged into until it is reaped
+        write = self.disk.save_copy(step, lambda: self.memory.disk_state(slot, state_dict),
+                                    self.memory.layout.data_len)
+        self._ack_staged(write, list(requests.values()))
+        self._inflight = _Inflight(write, requests, kind)
 
     def _receive(self, requests: list[Request]) -> None:
         """New requests become pending; an id already pending or already served starts nothing."""
@@ -647,10 +415,10 @@ class SnapshotGuard:
     def _answer_served(self, req: Request) -> None:
         step = self._served[req.id]
         inflight = self._inflight
-        if inflight is not None and inflight.step == step:
+        if inflight is not None and inflight.write.step == step:
             if req.id not in inflight.requests:
                 inflight.requests[req.id] = req
-                self._ack_staged(inflight, [req])
+                self._ack_staged(inflight.write, [req])
             return  # the committed ack follows when the write completes
         record = next((r for r in reversed(self.records) if r.step == step), None)
         if record is None:
@@ -682,60 +450,21 @@ class SnapshotGuard:
 
     def _snapshot(self, step: int, kind: int, requests: dict[str, Request], ids: set[str]) -> None:
         self._wait_inflight()  # one save at a time; staging buffers are reused
-        path = snapshot_path(self.directory, step)
-        for rid in sorted(ids):
-            self._served[rid] = step
-            self._served.move_to_end(rid)
-        while len(self._served) > SERVED_IDS:
-            self._served.popitem(last=False)
-        if self.rank == 0:
-            # A directory left at this step (a failed save, or a corrupt one that could not be
-            # moved aside) must not keep vouching for what is written now. Rank 0 is in the save's
-            # first collective, so no rank writes before this unlink.
-            (path / MARKER).unlink(missing_ok=True)
-        t0 = time.perf_counter()
-        state_dict = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in self.state.items()}
-        size = staged_bytes(state_dict)
-        inflight = _Inflight(step, path, Future(), requests, 0.0, kind, t0, size)
-        if self.async_save:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        self._mark_served(ids, step)
+        write = self.disk.save(step, lambda: {k: v.state_dict() if isinstance(v, Stateful) else v
+                                              for k, v in self.state.items()},
+                               staged=lambda w: self._ack_staged(w, list(requests.values())))
+        self._inflight = _Inflight(write, requests, kind)
 
-            if self._stager is None:
-                cuda = torch.cuda.is_available()
-                self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                            use_async_staging=True, use_non_blocking_copy=cuda))
-            resp = dcp.async_save(state_dict, checkpoint_id=str(path), process_group=self.group,
-                                  async_stager=self._stager)
-            if hasattr(resp, "staging_completion"):
-                resp.staging_completion.result()  # state may change at the next step: wait for the copy
-                inflight.upload = resp.upload_completion
-            else:
-                inflight.upload = resp
-            inflight.blocked = time.perf_counter() - t0
-            self._ack_staged(inflight, list(requests.values()))
-        else:
-            self._ack_staged(inflight, list(requests.values()))  # the write begins now
-            try:
-                dcp.save(state_dict, checkpoint_id=str(path), process_group=self.group)
-                inflight.upload.set_result(None)
-            except (CheckpointException, Exception) as exc:  # noqa: BLE001 - recorded and acknowledged as a failure
-                inflight.upload.set_exception(exc)
-            inflight.blocked = time.perf_counter() - t0
-        self._inflight = inflight
-
-    def _ack_staged(self, inflight: _Inflight, requests: list[Request]) -> None:
+    def _ack_staged(self, write: DiskWrite, requests: list[Request]) -> None:
         for req in requests:
-            self.endpoint.ack(Ack(id=req.id, rank=self.rank, step=inflight.step, ok=True, path=str(inflight.path),
-                                  blocked_seconds=round(inflight.blocked, 6), pid=os.getpid(), request_type=req.type,
-                                  phase="staged", bytes=inflight.bytes))
+            self.endpoint.ack(Ack(id=req.id, rank=self.rank, step=write.step, ok=True, path=str(write.path),
+                                  blocked_seconds=round(write.blocked, 6), pid=os.getpid(), request_type=req.type,
+                                  phase="staged", bytes=write.bytes))
 
     def _wait_inflight(self) -> None:
         if self._inflight is not None:
-            try:
-                self._inflight.upload.result()
-            except (CheckpointException, Exception):  # noqa: BLE001 - _reap records it
-                pass
-            self._reap()
+            self._reap()  # waits for the write
 
     def _reap(self) -> None:
         inflight, self._inflight = self._inflight, None
@@ -743,48 +472,18 @@ class SnapshotGuard:
             return
         if self.memory is not None:
             self.memory.pinned = None
-        error = ""
-        try:
-            inflight.upload.result()
-        except (CheckpointException, Exception) as exc:  # noqa: BLE001 - a failed snapshot is reported, never committed
-            error = f"{type(exc).__name__}: {exc}"
-            log.error("snapshot at step %d failed: %s", inflight.step, error)
-        if not error and self.rank == 0:
-            try:
-                self._commit(inflight)
-            except OSError as exc:
-                error = f"commit failed: {exc}"
-        total = time.perf_counter() - inflight.started
+        write = inflight.write
         kind = "migrate" if inflight.kind == MIGRATE else "snapshot"
-        served = [rid for rid, step in self._served.items() if step == inflight.step]
-        self.records.append(SnapshotRecord(inflight.step, str(inflight.path), inflight.blocked, total, kind, not error,
-                                           error, inflight.bytes, served, self.channel_error))
+        served = [rid for rid, step in self._served.items() if step == write.step]
+        error = self.disk.finish(write, kind=kind, request_ids=sorted(served))
+        total = time.perf_counter() - write.started
+        self.records.append(SnapshotRecord(write.step, str(write.path), write.blocked, total, kind, not error,
+                                           error, write.bytes, served, self.channel_error))
         for req in inflight.requests.values():
-            self.endpoint.ack(Ack(id=req.id, rank=self.rank, step=inflight.step, ok=not error,
-                                  path=str(inflight.path), blocked_seconds=round(inflight.blocked, 6),
+            self.endpoint.ack(Ack(id=req.id, rank=self.rank, step=write.step, ok=not error,
+                                  path=str(write.path), blocked_seconds=round(write.blocked, 6),
                                   error=error, pid=os.getpid(), request_type=req.type,
-                                  phase="committed", bytes=inflight.bytes))
-
-    def _commit(self, inflight: _Inflight) -> None:
-        marker = {"step": inflight.step, "world_size": self.world, "time": time.time(),
-                  "blocked_seconds": inflight.blocked, "kind": "migrate" if inflight.kind == MIGRATE else "snapshot",
-                  "request_ids": sorted(rid for rid, step in self._served.items() if step == inflight.step)}
-        tmp = inflight.path / f".{MARKER}.tmp"
-        tmp.write_text(json.dumps(marker))
-        with open(tmp) as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, inflight.path / MARKER)
-        self._retain(inflight.step)
-
-    def _retain(self, newest: int) -> None:
-        complete = complete_snapshots(self.directory)
-        for _, path in complete[self.keep:]:
-            shutil.rmtree(path, ignore_errors=True)
-        kept = {p for _, p in complete[: self.keep]}
-        for p in self.directory.iterdir():
-            step = _step_of(p.name)
-            if step is not None and p not in kept and step < newest:  # abandoned partial snapshots
-                shutil.rmtree(p, ignore_errors=True)
+                                  phase="committed", bytes=write.bytes))
 
     def _hold(self, step: int, seconds: float) -> None:
         """Hold at this step until the node is drained (a peer vanishes) or ``seconds`` pass.
@@ -811,7 +510,7 @@ class SnapshotGuard:
             previous = signal.signal(signal.SIGTERM, stopped)
         try:
             for _ in range(beats):
-                if self._inflight is not None and self._inflight.upload.done():
+                if self._inflight is not None and self._inflight.write.done():
                     self._reap()  # the migrate snapshot committed in memory is now on disk: its marker
                 self._answer_while_holding()
                 if pending:
@@ -845,10 +544,8 @@ class SnapshotGuard:
         last = self.records[-1]
         for req in self.endpoint.poll():
             if req.id not in self._served:
-                self._served[req.id] = last.step
+                self._mark_served({req.id}, last.step)
                 last.request_ids.append(req.id)
-                while len(self._served) > SERVED_IDS:
-                    self._served.popitem(last=False)
             self._answer_served(req)
 
     def summary(self) -> dict[str, Any]:
@@ -867,29 +564,13 @@ class SnapshotGuard:
 
     def memory_summary(self) -> dict[str, Any] | None:
         """The memory tier's figures on this rank (None when it is off)."""
-        m = self.memory
-        if m is None:
-            return None
-        def median(xs: list[float]) -> float | None:
-            return sorted(xs)[len(xs) // 2] if xs else None
-
-        return {"snapshots": m.snapshots, "late": m.late, "disk_only": m.disk_only, "agreed_step": m.agreed_step,
-                "held_bytes": m.held_bytes,
-                "replica_errors": m.replicator.errors if m.replicator else 0,
-                "stall_median_seconds": median(m.stalls),
-                "stall_parts_median_seconds": {k: median(v) for k, v in m.stall_parts.items()},
-                "flushed_at_close": self.flushed_at_close,
-                "holder": str(m.dir)}
+        return None if self.memory is None else self.memory.summary(flushed_at_close=self.flushed_at_close)
 
     def restore_summary(self) -> dict[str, Any]:
         """Where resume() took the state from: tier memory (shards from this node / a peer) or disk."""
-        info = self.restore_info
-        out: dict[str, Any] = {"tier": "memory" if info is not None and info.tier == "memory" else
-                               ("disk" if self.resumed_from else "none")}
-        if info is not None:
-            out.update(own=info.local, peer=info.peer, disk=info.disk, memory_reason=info.reason,
-                       memory_rejected=info.rejected, seconds=round(info.seconds, 4))
-        return out
+        if self.restore_info is None:
+            return {"tier": "disk" if self.resumed_from else "none"}
+        return self.restore_info.summary(from_disk=bool(self.resumed_from))
 
     def drain(self) -> None:
         """Block until the disk write and the replica copy in flight (if any) have finished (not
@@ -913,8 +594,5 @@ class SnapshotGuard:
         self._wait_inflight()
         if self.memory is not None:
             self.memory.close()
-        if self._disk_pool is not None:
-            self._disk_pool.shutdown(wait=True)
-        if self._stager is not None:
-            self._stager.close()
+        self.disk.close()
         self.endpoint.close()

@@ -30,7 +30,7 @@ _step = guard_mod.SnapshotGuard.step
 def step(self, n):
     _step(self, n)
     if n == KILL_AT and self.rank == 1:
-        assert self._inflight is not None and not self._inflight.upload.done(), "save must still be in flight"
+        assert self._inflight is not None and not self._inflight.write.done(), "save must still be in flight"
         os.kill(os.getpid(), signal.SIGKILL)
 
 
