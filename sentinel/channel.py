@@ -48,6 +48,10 @@ log = logging.getLogger("sentinel.channel")
 
 VERSION = 1
 REQUEST_TYPES = ("snapshot", "migrate")
+# What a rank reports to its node's daemon unasked (rank -> daemon): the job's own view of its
+# health. "hang": the ranks that can still talk named a culprit on this node (or found none);
+# "straggler": the job's progress exchange scored this node as slow. See sentinel.jobhealth.
+REPORT_KINDS = ("hang", "straggler")
 MAX_MESSAGE = 4096
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 
@@ -111,7 +115,29 @@ class Ack:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
 
 
-def decode(data: bytes) -> Request | Ack:
+@dataclass(frozen=True)
+class Report:
+    """A rank's unasked report to its node's daemon. ``detail`` is a flat JSON object (numbers,
+    strings, lists of them); the daemon fills ``pid`` from the kernel-verified sender."""
+
+    kind: str  # one of REPORT_KINDS
+    rank: int
+    step: int
+    detail: dict = field(default_factory=dict)
+    pid: int = 0
+    type: str = "report"
+    version: int = VERSION
+
+    def encode(self) -> bytes:
+        data = json.dumps(asdict(self), separators=(",", ":")).encode()
+        if len(data) > MAX_MESSAGE:  # evidence is prose: cut it, never the figures
+            detail = {k: (v[:200] if isinstance(v, str) else v) for k, v in self.detail.items()}
+            data = json.dumps(asdict(Report(self.kind, self.rank, self.step, detail, self.pid)),
+                              separators=(",", ":")).encode()
+        return data
+
+
+def decode(data: bytes) -> Request | Ack | Report:
     """Parse one datagram; raises MalformedMessage for anything not exactly a v1 message."""
     if len(data) > MAX_MESSAGE:
         raise MalformedMessage("message too long")
@@ -130,6 +156,13 @@ def decode(data: bytes) -> Request | Ack:
             if isinstance(hold, bool) or not isinstance(hold, (int, float)) or not 0 <= hold < 1e6:
                 raise MalformedMessage("hold_seconds must be a number of seconds")
             return Request(type=kind, id=msg["id"], reason=msg.get("reason", ""), hold_seconds=float(hold))
+        if kind == "report":
+            rep = Report(**{k: v for k, v in msg.items()})
+            if rep.kind not in REPORT_KINDS or not isinstance(rep.detail, dict):
+                raise MalformedMessage(f"report kind must be one of {', '.join(REPORT_KINDS)}, detail an object")
+            if any(isinstance(v, bool) or not isinstance(v, int) for v in (rep.rank, rep.step)):
+                raise MalformedMessage("report rank and step must be integers")
+            return rep
         if kind == "ack":
             ack = Ack(**{k: v for k, v in msg.items()})
             if not isinstance(ack.id, str) or not isinstance(ack.step, int) or not isinstance(ack.ok, bool):
@@ -183,6 +216,9 @@ class NullEndpoint:
         return []
 
     def ack(self, ack: Ack) -> bool:
+        return False
+
+    def report(self, report: Report) -> bool:
         return False
 
     def close(self) -> None:
@@ -270,6 +306,15 @@ class RankEndpoint:
             self.counts["ack_failed"] += 1
             return False
 
+    def report(self, report: Report) -> bool:
+        """Tell this node's daemon something unasked (a hang verdict, a straggler score)."""
+        try:
+            self.sock.sendto(report.encode(), str(self.directory / "daemon.sock"))
+            return True
+        except OSError:
+            self.counts["report_failed"] += 1
+            return False
+
     def close(self) -> None:
         self.sock.close()
         try:
@@ -321,6 +366,7 @@ class DaemonEndpoint:
         self._rejected_seen: set[tuple[str, int, str]] = set()
         self.requests: dict[str, RequestState] = {}
         self.agent_error = ""
+        self.reports: list[Report] = []  # from verified ranks, taken by take_reports()
 
     # -- who is a rank -------------------------------------------------------------------------
     def _reject(self, name: str, ino: int, reason: str) -> None:
@@ -434,6 +480,9 @@ class DaemonEndpoint:
             except MalformedMessage:
                 self.counts[("ack", "malformed")] += 1
                 continue
+            if isinstance(msg, Report):
+                self._accept_report(msg, pid)
+                continue
             state = self.requests.get(msg.id) if isinstance(msg, Ack) else None
             if state is None or pid not in state.sent_to:
                 self.counts[("ack", "refused")] += 1
@@ -455,6 +504,22 @@ class DaemonEndpoint:
                 state.acks[pid] = msg
                 self.counts[("ack", "ok" if msg.ok else "error")] += 1
             out.append(msg)
+        return out
+
+    def _accept_report(self, report: Report, pid: int) -> None:
+        """A report counts only from a verified rank of this node's job (the same test as a
+        request's recipients); anyone else's is refused and counted. At most 256 are kept."""
+        if pid not in self.ranks():
+            self.counts[("report", "refused")] += 1
+            self.rejected["report_not_a_rank"] += 1
+            return
+        self.counts[("report", report.kind)] += 1
+        self.reports.append(Report(report.kind, report.rank, report.step, report.detail, pid))
+        del self.reports[:-256]
+
+    def take_reports(self) -> list[Report]:
+        """The reports received since the last call (poll_acks reads them off the socket)."""
+        out, self.reports = self.reports, []
         return out
 
     def complete(self, request_id: str) -> bool:

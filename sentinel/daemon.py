@@ -102,6 +102,11 @@ class Daemon:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self.last_gpus: tuple = ()
+        from sentinel.jobhealth import JobHealth
+
+        self.jobhealth = JobHealth(self.node)  # the job's hang and straggler reports (sentinel.jobhealth)
+        self.extra_counters.append(self.jobhealth.counters)
+        self.extra_gauges.append(self.jobhealth.gauges)
 
     # -- start/stop ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -230,10 +235,30 @@ class Daemon:
         for ack in acks:
             event(log, "trainer acknowledged", id=ack.id, rank=ack.rank, pid=ack.pid, step=ack.step, ok=ack.ok,
                   phase=ack.phase, path=ack.path, blocked_seconds=ack.blocked_seconds, error=ack.error)
+        self._job_reports(readings, now)
         if self.migrator is not None:
             self._guard("migration", self.migrator.tick, acks)
         self._guard("publish", self.publish, readings, counters)
         return readings
+
+    def _job_reports(self, readings: NodeReadings, now: float) -> None:
+        """The ranks' hang verdicts and straggler scores (read off the channel with the acks)
+        become trips, joined with this node's GPU readings."""
+        if not readings.events_only:
+            self._guard("jobhealth", self.jobhealth.readings, readings.gpus, now)
+        take = getattr(self.endpoint, "take_reports", None)
+        reports = self._guard("channel", take, default=[]) if take is not None else []
+        if not reports:
+            return
+        for rep in reports:
+            event(log, "job report", kind=rep.kind, rank=rep.rank, pid=rep.pid, step=rep.step, **{
+                k: v for k, v in rep.detail.items() if k in ("kind", "culprits", "hosts", "evidence", "relative",
+                                                             "individual", "step_seconds", "steps_left")})
+        trips = self._guard("jobhealth", self.jobhealth.observe, reports, now, default=[]) or []
+        for t in trips:
+            self.trips[(t.rule, t.action)] += 1
+        if trips:
+            self._guard("actions", self.executor.execute, trips)
 
     def publish(self, readings: NodeReadings, counters: dict) -> None:
         health = {i: int(s.health) for i, s in self.policy_state.gpus.items()}
@@ -284,6 +309,7 @@ class Daemon:
             "trips": {f"{r}/{a}": n for (r, a), n in self.trips.items()},
             "cordoned": bool(self.migrator and self.migrator.cordoned),
             "migration": self.migrator.record.__dict__ if self.migrator and self.migrator.record else None,
+            "job": self.jobhealth.status(),
         }
         try:
             write_json_atomic(self.runtime_dir / "status.json", status, fsync=False)  # tmpfs; rewritten every poll

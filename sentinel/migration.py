@@ -325,6 +325,16 @@ class Migrator:
         self._requested_at = self.clock()
         self._deadline = self._requested_at + self.cfg.ack_timeout_seconds
         self._extended = False
+        if rec.rule == "hang":
+            # The ranks here are the stuck ones: a snapshot request would wait out the ack
+            # timeout. The job's other ranks abandoned the collective and resume from the memory
+            # tier (trainer.progress); hand the node over at once.
+            rec.ranks = 0
+            rec.notes.append("hang: no snapshot asked of the stuck ranks; the job resumes from its memory tier")
+            self._save()
+            event(log, "migration without a snapshot (hang)", request_id=rec.request_id, node=self.node)
+            self._submit(self._start_spare)
+            return
         rec.ranks = self.endpoint.request("migrate", rec.request_id, rec.reason_long, hold_seconds=self.hold_seconds)
         self._save()
         event(log, "migration requested", request_id=rec.request_id, node=self.node, ranks=rec.ranks)

@@ -1,0 +1,145 @@
+"""The job's own view of its health, as its ranks report it to the node's daemon: hangs and
+stragglers turned into trips. Decides only (no I/O, no clock: time is passed in).
+
+* A ``hang`` report whose verdict names this node (its ``hosts`` holds the daemon's node name)
+  trips rule ``hang`` with action ``migrate``: the node is handed over *without* asking its ranks
+  for a snapshot (they are the ones stuck; see :meth:`sentinel.migration.Migrator.begin`), the
+  others have abandoned the collective and resume from the memory tier. A verdict naming another
+  node, or none (``unknown``), is kept for the metrics and ``sentinel status`` only.
+* A ``straggler`` report (the job's progress exchange scored this node slow) is joined with
+  this node's GPU readings — clock-event reasons, PCIe replays per minute since the previous
+  poll, link width against the widest seen, NVLink errors per minute — so the trip says why, and
+  :func:`sentinel.straggler.decide` picks ``migrate`` only when the saving over the steps left
+  exceeds the measured hand-over cost, else ``alert``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from sentinel.policy import NODE, Trip
+from sentinel.readings import GpuReading
+from sentinel.straggler import GpuEvidence, StragglerSettings, causes, decide
+
+# The measured hand-over: trip to the first step on a warm spare (bench/migration.py,
+# docs/measured.json "warm_spare_trip_to_first_step_seconds", 1.135 s on the 2-CPU reference
+# host) is far below what a real job pays; a real job's restart (rendezvous, process group,
+# restore) grows with its size (docs/goodput.md). 60 s is the conservative default.
+DEFAULT_HANDOVER_SECONDS = 60.0
+
+
+@dataclass
+class _Previous:
+    time: float
+    pcie_replay: float | None
+    nvlink: float | None
+
+
+def _nvlink_errors(g: GpuReading) -> float | None:
+    if not g.nvlink:
+        return None
+    return float(sum(v for (_, kind), v in g.nvlink.items() if kind in ("replay", "recovery", "crc_flit", "crc_data")))
+
+
+@dataclass
+class JobHealth:
+    node: str
+    settings: StragglerSettings = field(default_factory=StragglerSettings)
+    handover_seconds: float = DEFAULT_HANDOVER_SECONDS
+    hang: dict[str, Any] | None = None  # the newest hang verdict a rank reported
+    straggler: dict[str, Any] | None = None  # the newest straggler report, with causes and decision
+    counts: dict[str, int] = field(default_factory=dict)
+    _previous: dict[int, _Previous] = field(default_factory=dict)
+    _widest: dict[int, float] = field(default_factory=dict)
+    _evidence: list[GpuEvidence] = field(default_factory=list)
+
+    def readings(self, gpus: Iterable[GpuReading], now: float) -> None:
+        """Each poll: keep what the straggler causes need (rates since the previous poll)."""
+        evidence = []
+        for g in gpus:
+            v = g.values
+            prev = self._previous.get(g.index)
+            replay = v.get("pcie_replay")
+            nvl = _nvlink_errors(g)
+            minutes = (now - prev.time) / 60.0 if prev is not None else 0.0
+            width = v.get("pcie_link_width")
+            if width is not None:
+                self._widest[g.index] = max(self._widest.get(g.index, 0.0), width)
+            evidence.append(GpuEvidence(
+                g.index,
+                clock_event_reasons=int(v["throttle_reasons"]) if "throttle_reasons" in v else None,
+                pcie_replays=(replay - prev.pcie_replay) if minutes > 0 and replay is not None and prev.pcie_replay is not None else None,
+                pcie_link_width=width, pcie_link_width_max=self._widest.get(g.index),
+                nvlink_errors=(nvl - prev.nvlink) if minutes > 0 and nvl is not None and prev.nvlink is not None else None,
+                minutes=max(minutes, 1e-6)))
+            self._previous[g.index] = _Previous(now, replay, nvl)
+        self._evidence = evidence
+
+    def observe(self, reports: Iterable[Any], now: float) -> list[Trip]:
+        """Reports (:class:`sentinel.channel.Report`) received this poll -> trips."""
+        trips: list[Trip] = []
+        for rep in reports:
+            self.counts[rep.kind] = self.counts.get(rep.kind, 0) + 1
+            if rep.kind == "hang":
+                trip = self._hang(rep, now)
+            else:
+                trip = self._straggler(rep, now)
+            if trip is not None and all(t.rule != trip.rule for t in trips):
+                trips.append(trip)
+        return trips
+
+    def _hang(self, rep: Any, now: float) -> Trip | None:
+        d = rep.detail
+        hosts = [h for h in d.get("hosts", []) if isinstance(h, str)]
+        culprits = [c for c in d.get("culprits", []) if isinstance(c, int) and not isinstance(c, bool)]
+        self.hang = {"time": now, "kind": str(d.get("kind", "")), "culprits": culprits, "hosts": hosts,
+                     "evidence": str(d.get("evidence", ""))[:400], "here": self.node in hosts,
+                     "reported_by": rep.rank, "step": rep.step}
+        if self.node not in hosts or d.get("kind") not in ("stopped", "not_entered", "behind"):
+            return None
+        here = sorted(culprits)
+        return Trip("hang", "migrate", NODE, "hang", f"hung collective: culprit rank(s) {here} on {self.node} "
+                    f"({d.get('kind')}): {str(d.get('evidence', ''))[:300]}",
+                    values={"culprit_rank": float(here[0]) if here else -1.0, "step": float(rep.step)})
+
+    def _straggler(self, rep: Any, now: float) -> Trip | None:
+        d = rep.detail
+        try:
+            relative = float(d["relative"])
+            individual = float(d.get("individual", 1.0))
+            step_seconds = float(d["step_seconds"])
+        except (KeyError, TypeError, ValueError):
+            self.counts["straggler_malformed"] = self.counts.get("straggler_malformed", 0) + 1
+            return None
+        if not (math.isfinite(relative) and relative > 0 and math.isfinite(step_seconds) and step_seconds >= 0):
+            return None
+        steps_left = d.get("steps_left")
+        steps_left = steps_left if isinstance(steps_left, int) and not isinstance(steps_left, bool) else None
+        why = causes(self._evidence, self.settings)
+        verdict = decide(relative, step_seconds, steps_left, self.handover_seconds)
+        self.straggler = {"time": now, "relative": relative, "individual": individual, "step_seconds": step_seconds,
+                          "steps_left": steps_left, "causes": why, "action": verdict.action, "why": verdict.why,
+                          "step": rep.step}
+        cause = "; ".join(why) if why else "no hardware cause seen (host, input pipeline or a noisy neighbour)"
+        return Trip("straggler", verdict.action, NODE, "straggler",
+                    f"straggler: {relative:.2f}x the job's median compute ({cause}); {verdict.why}",
+                    values={"relative": relative, "individual": individual})
+
+    def gauges(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        out[("sentinel_job_hang_culprit_here", ())] = 1.0 if self.hang and self.hang["here"] else 0.0
+        if self.straggler is not None:
+            out[("sentinel_job_straggler_score", (("kind", "relative"),))] = self.straggler["relative"]
+            out[("sentinel_job_straggler_score", (("kind", "individual"),))] = self.straggler["individual"]
+            for c in self.straggler["causes"] or ["none"]:
+                out[("sentinel_job_straggler_cause_info", (("cause", c),))] = 1.0
+        return out
+
+    def counters(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return {("sentinel_job_reports", (("kind", k),)): float(n) for k, n in self.counts.items()}
+
+    def status(self) -> dict[str, Any]:
+        return {"hang": self.hang, "straggler": self.straggler}
+

@@ -1,0 +1,70 @@
+"""The hang watch in a real gloo job: a stopped rank and a rank that never enters the collective
+are named by every other rank, with their node; a healthy job raises no suspicion."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from trainer.progress import EXIT_HANG
+
+WORKER = Path(__file__).parent / "workers" / "hang_job.py"
+REPO = Path(__file__).resolve().parent.parent
+STORES: list = []
+
+
+
+def run_job(tmp_path: Path, fault: str, fault_rank: int = 3, world: int = 4, steps: int = 40) -> dict[int, subprocess.Popen]:
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    STORES.append(store)  # the rendezvous store lives in the agent, not in a worker
+    port = store.port
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HANG_JOB_STEPS": str(steps)}
+    procs = {r: subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port), str(tmp_path), fault,
+                                  str(fault_rank), "12"], env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"log-{r}", "w"))
+             for r in range(world)}
+    return procs
+
+
+def finish(procs: dict[int, subprocess.Popen], alive: list[int], timeout: float = 400) -> dict[int, int]:
+    deadline = time.monotonic() + timeout
+    codes = {}
+    try:
+        for r in alive:
+            codes[r] = procs[r].wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+    return codes
+
+
+@pytest.mark.parametrize("fault,kind", [("stop", "stopped"), ("skip", "not_entered")])
+def test_every_other_rank_names_the_culprit_and_its_node(tmp_path, fault, kind):
+    procs = run_job(tmp_path, fault)
+    codes = finish(procs, [0, 1, 2])
+    assert codes == {0: EXIT_HANG, 1: EXIT_HANG, 2: EXIT_HANG}, [(tmp_path / f"log-{r}").read_text()[-2000:] for r in codes]
+    verdicts = [json.loads((tmp_path / f"verdict-{r}.json").read_text()) for r in (0, 1, 2)]
+    for v in verdicts:
+        assert v["kind"] == kind and v["culprits"] == [3] and v["hosts"] == ["node1"]
+    assert len({json.dumps({k: v[k] for k in ("kind", "culprits", "hosts", "evidence")}) for v in verdicts}) == 1
+
+
+def test_a_healthy_job_raises_no_suspicion_and_exchanges_progress(tmp_path):
+    procs = run_job(tmp_path, "none", steps=60)
+    codes = finish(procs, [0, 1, 2, 3])
+    assert codes == {0: 0, 1: 0, 2: 0, 3: 0}
+    for r in range(4):
+        assert json.loads((tmp_path / f"done-{r}").read_text()) == {"verdict": None}
+    prog = json.loads((tmp_path / "progress.json").read_text())
+    assert prog["nodes"] == {"0": "node0", "1": "node0", "2": "node1", "3": "node1"}
+    for f in prog["figures"].values():
+        assert f["samples"] >= 1 and f["step_seconds"] > 0 and 0 < f["compute_seconds"] <= f["step_seconds"]

@@ -1,0 +1,93 @@
+"""Rank reports -> trips on the daemon: the hang culprit's node hands itself over, a straggler
+is handed over only when it pays and says why; reports only from the job's own ranks."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+from conftest import register_agent
+from sentinel.channel import DaemonEndpoint, MalformedMessage, RankEndpoint, Report, decode
+from sentinel.jobhealth import JobHealth
+from sentinel.readings import GpuReading
+from sentinel.straggler import StragglerSettings
+
+import pytest
+
+
+def hang(hosts, kind="stopped"):
+    return Report("hang", 0, 41, {"kind": kind, "culprits": [3], "hosts": hosts, "evidence": "rank 3 did not answer"})
+
+
+def test_the_culprits_node_trips_hang_with_migrate_and_the_others_only_record_it():
+    here = JobHealth("node1")
+    (trip,) = here.observe([hang(["node1"])], 10.0)
+    assert trip.rule == "hang" and trip.action == "migrate" and "rank(s) [3]" in trip.message
+    assert trip.values["culprit_rank"] == 3
+    other = JobHealth("node0")
+    assert other.observe([hang(["node1"])], 10.0) == []
+    assert other.status()["hang"]["hosts"] == ["node1"] and other.status()["hang"]["here"] is False
+    assert JobHealth("node1").observe([hang(["node1"], kind="unknown")], 10.0) == []
+
+
+def gpu(index, **values):
+    return GpuReading(index, f"GPU-{index}", f"0000:0{index}:00.0", values=values)
+
+
+def test_a_straggler_with_a_hardware_slowdown_is_handed_over_when_it_pays_and_says_why():
+    jh = JobHealth("node2", handover_seconds=60.0)
+    jh.readings([gpu(0, throttle_reasons=0.0, pcie_replay=0.0, pcie_link_width=16.0),
+                 gpu(1, throttle_reasons=0.0, pcie_replay=0.0, pcie_link_width=16.0)], 0.0)
+    jh.readings([gpu(0, throttle_reasons=0.0, pcie_replay=0.0, pcie_link_width=16.0),
+                 gpu(1, throttle_reasons=8.0, pcie_replay=0.0, pcie_link_width=16.0)], 60.0)
+    rep = Report("straggler", 2, 120, {"relative": 1.5, "individual": 1.5, "step_seconds": 1.5, "steps_left": 1000})
+    (trip,) = jh.observe([rep], 60.0)
+    assert trip.rule == "straggler" and trip.action == "migrate" and "GPU 1: hw_slowdown" in trip.message
+    assert jh.status()["straggler"]["causes"] == ["GPU 1: hw_slowdown"]
+    assert jh.gauges()[("sentinel_job_straggler_cause_info", (("cause", "GPU 1: hw_slowdown"),))] == 1.0
+    near_end = Report("straggler", 2, 990, {"relative": 1.5, "individual": 1.5, "step_seconds": 1.5, "steps_left": 10})
+    (trip,) = jh.observe([near_end], 61.0)
+    assert trip.action == "alert"
+
+
+def test_a_straggler_without_a_hardware_cause_says_so():
+    jh = JobHealth("n", settings=StragglerSettings())
+    jh.readings([gpu(0, throttle_reasons=1.0)], 0.0)  # idle bit only
+    (trip,) = jh.observe([Report("straggler", 0, 5, {"relative": 1.4, "step_seconds": 1.0})], 1.0)
+    assert trip.action == "alert" and "no hardware cause seen" in trip.message  # steps left unknown: alert
+
+
+def test_report_round_trip_and_malformed_reports():
+    r = Report("straggler", 3, 7, {"relative": 1.5})
+    assert decode(r.encode()) == r
+    for bad in (b'{"version": 1, "type": "report", "kind": "explode", "rank": 1, "step": 1}',
+                b'{"version": 1, "type": "report", "kind": "hang", "rank": "1", "step": 1}',
+                b'{"version": 1, "type": "report", "kind": "hang", "rank": 1, "step": 1, "detail": []}'):
+        with pytest.raises(MalformedMessage):
+            decode(bad)
+    long = Report("hang", 0, 1, {"evidence": "x" * 10000, "culprits": [1]})
+    assert len(long.encode()) < 4096 and decode(long.encode()).detail["culprits"] == [1]
+
+
+def test_reports_are_accepted_from_the_jobs_ranks_only(tmp_path, attacker, shared_tmp):
+    runtime = shared_tmp
+    register_agent(runtime)
+    daemon = DaemonEndpoint(runtime)
+    rank = RankEndpoint.open(runtime)
+    try:
+        assert rank.report(hang(["node1"]))
+        forged = attacker.python(
+            "import socket,sys; s=socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM); "
+            f"s.sendto({hang(['node1']).encode()!r}, {str(runtime / 'daemon.sock')!r})")
+        assert forged.returncode == 0, forged.stderr
+        got = []
+        deadline = time.monotonic() + 5
+        while len(got) + daemon.rejected["report_not_a_rank"] < 2 and time.monotonic() < deadline:
+            daemon.poll_acks()
+            got += daemon.take_reports()
+        assert [(r.kind, r.pid) for r in got] == [("hang", os.getpid())]
+        assert daemon.rejected["report_not_a_rank"] == 1
+    finally:
+        rank.close()
+        daemon.close()

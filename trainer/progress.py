@@ -1,0 +1,329 @@
+"""Progress from every rank, with no user code: step times, the compute/communication split, and
+the hang watch. Used by :class:`trainer.guard.SnapshotGuard`; usable on its own.
+
+Contract
+--------
+* :meth:`Progress.on_step` is called by ``guard.step(step)`` once per step. It records the wall
+  time of the step boundary (one ``perf_counter`` and a deque append) and tells the hang watch
+  that a step completed. Every ``every`` steps it is collective (the guard calls it on every rank
+  at the same step): the ranks exchange one small float64 vector each (``all_gather`` on the
+  guard's *control* group — never the training group, which may be the hung one) and every rank
+  then holds the job's progress: per rank its step, median step time, median compute time and
+  communication time over the window.
+* Compute vs communication comes from torch's flight recorder where it is on
+  (``TORCH_FR_BUFFER_SIZE`` or ``TORCH_NCCL_TRACE_BUFFER_SIZE`` > 0 when the process group was
+  created; gloo and NCCL alike in torch 2.13): a rank's *compute* time in a step is from the step
+  boundary to the moment it entered the step's last training collective; the rest is
+  communication (mostly waiting for the slowest rank). Without the recorder the split is unknown
+  and the step time stands in for compute (the scores then only see a slow node through its
+  individual score). The guard's own groups are excluded.
+* :class:`HangWatch` is a daemon thread. When no step completed on this rank for T
+  (:func:`sentinel.hang.hang_timeout`), it writes what this rank last entered (its last completed
+  step, the flight recorder's last collective per group) into the job's rendezvous store (a key
+  per rank, never a collective: a stopped rank simply does not write), waits ``gather_seconds``
+  for the others, and decides with :func:`sentinel.hang.find_culprit`. The first rank to decide
+  writes the verdict (``compare_set``), every rank uses that one. Then ``on_verdict`` runs:
+  the guard reports to its node's daemon (the culprit's node hands itself over) and abandons the
+  group (the process exits with :data:`EXIT_HANG`, so torchrun restarts the workers; they resume
+  from the memory tier). A step completing meanwhile ends the suspicion (its key is deleted).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from sentinel.hang import Entered, HangSettings, Verdict, find_culprit, hang_timeout, parse_flight_recorder
+
+log = logging.getLogger("sentinel.trainer.progress")
+
+EXIT_HANG = 76  # the exit status of a rank that abandoned a hung collective
+FIELDS = ("step", "step_seconds", "compute_seconds", "comm_seconds", "samples", "snapshot_steps", "since_start")
+
+
+def flight_recorder_on() -> bool:
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        v = os.environ.get(name, "")
+        if v.isdigit() and int(v) > 0:
+            return True
+    return False
+
+
+def dump_flight_recorder() -> dict[str, Any] | None:
+    """This rank's flight recorder dump (parsed JSON), or None when it is off or unavailable."""
+    if not flight_recorder_on():
+        return None
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace_json
+    except ImportError:
+        return None
+    try:
+        return json.loads(_dump_fr_trace_json(True, True))
+    except (RuntimeError, ValueError) as exc:
+        log.debug("flight recorder dump failed: %s", exc)
+        return None
+
+
+def group_key(group: Any) -> str:
+    """The name the flight recorder gives ``group`` (``default_pg``, or its pg id)."""
+    if group is None:
+        return "default_pg"
+    try:
+        name = dist.distributed_c10d._get_process_group_name(group)
+    except (AttributeError, RuntimeError, ValueError):
+        return ""
+    return name
+
+
+def split_steps(boundaries: list[tuple[int, int, bool]], created_ns: Mapping[int, int]) -> list[tuple[int, float, float, bool]]:
+    """Pure: (step, step seconds, compute seconds, snapshot) per step from the step boundaries
+    ``(step, wall ns at the end of that step, snapshot)`` in order, and the training group's
+    collectives' creation times (seq -> ns). Compute is from the previous boundary to the last
+    collective entered before this one; a step without a collective is left out."""
+    out = []
+    times = sorted(created_ns.values())
+    j = 0
+    for (_, start, _), (step, end, snap) in zip(boundaries, boundaries[1:]):
+        last = None
+        while j < len(times) and times[j] < end:
+            if times[j] >= start:
+                last = times[j]
+            j += 1
+        if last is not None and end > start:
+            out.append((step, (end - start) / 1e9, (last - start) / 1e9, snap))
+    return out
+
+
+@dataclass
+class JobProgress:
+    """The job's progress after an exchange: per rank its node and figures."""
+
+    step: int
+    nodes: dict[int, str]
+    figures: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    def node_compute(self) -> dict[str, float]:
+        """Per node the compute time of its slowest rank (every rank waits for it)."""
+        out: dict[str, float] = {}
+        for r, f in self.figures.items():
+            if f["samples"] > 0:
+                n = self.nodes.get(r, str(r))
+                out[n] = max(out.get(n, 0.0), f["compute_seconds"])
+        return out
+
+
+class Progress:
+    """Per-rank step recorder plus the K-step exchange. ``group`` is the guard's control group
+    (None outside a distributed job); ``exclude`` the flight-recorder names of the guard's groups."""
+
+    def __init__(self, *, every: int = 10, group: Any = None, rank: int = 0, world: int = 1,
+                 node: str | None = None, exclude: tuple[str, ...] = (), window: int = 64,
+                 clock: Callable[[], float] = time.monotonic, wall_ns: Callable[[], int] = time.time_ns) -> None:
+        if every < 1:
+            raise ValueError("progress every must be >= 1")
+        self.every = every
+        self.group = group
+        self.rank = rank
+        self.world = world
+        self.node = node or os.environ.get("SENTINEL_NODE") or socket.gethostname()
+        self.exclude = set(exclude)
+        self.clock = clock
+        self.wall_ns = wall_ns
+        self.step_seconds: deque[float] = deque(maxlen=window)
+        self.boundaries: deque[tuple[int, int, bool]] = deque(maxlen=every + 1)
+        self.last_step = -1
+        self.last_done = clock()  # monotonic time of the last completed step (or of the start)
+        self.steps_since_start = 0
+        self.job: JobProgress | None = None
+        self.nodes: dict[int, str] | None = None
+        self.exchanges = 0
+        self.exchange_seconds: list[float] = []
+        self._last_wall: int | None = None
+        self.fr = flight_recorder_on()
+
+    def on_step(self, step: int, *, snapshot: bool = False) -> JobProgress | None:
+        """Record a completed step; collective every ``every`` steps (returns the job's progress then)."""
+        now = self.clock()
+        wall = self.wall_ns()
+        if self._last_wall is not None:
+            self.step_seconds.append((wall - self._last_wall) / 1e9)
+        self._last_wall = wall
+        self.boundaries.append((step, wall, snapshot))
+        self.last_step = step
+        self.last_done = now
+        self.steps_since_start += 1
+        if self.steps_since_start % self.every != 0:
+            return None
+        return self.exchange(step)
+
+    def local_figures(self) -> list[float]:
+        """This rank's compact progress: FIELDS, in order."""
+        bounds = list(self.boundaries)
+        steps = [b for b in bounds[1:]]
+        split: list[tuple[int, float, float, bool]] = []
+        if self.fr:
+            dump = dump_flight_recorder()
+            if dump is not None:
+                try:
+                    traces = parse_flight_recorder(dump)
+                except ValueError:
+                    traces = {}
+                train = [t for k, t in traces.items() if k not in self.exclude]
+                created: dict[int, int] = {}
+                for i, t in enumerate(train):  # every training group's collectives, by time
+                    for seq, ns in t.created_ns.items():
+                        created[i * 1_000_000_000 + seq] = ns
+                split = split_steps(bounds, created)
+        plain = [s for s in split if not s[3]]
+        if plain:
+            step_s = median(s[1] for s in plain)
+            compute = median(s[2] for s in plain)
+            samples = len(plain)
+        else:
+            recent = [x for x, b in zip(list(self.step_seconds)[-len(steps):], steps) if not b[2]] if steps else []
+            step_s = median(recent) if recent else 0.0
+            compute = step_s
+            samples = len(recent)
+        snaps = sum(1 for b in steps if b[2])
+        return [float(self.last_step), step_s, compute, max(0.0, step_s - compute), float(samples), float(snaps),
+                float(self.steps_since_start)]
+
+    def exchange(self, step: int) -> JobProgress:
+        t0 = time.perf_counter()
+        mine = torch.tensor(self.local_figures(), dtype=torch.float64)
+        if self.nodes is None:
+            if self.group is not None and self.world > 1:
+                names: list[Any] = [None] * self.world
+                dist.all_gather_object(names, self.node, group=self.group)
+            else:
+                names = [self.node]
+            self.nodes = {r: str(n) for r, n in enumerate(names)}
+        if self.group is not None and self.world > 1:
+            out = [torch.empty_like(mine) for _ in range(self.world)]
+            dist.all_gather(out, mine, group=self.group)
+        else:
+            out = [mine]
+        job = JobProgress(step, dict(self.nodes))
+        for r, t in enumerate(out):
+            job.figures[r] = dict(zip(FIELDS, t.tolist()))
+        self.job = job
+        self.exchanges += 1
+        self.exchange_seconds.append(time.perf_counter() - t0)
+        del self.exchange_seconds[:-256]
+        return job
+
+    def entered(self) -> Entered:
+        """What this rank last entered (for the hang gather). Safe from another thread."""
+        seqs: dict[str, int] = {}
+        ops: dict[str, str] = {}
+        dump = dump_flight_recorder()
+        if dump is not None:
+            try:
+                for k, t in parse_flight_recorder(dump).items():
+                    seqs[k], ops[k] = t.last_entered, t.last_op
+            except ValueError as exc:
+                log.warning("flight recorder dump not understood: %s", exc)
+        return Entered(self.rank, self.node, os.getpid(), self.last_step, seqs, ops,
+                       max(0.0, self.clock() - self.last_done))
+
+
+class HangWatch:
+    """The background watch (see the module docstring). ``store`` is a c10d Store shared by the
+    job's ranks (the default group's); ``prefix`` a key prefix unique to this worker group."""
+
+    def __init__(self, progress: Progress, store: Any, prefix: str, *, settings: HangSettings = HangSettings(),
+                 on_verdict: Callable[[Verdict], None] | None = None, tick: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.progress = progress
+        self.store = store
+        self.prefix = prefix.rstrip("/") + "/"
+        self.settings = settings
+        self.on_verdict = on_verdict
+        self.tick = tick
+        self.clock = clock
+        self.suspected_at: float | None = None
+        self.verdict: Verdict | None = None
+        self.timeout = hang_timeout([], settings)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sentinel-hang-watch", daemon=True)
+        self._incident = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+
+    def _key(self, what: str) -> str:
+        return f"{self.prefix}{what}"
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.tick):
+            try:
+                self.check()
+            except Exception:  # noqa: BLE001 - the watch never dies; a failed round is logged and retried
+                log.exception("hang watch round failed")
+
+    def check(self) -> Verdict | None:
+        """One look: suspect, gather, decide. Returns the verdict once there is one."""
+        p = self.progress
+        self.timeout = hang_timeout(list(p.step_seconds), self.settings)
+        idle = self.clock() - p.last_done
+        if idle < self.timeout:
+            if self.suspected_at is not None:
+                log.warning("hang suspicion over: rank %d completed step %d", p.rank, p.last_step)
+                self.store.delete_key(self._key(f"report/{p.last_step}/{p.rank}"))
+                self.suspected_at = None
+            return None
+        if self.verdict is not None:
+            return self.verdict
+        round_ = p.last_step  # every answering rank completed the same step, or the one before
+        if self.suspected_at is None:
+            self.suspected_at = self.clock()
+            log.error("no step completed for %.1f s (T = %.1f s) after step %d: suspecting a hang", idle,
+                      self.timeout, p.last_step)
+            mine = p.entered()
+            for r in (round_, round_ + 1):  # a rank that finished a step more than we did looks in r+1
+                self.store.set(self._key(f"report/{r}/{p.rank}"), mine.encode())
+        verdict_key = self._key("verdict")
+        if self.store.check([verdict_key]):
+            return self._decided(Verdict.decode(self.store.get(verdict_key)))
+        if self.clock() - self.suspected_at < self.settings.gather_seconds:
+            return None
+        reports: dict[int, Entered | None] = {}
+        for rank in range(p.world):
+            got = None
+            for r in (round_, round_ - 1, round_ + 1):
+                key = self._key(f"report/{r}/{rank}")
+                if self.store.check([key]):
+                    try:
+                        got = Entered.decode(self.store.get(key))
+                    except ValueError as exc:
+                        log.warning("ignoring a malformed hang report of rank %d: %s", rank, exc)
+                    break
+            reports[rank] = got
+        verdict = find_culprit(reports, p.world, hosts=p.nodes or {})
+        # first writer wins: every rank acts on one verdict
+        stored = self.store.compare_set(verdict_key, "", verdict.encode())
+        return self._decided(Verdict.decode(stored))
+
+    def _decided(self, verdict: Verdict) -> Verdict:
+        self.verdict = verdict
+        log.error("hang verdict: %s (culprit rank(s) %s on %s): %s", verdict.kind, list(verdict.culprits),
+                  list(verdict.hosts), verdict.evidence)
+        if self.on_verdict is not None:
+            self.on_verdict(verdict)
+        return verdict
