@@ -63,6 +63,8 @@ from sentinel.channel import Ack, NullEndpoint, RankEndpoint, Request
 from trainer.disk import (  # noqa: F401 - re-exported: trainer.guard's names from before the split
     CORRUPT, MARKER, PREFIX, DiskTier, DiskWrite, complete_snapshots, snapshot_path, staged_bytes,
 )
+from sentinel.hang import HangSettings
+from trainer.progress import JobWatch
 from trainer.memory import MemoryTier, MemoryTierError, RestoreResult, default_holder_dir
 from trainer.state import ModelOptimState, StagingState  # noqa: F401 - ModelOptimState re-exported
 
@@ -111,7 +113,8 @@ class SnapshotGuard:
                  memory_interval_steps: int = 0, memory_dir: str | os.PathLike | None = None,
                  memory_run_id: str | None = None, local_world_size: int | None = None,
                  replica_bytes_per_second: float = 0.0, memory_timeout: float = 120.0,
-                 migrate_ack: str = "durable") -> None:
+                 migrate_ack: str = "durable", progress_every: int = 10, hang: HangSettings | None = None,
+                 total_steps: int | None = None) -> None:
         if check_every < 1:
             raise ValueError("check_every must be >= 1")
         if keep < 1:
@@ -168,6 +171,9 @@ class SnapshotGuard:
                                             bytes_per_second=replica_bytes_per_second, timeout=memory_timeout)
         self.disk = DiskTier(self.directory, group=self.group, rank=self.rank, world=self.world, keep=keep,
                              async_save=async_save)
+        # Progress, hangs and stragglers (trainer.progress): a K-step exchange on the control
+        # group, a hang watch on the job's store; reports go to the node's daemon.
+        self.watch = JobWatch.open(self, every=progress_every, hang=hang, total_steps=total_steps)
 
     def _open_memory(self, directory: str | os.PathLike | None, run_id: str | None, local_world: int | None,
                      **options: float) -> MemoryTier:
@@ -252,8 +258,11 @@ class SnapshotGuard:
     # -- the per-step hook ------------------------------------------------------------------------
     def step(self, step: int) -> None:
         self._step_failed = True  # until it returns: close() then writes nothing collective
+        before = self._inflight
         self._step(step)
         self._step_failed = False
+        # a disk snapshot started at this step: its stall is the guard's, not this node's speed
+        self.watch.on_step(step, snapshot=self._inflight is not None and self._inflight is not before)
 
     def _step(self, step: int) -> None:
         if self._inflight is not None and self._inflight.write.done():
@@ -595,4 +604,5 @@ class SnapshotGuard:
         if self.memory is not None:
             self.memory.close()
         self.disk.close()
+        self.watch.close()
         self.endpoint.close()

@@ -129,7 +129,8 @@ class Progress:
 
     def __init__(self, *, every: int = 10, group: Any = None, rank: int = 0, world: int = 1,
                  node: str | None = None, exclude: tuple[str, ...] = (), window: int = 64,
-                 clock: Callable[[], float] = time.monotonic, wall_ns: Callable[[], int] = time.time_ns) -> None:
+                 clock: Callable[[], float] = time.monotonic, wall_ns: Callable[[], int] = time.time_ns,
+                 fr_budget: float = 0.002) -> None:
         if every < 1:
             raise ValueError("progress every must be >= 1")
         self.every = every
@@ -151,6 +152,9 @@ class Progress:
         self.exchange_seconds: list[float] = []
         self._last_wall: int | None = None
         self.fr = flight_recorder_on()
+        self.fr_budget = fr_budget
+        self._fr_skip = 0
+        self._last_split: list[tuple[int, float, float, bool]] = []
 
     def on_step(self, step: int, *, snapshot: bool = False) -> JobProgress | None:
         """Record a completed step; collective every ``every`` steps (returns the job's progress then)."""
@@ -172,7 +176,11 @@ class Progress:
         bounds = list(self.boundaries)
         steps = [b for b in bounds[1:]]
         split: list[tuple[int, float, float, bool]] = []
-        if self.fr:
+        if self.fr and self._fr_skip > 0:
+            self._fr_skip -= 1
+            split = self._last_split  # the dump costs more than its budget: the previous split stands
+        elif self.fr:
+            t0 = time.perf_counter()
             dump = dump_flight_recorder()
             if dump is not None:
                 try:
@@ -185,6 +193,13 @@ class Progress:
                     for seq, ns in t.created_ns.items():
                         created[i * 1_000_000_000 + seq] = ns
                 split = split_steps(bounds, created)
+                self._last_split = split
+            # A dump walks the whole ring (about 0.2 ms an entry here): keep it under fr_budget
+            # of the window's time by dumping only every n-th exchange.
+            cost = time.perf_counter() - t0
+            window = sum(list(self.step_seconds)[-self.every:])
+            if window > 0 and cost > self.fr_budget * window:
+                self._fr_skip = min(64, int(cost / (self.fr_budget * window)))
         plain = [s for s in split if not s[3]]
         if plain:
             step_s = median(s[1] for s in plain)
@@ -327,3 +342,99 @@ class HangWatch:
         if self.on_verdict is not None:
             self.on_verdict(verdict)
         return verdict
+
+
+class JobWatch:
+    """What ``SnapshotGuard`` wires in: :class:`Progress` on the control group, a
+    :class:`HangWatch` on the job's store, and straggler scoring on every exchange. Reports go to
+    this node's daemon over the control channel (:class:`sentinel.channel.Report`).
+
+    On a decided hang verdict every rank that can still run reports it (the culprit's node hands
+    itself over; the others record it), waits ``gather_seconds`` so that every rank has read the
+    verdict from the store, and abandons the collective: ``exit(EXIT_HANG)`` of the whole process
+    (no torch backend can abort a gloo collective from another thread; for NCCL an abort would
+    leave the same state), so torchrun restarts the workers and they resume from the memory tier.
+    An undecided verdict (every rank in the same collective) is reported and the watch goes on."""
+
+    def __init__(self, *, endpoint: Any, rank: int, world: int, control_group: Any, exclude: tuple[str, ...] = (),
+                 every: int = 10, hang: HangSettings | None = None, total_steps: int | None = None,
+                 straggler: Any = None, store: Any = None, prefix: str = "", node: str | None = None,
+                 exit: Callable[[int], None] = os._exit) -> None:
+        from sentinel.straggler import StragglerSettings, StragglerTracker
+
+        self.endpoint = endpoint
+        self.total_steps = total_steps
+        self.exit = exit
+        self.progress = Progress(every=every, group=control_group, rank=rank, world=world, node=node, exclude=exclude)
+        self.settings = straggler or StragglerSettings()
+        self.tracker = StragglerTracker(self.settings)
+        self.stragglers: list[Any] = []
+        self.hang_settings = hang or HangSettings()
+        self.watch: HangWatch | None = None
+        if store is not None and world > 1:
+            self.watch = HangWatch(self.progress, store, prefix, settings=self.hang_settings, on_verdict=self._on_verdict)
+            self.watch.start()
+
+    @classmethod
+    def open(cls, guard: Any, **kw: Any) -> "JobWatch":
+        """For ``guard`` (a SnapshotGuard): its control group, the flight-recorder names of its
+        own groups (left out of the compute/communication split), the job's store and a key
+        prefix agreed by every rank (collective, once)."""
+        groups = [getattr(guard, "control_group", None), getattr(guard, "group", None),
+                  getattr(getattr(guard, "memory", None), "group", None)]
+        exclude = tuple(k for k in (group_key(g) for g in groups if g is not None) if k)
+        store = None
+        prefix = ""
+        if guard.distributed and guard.world > 1:
+            try:
+                store = dist.distributed_c10d._get_default_store()
+            except (AttributeError, RuntimeError, ValueError) as exc:
+                log.warning("no job store for the hang watch (%s): hangs are left to the process-group timeout", exc)
+            box = [os.urandom(8).hex()]
+            dist.broadcast_object_list(box, src=0, group=guard.control_group)
+            prefix = f"sentinel/hang/{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}/{box[0]}"
+        return cls(endpoint=guard.endpoint, rank=guard.rank, world=guard.world, control_group=guard.control_group,
+                   exclude=exclude, store=store, prefix=prefix, **kw)
+
+    def on_step(self, step: int, *, snapshot: bool = False) -> None:
+        job = self.progress.on_step(step, snapshot=snapshot)
+        if job is None:
+            return
+        window: dict[str, list[float]] = {}
+        for r, f in job.figures.items():
+            if f["samples"] <= 0 or f["since_start"] <= self.settings.warmup_steps + self.progress.every:
+                continue  # the first window after a (re)start holds warm-up steps
+            node = job.nodes.get(r, str(r))
+            window[node] = [max(window.get(node, [0.0])[0], f["compute_seconds"])]
+        if len(window) < 2:
+            return
+        self.stragglers = self.tracker.observe(window)
+        me = self.progress.node
+        for s in self.stragglers:
+            if s.node != me:
+                continue
+            step_s = max((f["step_seconds"] for f in job.figures.values()), default=0.0)
+            left = None if self.total_steps is None else max(0, self.total_steps - step - 1)
+            log.warning("this node (%s) is a straggler: %.2fx the job's median compute, %.2fx its own best",
+                        me, s.relative, s.individual)
+            from sentinel.channel import Report
+
+            self.endpoint.report(Report("straggler", self.progress.rank, step, {
+                "node": me, "relative": round(s.relative, 4), "individual": round(s.individual, 4),
+                "step_seconds": round(step_s, 6), "compute_seconds": round(s.compute_seconds, 6),
+                "job_median_seconds": round(s.job_median_seconds, 6), "steps_left": left}))
+
+    def _on_verdict(self, verdict: Verdict) -> None:
+        from sentinel.channel import Report
+
+        self.endpoint.report(Report("hang", self.progress.rank, self.progress.last_step, verdict.as_dict()))
+        if not verdict.decided:
+            return
+        time.sleep(self.hang_settings.gather_seconds)  # every rank reads the verdict before the store may go
+        log.error("abandoning the hung collective (exit %d): torchrun restarts the workers", EXIT_HANG)
+        logging.shutdown()
+        self.exit(EXIT_HANG)
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
