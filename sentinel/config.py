@@ -268,12 +268,27 @@ class EbpfConfig:
 
 
 @dataclass(frozen=True)
+class JobConfig:
+    """What the job's own reports (hangs, stragglers; see sentinel.jobhealth) may trigger."""
+
+    # The measured cost of handing a node over (trip to the first step on the spare, plus the
+    # steps redone): a straggler is handed over only when keeping it costs more over the steps
+    # left. bench/migration.py measures it (docs/measured.json: warm_spare_trip_to_first_step_seconds);
+    # a large job's restart is longer (docs/goodput.md), hence the conservative default.
+    handover_seconds: float = 60.0
+
+    def validate(self, prefix: str) -> None:
+        _number(prefix, "handover_seconds", self.handover_seconds, 0, DAY)
+
+
+@dataclass(frozen=True)
 class Config:
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     actions: ActionsConfig = field(default_factory=ActionsConfig)
     ebpf: EbpfConfig = field(default_factory=EbpfConfig)
+    job: JobConfig = field(default_factory=JobConfig)
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first bad key. A Config that validates can be
@@ -291,7 +306,7 @@ class Config:
 # Keys a running daemon applies on SIGHUP (a section name covers all its keys). Any other key
 # that changed needs a restart: listeners, directories and sources are set up once, at start.
 LIVE_ON_RELOAD = frozenset({
-    "policy", "actions", "daemon.poll_interval_seconds", "daemon.nvml_deadline_seconds", "daemon.log_level",
+    "policy", "actions", "job", "daemon.poll_interval_seconds", "daemon.nvml_deadline_seconds", "daemon.log_level",
 })
 # Keys inside a live section that still need a restart: the backend is built and checked
 # against the scheduler (node known, permissions) once, at start.

@@ -104,7 +104,7 @@ class Daemon:
         self.last_gpus: tuple = ()
         from sentinel.jobhealth import JobHealth
 
-        self.jobhealth = JobHealth(self.node)  # the job's hang and straggler reports (sentinel.jobhealth)
+        self.jobhealth = JobHealth(self.node, handover_seconds=config.job.handover_seconds)  # the job's hang and straggler reports (sentinel.jobhealth)
         self.extra_counters.append(self.jobhealth.counters)
         self.extra_gauges.append(self.jobhealth.gauges)
 
@@ -363,6 +363,7 @@ class Daemon:
         self.config = new
         self.policy = Policy(new.policy)
         self.nvml.deadline = new.daemon.nvml_deadline_seconds
+        self.jobhealth.handover_seconds = new.job.handover_seconds
         if self.migrator is not None:
             self.migrator.reconfigure(new.actions)
         event(log, "config reloaded")

@@ -71,6 +71,29 @@ class HangSettings:
             raise HangConfigError(f"hang.gather_seconds must be in (0, 600] (got {self.gather_seconds})")
 
 
+ENV_KEYS = {"timeout_seconds": "SENTINEL_HANG_TIMEOUT_SECONDS", "p99_multiple": "SENTINEL_HANG_P99_MULTIPLE",
+            "floor_seconds": "SENTINEL_HANG_FLOOR_SECONDS", "gather_seconds": "SENTINEL_HANG_GATHER_SECONDS"}
+
+
+def settings_from_env(env: Mapping[str, str]) -> HangSettings:
+    """HangSettings from ``SENTINEL_HANG_*`` variables (the trainer side has no config file);
+    a bad value raises :class:`HangConfigError` naming the variable."""
+    kw: dict[str, float] = {}
+    for key, var in ENV_KEYS.items():
+        raw = env.get(var, "").strip()
+        if not raw:
+            continue
+        try:
+            kw[key] = float(raw)
+        except ValueError:
+            raise HangConfigError(f"{var}: not a number (got {raw!r})") from None
+    try:
+        return HangSettings(**kw)
+    except HangConfigError as exc:
+        key = str(exc).split(" ", 1)[0].removeprefix("hang.")
+        raise HangConfigError(f"{ENV_KEYS.get(key, key)}: {str(exc).split(' ', 1)[1]}") from None
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile (q in [0, 100]) of a non-empty sequence."""
     if not values:

@@ -41,6 +41,8 @@ FAULTS = {
     "sbe-ramp": "single-bit errors retiring pages at a rate only the trend predictor catches",
     "kill": "sudden failure: kill -9 of the node's agent and workers, no warning",
     "rank-crash": "kill -9 of one training rank, agent alive (the spare stays cold; workers restart in place)",
+    "hang": "a hung collective: one rank SIGSTOPped (--hang-mode stop) or never entering the collective (skip)",
+    "slow": "a straggler: the node's ranks compute --slow-factor times slower, its GPU 0 reports a hardware slowdown",
 }
 
 
@@ -163,12 +165,14 @@ class Drill:
             "-m", "trainer.train", "--steps", str(a.steps), "--snapshot-dir", str(self.snapshots),
             "--interval-steps", str(a.interval_steps), "--step-seconds", str(a.step_seconds),
             "--progress", str(self.progress), "--final", str(self.work / "final.json"),
-            "--migrate-hold-seconds", "30", "--pg-timeout", "30",
+            # a hang drill waits for the hang watch (T >= 30 s by default), not the process-group timeout
+            "--migrate-hold-seconds", "30", "--pg-timeout", "300" if a.fault == "hang" else "30",
             "--memory-interval-steps", str(a.memory_interval_steps),
         ]
 
     def node_env(self, node: Node) -> dict[str, str]:
         return {**self.env, "SENTINEL_RUNTIME_DIR": str(node.runtime), "SENTINEL_NODE": node.name,
+                "SENTINEL_DRILL_FAULT_FILE": str(node.runtime / "drill-fault"),
                 "SENTINEL_MEMORY_DIR": str(self.memory_root / node.name)}
 
     def make_node(self, index: int, spare: bool) -> Node:
@@ -185,6 +189,7 @@ class Drill:
             '[metrics]\nlisten_address = "127.0.0.1"\nport = 0\n'
             "[policy]\nlead_time_seconds = 600.0\ndebounce_samples = 3\n"
             f"[actions]\nack_timeout_seconds = 30.0\nbackend = \"command\"\nspare_command = {spare_cmd}\n"
+            f"[job]\nhandover_seconds = {self.args.handover_seconds}\n"
             "[ebpf]\nenabled = false\nkmsg_fallback = false\n"  # drills must not react to the host's kernel log
         )
         if spare:
@@ -242,6 +247,16 @@ class Drill:
                 except ProcessLookupError:
                     pass
             shutil.rmtree(self.memory_root / victim.name, ignore_errors=True)  # the node's memory died with it
+        elif fault == "hang" and victim.agent is not None:
+            if self.args.hang_mode == "skip":
+                (victim.runtime / "drill-fault").write_text("skip")
+            else:
+                ranks = self._ranks_of(victim)
+                if ranks:
+                    os.kill(ranks[0], signal.SIGSTOP)
+        elif fault == "slow":
+            (victim.runtime / "drill-fault").write_text(f"slow={self.args.slow_factor}")
+            simulated.inject(victim.gpus, 0, ["set=throttle_reasons:8"])  # NVML clocks event: HW slowdown
         elif fault == "rank-crash" and victim.agent is not None:
             # a rank of this node, by the pid it logged: argv cannot tell a rank from its agent (a
             # warm agent's and its forkserver's argv name the training module too)
@@ -251,6 +266,11 @@ class Drill:
             if ranks:
                 os.kill(ranks[0], signal.SIGKILL)
         return t
+
+    def _ranks_of(self, victim: Node) -> list[int]:
+        below = set(descendants(victim.agent.pid)) if victim.agent is not None else set()
+        return [e["pid"] for e in reversed(self.events())
+                if e["event"] == "admitted" and e["node"] == victim.name and e.get("pid") in below]
 
     def ramp(self, victim: Node, until: float) -> None:
         """sbe-ramp: one more page retired every 0.3 s — a trend, not a jump."""
@@ -489,12 +509,39 @@ class Drill:
                   and lost == list(range(start, held + 1)))
         elif self.args.fault == "kill":
             ok = ok and len(lost) <= bound
+        elif self.args.fault in ("hang", "slow"):
+            result["job_health"] = self._job_health(events, times, mig, t_fault, t_first)
+            ok = ok and len(lost) <= 1 and result["job_health"]["ok"]
         else:
             ok = ok and not lost
         if "verify" in result:
             ok = ok and result["verify"]["bitwise_equal"]
         result["ok"] = ok
         return result
+
+    def _job_health(self, events: list[dict[str, Any]], times: dict[str, float], mig: dict[str, Any], t_fault: float,
+                    t_first: float | None) -> dict[str, Any]:
+        """--fault hang / slow: how soon the job named the culprit, and the step time around it."""
+        steps = sorted((e["time"], e["step"]) for e in events if e["event"] == "step")
+        tripped = times.get("tripped")
+        before = [b - a for (a, _), (b, _) in zip(steps, steps[1:]) if b < t_fault]
+        after = [b - a for (a, _), (b, _) in zip(steps, steps[1:]) if t_first is not None and a >= t_first]
+        med = lambda xs: sorted(xs)[len(xs) // 2] if xs else None  # noqa: E731
+        out: dict[str, Any] = {"rule": mig.get("rule"), "reason": mig.get("reason"),
+                               "step_seconds_before": med(before[-30:]), "step_seconds_after": med(after[5:])}
+        if self.args.fault == "hang":
+            last = max((t for t, _ in steps if t < (tripped or float("inf"))), default=None)
+            out["last_completed_step_to_handover_seconds"] = round(tripped - last, 3) if tripped and last else None
+            out["ok"] = (mig.get("rule") == "hang" and out["last_completed_step_to_handover_seconds"] is not None
+                         and out["last_completed_step_to_handover_seconds"] <= 60)
+        else:
+            out["steps_to_detect"] = sum(1 for t, _ in steps if t_fault <= t <= tripped) if tripped else None
+            b, a = out["step_seconds_before"], out["step_seconds_after"]
+            out["after_over_before"] = round(a / b, 3) if a and b else None
+            out["ok"] = (mig.get("rule") == "straggler" and out["steps_to_detect"] is not None
+                         and out["steps_to_detect"] <= 20 and out["after_over_before"] is not None
+                         and out["after_over_before"] <= 1.10)
+        return out
 
     def _restore_report(self, events: list[dict[str, Any]], t_fault: float) -> dict[str, Any]:
         """Where the ranks that resumed after the fault took their state from (rank 0's view;
@@ -682,6 +729,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="in-memory snapshots with a peer replica every N steps (0: disk only)")
     p.add_argument("--fault", choices=sorted(FAULTS), default="xid79")
     p.add_argument("--at-step", type=int, default=25)
+    p.add_argument("--hang-mode", choices=["stop", "skip"], default="stop",
+                   help="--fault hang: SIGSTOP one rank (stop) or make it never enter the collective (skip)")
+    p.add_argument("--slow-factor", type=float, default=1.5, help="--fault slow: the node's ranks compute this much slower")
+    p.add_argument("--handover-seconds", type=float, default=5.0,
+                   help="the daemons' [job] handover_seconds: this drill's hand-over cost (bench/migration.py measures "
+                        "about 1-2 s on one machine)")
     p.add_argument("--victims", type=int, default=1, help="fault this many nodes at the same moment")
     p.add_argument("--kill-spare", action="store_true", help="also kill the first spare as it starts (it dies mid-migration)")
     p.add_argument("--fail-snapshot", action="store_true",

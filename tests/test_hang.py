@@ -128,3 +128,14 @@ def test_ras_mismatch_with_the_minority_behind_names_it():
 def test_ras_parser_refuses_other_text():
     with pytest.raises(RasParseError):
         parse_ras_report("HTTP/1.1 404 Not Found\n")
+
+
+def test_settings_from_the_environment_name_the_variable():
+    from sentinel.hang import settings_from_env
+
+    assert settings_from_env({"SENTINEL_HANG_TIMEOUT_SECONDS": "10"}).timeout_seconds == 10.0
+    assert settings_from_env({}) == HangSettings()
+    with pytest.raises(HangConfigError, match="SENTINEL_HANG_TIMEOUT_SECONDS"):
+        settings_from_env({"SENTINEL_HANG_TIMEOUT_SECONDS": "soon"})
+    with pytest.raises(HangConfigError, match="SENTINEL_HANG_GATHER_SECONDS"):
+        settings_from_env({"SENTINEL_HANG_GATHER_SECONDS": "0"})

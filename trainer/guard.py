@@ -113,7 +113,7 @@ class SnapshotGuard:
                  memory_interval_steps: int = 0, memory_dir: str | os.PathLike | None = None,
                  memory_run_id: str | None = None, local_world_size: int | None = None,
                  replica_bytes_per_second: float = 0.0, memory_timeout: float = 120.0,
-                 migrate_ack: str = "durable", progress_every: int = 10, hang: HangSettings | None = None,
+                 migrate_ack: str = "durable", progress_every: int = 5, hang: HangSettings | None = None,
                  total_steps: int | None = None) -> None:
         if check_every < 1:
             raise ValueError("check_every must be >= 1")

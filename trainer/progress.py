@@ -44,7 +44,8 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from sentinel.hang import Entered, HangSettings, Verdict, find_culprit, hang_timeout, parse_flight_recorder
+from sentinel.hang import (Entered, HangSettings, Verdict, find_culprit, hang_timeout, parse_flight_recorder,
+                           settings_from_env)
 
 log = logging.getLogger("sentinel.trainer.progress")
 
@@ -369,7 +370,7 @@ class JobWatch:
         self.settings = straggler or StragglerSettings()
         self.tracker = StragglerTracker(self.settings)
         self.stragglers: list[Any] = []
-        self.hang_settings = hang or HangSettings()
+        self.hang_settings = hang or settings_from_env(os.environ)
         self.watch: HangWatch | None = None
         if store is not None and world > 1:
             self.watch = HangWatch(self.progress, store, prefix, settings=self.hang_settings, on_verdict=self._on_verdict)

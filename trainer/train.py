@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                           migrate_hold_seconds=args.migrate_hold_seconds,
                           memory_interval_steps=args.memory_interval_steps,
                           replica_bytes_per_second=args.replica_bytes_per_second,
-                          migrate_ack=args.migrate_ack)
+                          migrate_ack=args.migrate_ack, total_steps=args.steps)
     t_guard = time.time()
     start = guard.resume()
     # where the seconds from process start to the first step go (bench/migration.py's timeline)
@@ -176,8 +176,21 @@ def main(argv: list[str] | None = None) -> int:
                 record("snapshot", step=rec.step, ok=rec.ok, kind=rec.kind, path=rec.path, error=rec.error[:200])
         reported = len(guard.records)
 
+    # Drills only (sentinel drill --fault hang/slow): a file the drill writes into this node's
+    # runtime directory. "skip": local rank 0 never enters the step's collectives; "slow=F": every
+    # step computes F times as long. One stat() per step when the variable is set.
+    fault_file = os.environ.get("SENTINEL_DRILL_FAULT_FILE", "")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     for step in range(start, args.steps):
         t0 = time.perf_counter()
+        if fault_file and os.path.exists(fault_file):
+            spec = Path(fault_file).read_text().strip()
+            if spec == "skip" and local_rank == 0:
+                record("fault", step=step, spec=spec)
+                while True:  # stuck before the collective (a data loader, a deadlock of its own)
+                    time.sleep(60)
+            if spec.startswith("slow="):
+                time.sleep(max(0.0, float(spec[5:]) - 1.0) * args.step_seconds)
         x, y = batch_for(step, args.seed, args.global_batch, args.seq, args.vocab, rank, world)
         x, y = x.to(device), y.to(device)
         logits = model(x)
