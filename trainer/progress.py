@@ -273,7 +273,7 @@ class HangWatch:
         self.timeout = hang_timeout([], settings)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sentinel-hang-watch", daemon=True)
-        self._incident = 0
+        self._round = -1
 
     def start(self) -> None:
         self._thread.start()
@@ -296,17 +296,22 @@ class HangWatch:
     def check(self) -> Verdict | None:
         """One look: suspect, gather, decide. Returns the verdict once there is one."""
         p = self.progress
+        if p.last_step < 0:
+            return None  # armed at the first completed step: start-up, compile and restore are not hangs
         self.timeout = hang_timeout(list(p.step_seconds), self.settings)
         idle = self.clock() - p.last_done
         if idle < self.timeout:
             if self.suspected_at is not None:
                 log.warning("hang suspicion over: rank %d completed step %d", p.rank, p.last_step)
-                self.store.delete_key(self._key(f"report/{p.last_step}/{p.rank}"))
+                for r in (self._round, self._round + 1):
+                    self.store.delete_key(self._key(f"report/{r}/{p.rank}"))
                 self.suspected_at = None
+                self.verdict = None
             return None
         if self.verdict is not None:
             return self.verdict
         round_ = p.last_step  # every answering rank completed the same step, or the one before
+        self._round = round_
         if self.suspected_at is None:
             self.suspected_at = self.clock()
             log.error("no step completed for %.1f s (T = %.1f s) after step %d: suspecting a hang", idle,
@@ -314,7 +319,7 @@ class HangWatch:
             mine = p.entered()
             for r in (round_, round_ + 1):  # a rank that finished a step more than we did looks in r+1
                 self.store.set(self._key(f"report/{r}/{p.rank}"), mine.encode())
-        verdict_key = self._key("verdict")
+        verdict_key = self._key(f"verdict/{round_}")
         if self.store.check([verdict_key]):
             return self._decided(Verdict.decode(self.store.get(verdict_key)))
         if self.clock() - self.suspected_at < self.settings.gather_seconds:
@@ -332,6 +337,10 @@ class HangWatch:
                     break
             reports[rank] = got
         verdict = find_culprit(reports, p.world, hosts=p.nodes or {})
+        if not verdict.decided:
+            # every rank inside the same collective: nothing to hand over on a guess. Said once;
+            # the process-group timeout (or NCCL RAS on GPU nodes) takes it from here.
+            return self._decided(verdict)
         # first writer wins: every rank acts on one verdict
         stored = self.store.compare_set(verdict_key, "", verdict.encode())
         return self._decided(Verdict.decode(stored))

@@ -1,0 +1,78 @@
+"""The per-rank progress recorder and the hang watch's decisions, on a real c10d store with an
+injected clock (one process plays every rank)."""
+
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from sentinel.hang import HangSettings
+from trainer.progress import HangWatch, Progress, split_steps
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def store():
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+
+
+def make(store, clock, rank, world, verdicts, prefix="p"):
+    prog = Progress(every=1000, rank=rank, world=world, node=f"n{rank}", clock=clock)
+    prog.nodes = {r: f"n{r}" for r in range(world)}
+    watch = HangWatch(prog, store, prefix, settings=HangSettings(timeout_seconds=10, gather_seconds=2),
+                      on_verdict=verdicts.append, clock=clock)
+    return prog, watch
+
+
+def test_no_suspicion_before_the_first_step_nor_within_t(store):
+    clock, verdicts = Clock(), []
+    prog, watch = make(store, clock, 0, 2, verdicts)
+    clock.t += 3600  # start-up, compile, restore: not a hang
+    assert watch.check() is None and watch.suspected_at is None
+    prog.on_step(0)
+    clock.t += 9
+    assert watch.check() is None and watch.suspected_at is None and verdicts == []
+
+
+def test_a_silent_rank_is_named_and_a_completed_step_ends_the_suspicion(store):
+    clock, verdicts = Clock(), []
+    p0, w0 = make(store, clock, 0, 3, verdicts)
+    p1, w1 = make(store, clock, 1, 3, verdicts)
+    for p in (p0, p1):
+        p.on_step(4)
+    clock.t += 11
+    assert w0.check() is None and w1.check() is None  # suspected: reports written, gathering
+    clock.t += 2
+    v = w0.check()
+    assert v is not None and v.kind == "stopped" and v.culprits == (2,) and v.hosts == ("n2",)
+    assert w1.check() == v  # the first writer's verdict, for every rank
+    p0.on_step(5)
+    assert w0.check() is None and w0.verdict is None and w0.suspected_at is None
+
+
+def test_all_in_one_collective_is_said_but_not_stored(store):
+    clock, verdicts = Clock(), []
+    watches = [make(store, clock, r, 2, verdicts, prefix="q") for r in range(2)]
+    for p, _ in watches:
+        p.on_step(7)
+    clock.t += 11
+    for _, w in watches:
+        w.check()
+    clock.t += 2
+    v = watches[0][1].check()
+    assert v.kind == "unknown" and not v.decided
+    assert not store.check(["q/verdict/7"])
+
+
+def test_split_from_step_boundaries_and_collective_times():
+    s = 1_000_000_000
+    bounds = [(0, 0, False), (1, 10 * s, False), (2, 20 * s, True)]
+    created = {1: 2 * s, 2: 7 * s, 3: 12 * s, 4: 19 * s}
+    assert split_steps(bounds, created) == [(1, 10.0, 7.0, False), (2, 10.0, 9.0, True)]
