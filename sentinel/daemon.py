@@ -251,9 +251,9 @@ class Daemon:
         if not reports:
             return
         for rep in reports:
-            event(log, "job report", kind=rep.kind, rank=rep.rank, pid=rep.pid, step=rep.step, **{
-                k: v for k, v in rep.detail.items() if k in ("kind", "culprits", "hosts", "evidence", "relative",
-                                                             "individual", "step_seconds", "steps_left")})
+            event(log, "job report", report=rep.kind, rank=rep.rank, pid=rep.pid, step=rep.step, **{
+                f"detail_{k}": v for k, v in rep.detail.items() if k in (
+                    "kind", "culprits", "hosts", "evidence", "relative", "individual", "step_seconds", "steps_left")})
         trips = self._guard("jobhealth", self.jobhealth.observe, reports, now, default=[]) or []
         for t in trips:
             self.trips[(t.rule, t.action)] += 1

@@ -54,9 +54,14 @@ class JobHealth:
     _previous: dict[int, _Previous] = field(default_factory=dict)
     _widest: dict[int, float] = field(default_factory=dict)
     _evidence: list[GpuEvidence] = field(default_factory=list)
+    _now: float = 0.0
+    # a straggler report older than this no longer shows in the gauges (reports come every
+    # progress exchange while the node stays slow)
+    stale_seconds: float = 300.0
 
     def readings(self, gpus: Iterable[GpuReading], now: float) -> None:
         """Each poll: keep what the straggler causes need (rates since the previous poll)."""
+        self._now = now
         evidence = []
         for g in gpus:
             v = g.values
@@ -130,7 +135,7 @@ class JobHealth:
     def gauges(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
         out[("sentinel_job_hang_culprit_here", ())] = 1.0 if self.hang and self.hang["here"] else 0.0
-        if self.straggler is not None:
+        if self.straggler is not None and self._now - self.straggler["time"] <= self.stale_seconds:
             out[("sentinel_job_straggler_score", (("kind", "relative"),))] = self.straggler["relative"]
             out[("sentinel_job_straggler_score", (("kind", "individual"),))] = self.straggler["individual"]
             for c in self.straggler["causes"] or ["none"]:

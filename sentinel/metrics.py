@@ -74,6 +74,11 @@ COUNTER_HELP = {
     "sentinel_backend_up": "1 when the last call to the action backend's scheduler answered, 0 when it did not",
     "sentinel_migration_steps": "Migration steps and their failures, by step",
     "sentinel_node_cordoned": "1 while this node is cordoned by Sentinel",
+    # the job's own reports (sentinel/jobhealth.py, docs/hangs-and-stragglers.md)
+    "sentinel_job_reports": "Reports the job's ranks sent this daemon, by kind (hang verdicts, straggler scores)",
+    "sentinel_job_hang_culprit_here": "1 when the newest hang verdict the job reported names a rank on this node",
+    "sentinel_job_straggler_score": "This node's straggler score: relative (its compute time over the job's median) and individual (over its own best)",
+    "sentinel_job_straggler_cause_info": "Why this node is slow, as its GPUs report it (clock-event reasons, PCIe, NVLink); cause=none when nothing was seen",
 }
 
 
