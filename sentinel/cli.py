@@ -302,6 +302,22 @@ def cmd_drill(args: argparse.Namespace) -> int:
     return run_drill(args)
 
 
+def job_lines(job: dict) -> list[str]:
+    """The job's own health in ``sentinel status``: the newest hang verdict and straggler score."""
+    out = []
+    hang = job.get("hang") if isinstance(job, dict) else None
+    if isinstance(hang, dict):
+        where = "this node" if hang.get("here") else ", ".join(map(str, hang.get("hosts") or [])) or "-"
+        out.append(f"hang: {hang.get('kind')} at step {hang.get('step')}: culprit rank(s) "
+                   f"{hang.get('culprits')} on {where}: {hang.get('evidence')}")
+    st = job.get("straggler") if isinstance(job, dict) else None
+    if isinstance(st, dict):
+        causes = "; ".join(map(str, st.get("causes") or [])) or "no hardware cause seen"
+        out.append(f"straggler: {st.get('relative', 0):.2f}x the job's median compute ({st.get('individual', 0):.2f}x "
+                   f"its own best) at step {st.get('step')}: {causes} -> {st.get('action')}: {st.get('why')}")
+    return out
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from sentinel.fsutil import UnsafePath, read_trusted
 
@@ -342,6 +358,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"{g['index']:>3}  {health:<18} {g['pci_bus_id']:<13} {num('temperature_celsius'):>5} "
                   f"{num('ecc_corrected_volatile', 'ecc_uncorrected_volatile'):>12} "
                   f"{num('retired_pages_sbe', 'retired_pages_dbe'):>8} {num('remapped_rows_uncorrectable'):>6} {xids:<10} {fc}")
+        for line in job_lines(status.get("job") or {}):
+            print(line)
     unhealthy = [g for g in status["gpus"] if g["health"] != "healthy" or g["lost"] or g["hung"]]
     return 1 if unhealthy else 0
 

@@ -91,3 +91,16 @@ def test_reports_are_accepted_from_the_jobs_ranks_only(tmp_path, attacker, share
     finally:
         rank.close()
         daemon.close()
+
+
+def test_status_lines_say_who_hung_and_why_a_node_is_slow():
+    from sentinel.cli import job_lines
+
+    jh = JobHealth("node1")
+    jh.readings([gpu(0, throttle_reasons=8.0)], 0.0)
+    jh.observe([hang(["node1"]), Report("straggler", 2, 50, {"relative": 1.5, "individual": 1.4,
+                                                              "step_seconds": 1.5, "steps_left": 2})], 1.0)
+    lines = job_lines(jh.status())
+    assert lines[0].startswith("hang: stopped at step 41: culprit rank(s) [3] on this node")
+    assert "1.50x the job's median compute" in lines[1] and "GPU 0: hw_slowdown" in lines[1] and "-> alert" in lines[1]
+    assert job_lines({}) == []
