@@ -13,7 +13,7 @@ def test_relative_and_individual_scores():
 
 
 def test_one_slow_window_is_not_a_straggler_two_are():
-    t = StragglerTracker(StragglerSettings(min_windows=2))
+    t = StragglerTracker(StragglerSettings(min_windows=2))  # two in a row (default 3)
     healthy = {"a": [1.0] * 10, "b": [1.0] * 10, "c": [1.0] * 10}
     assert t.observe(healthy) == []
     slow = {**healthy, "c": [1.5] * 10}
