@@ -189,8 +189,9 @@ def main(argv: list[str] | None = None) -> int:
                 record("fault", step=step, spec=spec)
                 while True:  # stuck before the collective (a data loader, a deadlock of its own)
                     time.sleep(60)
-            if spec.startswith("slow="):
+            if spec.startswith("slow="):  # outside the step padding below, which would absorb it
                 time.sleep(max(0.0, float(spec[5:]) - 1.0) * args.step_seconds)
+                t0 = time.perf_counter()
         x, y = batch_for(step, args.seed, args.global_batch, args.seq, args.vocab, rank, world)
         x, y = x.to(device), y.to(device)
         logits = model(x)
