@@ -112,7 +112,11 @@ class Drill:
         # plain torchrun keeps the first round's worker-store address for good (a spare deadlocks
         # waiting for MASTER_ADDR): its rank-0 worker hosts the store instead; trainer.elastic
         # forgets the address every round, and its rank-0 agent hosts the store (README)
-        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": _pythonpath()}
+        # TORCH_FR_BUFFER_SIZE: torch's flight recorder (gloo too), from which the guard tells a
+        # rank's compute from its waiting (docs/hangs-and-stragglers.md); 64 entries hold a
+        # progress window of this job's collectives and keep a dump cheap
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": _pythonpath(),
+                    "TORCH_FR_BUFFER_SIZE": os.environ.get("TORCH_FR_BUFFER_SIZE", "64")}
         if args.agent == "torchrun":
             self.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         else:

@@ -19,14 +19,16 @@ STORES: list = []
 
 
 
-def run_job(tmp_path: Path, fault: str, fault_rank: int = 3, world: int = 4, steps: int = 40) -> dict[int, subprocess.Popen]:
+def run_job(tmp_path: Path, fault: str, fault_rank: int = 3, world: int = 4, steps: int = 40, per_node: int = 2,
+            timeout: str = "2.0") -> dict[int, subprocess.Popen]:
     import torch.distributed as dist
     from datetime import timedelta
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     STORES.append(store)  # the rendezvous store lives in the agent, not in a worker
     port = store.port
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HANG_JOB_STEPS": str(steps)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HANG_JOB_STEPS": str(steps),
+           "HANG_JOB_PER_NODE": str(per_node), "HANG_JOB_TIMEOUT": timeout}
     procs = {r: subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port), str(tmp_path), fault,
                                   str(fault_rank), "12"], env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"log-{r}", "w"))
              for r in range(world)}
@@ -55,16 +57,30 @@ def test_every_other_rank_names_the_culprit_and_its_node(tmp_path, fault, kind):
     verdicts = [json.loads((tmp_path / f"verdict-{r}.json").read_text()) for r in (0, 1, 2)]
     for v in verdicts:
         assert v["kind"] == kind and v["culprits"] == [3] and v["hosts"] == ["node1"]
+        # each rank told its daemon; only node1's daemon (rank 2's) trips on it
+        assert [r["report"] for r in v["reports"]] == ["hang"] and v["reports"][0]["culprits"] == [3]
     assert len({json.dumps({k: v[k] for k in ("kind", "culprits", "hosts", "evidence")}) for v in verdicts}) == 1
 
 
-def test_a_healthy_job_raises_no_suspicion_and_exchanges_progress(tmp_path):
-    procs = run_job(tmp_path, "none", steps=60)
-    codes = finish(procs, [0, 1, 2, 3])
-    assert codes == {0: 0, 1: 0, 2: 0, 3: 0}
-    for r in range(4):
-        assert json.loads((tmp_path / f"done-{r}").read_text()) == {"verdict": None}
+def test_a_healthy_three_node_job_of_300_steps_has_no_hang_and_no_straggler(tmp_path):
+    """Default hang settings, 3 nodes of one rank, 300 steps, on a machine the rest of the suite loads."""
+    procs = run_job(tmp_path, "none", world=3, steps=300, per_node=1, timeout="")
+    codes = finish(procs, [0, 1, 2], timeout=900)
+    assert codes == {0: 0, 1: 0, 2: 0}
+    for r in range(3):
+        assert json.loads((tmp_path / f"done-{r}").read_text()) == {"verdict": None, "reports": []}
     prog = json.loads((tmp_path / "progress.json").read_text())
-    assert prog["nodes"] == {"0": "node0", "1": "node0", "2": "node1", "3": "node1"}
+    assert prog["nodes"] == {"0": "node0", "1": "node1", "2": "node2"}
     for f in prog["figures"].values():
         assert f["samples"] >= 1 and f["step_seconds"] > 0 and 0 < f["compute_seconds"] <= f["step_seconds"]
+
+
+def test_a_node_computing_1_5x_slower_is_named_a_straggler_within_20_steps(tmp_path):
+    procs = run_job(tmp_path, "slow", fault_rank=2, world=3, steps=80, per_node=1, timeout="")
+    codes = finish(procs, [0, 1, 2], timeout=900)
+    assert codes == {0: 0, 1: 0, 2: 0}
+    done = {r: json.loads((tmp_path / f"done-{r}").read_text()) for r in range(3)}
+    assert done[0]["reports"] == [] and done[1]["reports"] == []  # only the slow node tells its daemon
+    first = done[2]["reports"][0]
+    assert first["report"] == "straggler" and first["node"] == "node2" and first["relative"] >= 1.2
+    assert first["step"] - 12 <= 20 and first["steps_left"] == 80 - first["step"] - 1

@@ -131,7 +131,7 @@ class Progress:
     def __init__(self, *, every: int = 10, group: Any = None, rank: int = 0, world: int = 1,
                  node: str | None = None, exclude: tuple[str, ...] = (), window: int = 64,
                  clock: Callable[[], float] = time.monotonic, wall_ns: Callable[[], int] = time.time_ns,
-                 fr_budget: float = 0.002) -> None:
+                 fr_budget: float = 0.01) -> None:
         if every < 1:
             raise ValueError("progress every must be >= 1")
         self.every = every
@@ -195,7 +195,7 @@ class Progress:
                         created[i * 1_000_000_000 + seq] = ns
                 split = split_steps(bounds, created)
                 self._last_split = split
-            # A dump walks the whole ring (about 0.2 ms an entry here): keep it under fr_budget
+            # A dump walks the whole ring (about 0.2 ms an entry on the loaded 2-CPU host): keep it under fr_budget
             # of the window's time by dumping only every n-th exchange.
             cost = time.perf_counter() - t0
             window = sum(list(self.step_seconds)[-self.every:])
