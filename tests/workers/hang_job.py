@@ -19,7 +19,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "256")
+os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "64")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
