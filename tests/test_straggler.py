@@ -57,6 +57,12 @@ def test_hand_over_only_when_it_pays():
     assert decide(1.05, 1.05, 1000, 60.0).action == "alert"  # 50 s saved < 61 s
 
 
+def test_scheduling_noise_below_the_threshold_is_not_a_straggler():
+    t = StragglerTracker()
+    for _ in range(10):
+        assert t.observe({"a": [0.0726], "b": [0.0726], "c": [0.0894]}) == []  # 1.23x: measured noise under load
+
+
 def test_bad_settings_name_the_key():
     with pytest.raises(StragglerConfigError, match="straggler.relative_threshold"):
         StragglerSettings(relative_threshold=1.0)
