@@ -181,7 +181,7 @@ def test_unknown_node_is_not_retried(tmp_path):
 
 
 class Crowded(Backend):
-    """Three of four nodes already cordoned by Sentinel a minute ago."""
+    """Two of four nodes already cordoned by Sentinel a minute ago: one more is over half."""
 
     name = "crowded"
     has_scheduler = True
@@ -190,25 +190,33 @@ class Crowded(Backend):
     def fleet(self, now):
         return Fleet(4, (("a", now - 60), ("b", now - 60)))
 
+    def claim_cordon(self, reason):
+        return decide(self.fleet(self.ctx.wall()), self.node, self.ctx.wall(), max_fraction=0.5, window_seconds=300)
+
 
 def test_a_restart_while_the_breaker_decides_asks_it_again(tmp_path):
     clock = Clock()
     rank = None
     m, ep = migrator(tmp_path, Crowded(ActionsConfig(), ctx(tmp_path)), clock)
-    m.workers = _Never()  # the breaker's query never returns before the "crash"
+    rank = RankEndpoint.open(tmp_path / "run")
+    m.workers = _Never()  # the breaker's claim never returns before the "crash"
     m.begin("r1", TRIP)
-    assert m.record.phase == "tripped"
+    assert m.record.phase == "requested"  # the snapshot request left first
+    clock.t += 2  # no ack: the deadline passes, the cordon (with its breaker claim) starts and hangs
+    m.tick([])
+    assert m.record.phase == "acknowledged"
     ep.close()
     m2, ep2 = migrator(tmp_path, Crowded(ActionsConfig(), ctx(tmp_path)), clock)
     try:
-        rank = RankEndpoint.open(tmp_path / "run")
-        m2.tick([])
+        m2.tick([])  # the claim is asked again ...
+        m2.tick([])  # ... and its refusal acted on
         assert m2.record.phase == "refused" and m2.record.request_id == "r1"
-        assert [r.type for r in rank.poll()] == ["snapshot"]
+        assert [(r.type, r.id) for r in rank.poll()] == [("migrate", "r1")]  # one request, before any count
+        assert not (tmp_path / "state" / "cordon.json").exists() and not m2.cordoned
+        assert m2.metric_counters()[("sentinel_breaker_refusals", (("backend", "crowded"),))] == 1
     finally:
         ep2.close()
-        if rank:
-            rank.close()
+        rank.close()
 
 
 class _Never(Inline):
