@@ -75,7 +75,7 @@ class KubeStub:
                                     n["spec"]["unschedulable"] = op.get("value", False) if op["op"] != "remove" else False
                     return self._answer(200, n)
                 if path.endswith("/selfsubjectaccessreviews") and method == "POST":
-                    return self._answer(201, stub.review)
+                    return self._answer(201, {"spec": json.loads(body or b"{}").get("spec", {}), **stub.review})
                 if "leases" in parts:
                     if method == "GET":
                         if stub.lease is None:

@@ -170,6 +170,9 @@ class KubernetesBackend(Backend):
             raise BackendError(f"`{verb} {resource}` for {self.node!r} failed: {status} {detail}") from None
         except BackendError:
             raise
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+            raise Unreachable(f"the Kubernetes API server answered `{verb} {resource}` with a response that cannot be "
+                              f"read: {type(exc).__name__}: {str(exc)[:200]}") from None
         except Exception as exc:  # noqa: BLE001 - urllib3/socket errors: the API server did not answer
             raise Unreachable(f"the Kubernetes API server did not answer `{verb} {resource}` within "
                               f"{self.ctx.timeout:g} s: {type(exc).__name__}: {str(exc)[:200]}") from None
