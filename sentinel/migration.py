@@ -300,8 +300,9 @@ class Migrator:
 
     @property
     def hold_seconds(self) -> float:
-        """How long a rank must hold after its commit for the drain to find it holding."""
-        return self.cfg.ack_timeout_seconds + 2 * self.call_budget_seconds + 10.0
+        """How long a rank must hold after its commit for the drain to find it holding: the ack
+        timeout, then the cordon phase and the agent stop phase at their deadlines."""
+        return self.cfg.ack_timeout_seconds + 2 * self.phase_deadline_seconds
 
     def _reason(self, rec: MigrationRecord) -> CordonReason:
         return CordonReason(rec.rule, rec.gpu, rec.reason, rec.request_id)
