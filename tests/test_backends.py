@@ -224,3 +224,23 @@ class _Never(Inline):
         import concurrent.futures
 
         return concurrent.futures.Future()
+
+
+def test_settle_drain_then_recount():
+    from sentinel.backends.breaker import settle
+
+    now = 10_000.0
+    # 3 of 4 drained in the same second: the order is (time, name); the third loses, the first two wait
+    burst = Fleet(4, (("a", now), ("b", now), ("c", now)))
+    assert [settle(burst, n, now, max_fraction=0.5, window_seconds=300)[0] for n in "abc"] == ["wait", "wait", "lost"]
+    # once the loser resumed, both left win
+    after = Fleet(4, (("a", now), ("b", now)))
+    assert [settle(after, n, now, max_fraction=0.5, window_seconds=300)[0] for n in "ab"] == ["won", "won"]
+    # an older drain in the window ranks first: a newcomer past the slots loses at once
+    old = Fleet(4, (("z", now - 100), ("y", now - 50), ("a", now)))
+    outcome, verdict = settle(old, "a", now, max_fraction=0.5, window_seconds=300)
+    assert outcome == "lost" and not verdict.allowed and "75% > 50%" in verdict.why
+    # drains outside the window are not counted; no nodes in scope: the breaker does not apply
+    assert settle(Fleet(4, (("z", now - 301), ("y", now - 400), ("a", now))), "a", now, max_fraction=0.5,
+                  window_seconds=300)[0] == "won"
+    assert settle(Fleet(0, ()), "a", now, max_fraction=0.5, window_seconds=300)[0] == "won"

@@ -35,6 +35,8 @@ def settle(fleet: Fleet, node: str, now: float, *, max_fraction: float, window_s
     slots, and it counted after its own cordon was visible. Of the nodes that keep theirs, the
     one that counted last saw every other's (each was in place before that one counted), so the
     kept ones are at most the slots."""
+    if fleet.nodes <= 0:
+        return "won", Verdict(True, 0, 0, "no nodes in scope: the breaker does not apply")
     recent = {n: t for n, t in fleet.sentinel_cordons if now - window_seconds <= t <= now + 60}
     recent.setdefault(node, now)
     n_slots = slots(fleet.nodes, max_fraction)

@@ -376,7 +376,7 @@ class KubernetesBackend(Backend):
             others = len(set(recent) - {self.node})
             n_slots = slots(fleet.nodes, fraction)
             if self.node not in entries or not now - window <= entries[self.node] <= now + 60:
-                if fleet.nodes <= 0 or others + 1 > n_slots:
+                if fleet.nodes > 0 and others + 1 > n_slots:  # no nodes in scope: the breaker does not apply
                     return Verdict(False, others, fleet.nodes,
                                    f"{others} of {fleet.nodes} nodes were cordoned by Sentinel in the last {window:g} s; "
                                    f"cordoning this one would make {(others + 1) / max(fleet.nodes, 1):.0%} > {fraction:.0%}")
