@@ -398,6 +398,12 @@ class Migrator:
                 self._abandon_step(rec)  # fail safe: cordoned locally, the scheduler's cordon retried later
                 if rec.phase == Phase.ACKNOWLEDGED.value:
                     self._cordoned_mem = True
+                    if read_cordon(self.cordon_path)[0] is None:  # the step may not have written it yet
+                        try:
+                            self.backend.write_marker(self._reason(rec))
+                        except OSError as exc:
+                            self._count("state_write_failed")
+                            rec.notes.append(f"cordon marker not written ({exc.strerror or exc}); cordoned in memory")
                     if rec.scheduler_cordoned is None and self.backend.has_scheduler:
                         rec.scheduler_cordoned = False
                         self._retry_at = self.clock()

@@ -251,6 +251,7 @@ def test_a_backend_step_past_its_phase_deadline_is_left_behind_and_counted(tmp_p
         clock.t += m.phase_deadline_seconds + 1
         m.tick([])
         assert m.record.phase == "cordoned" and m.cordoned  # moved on: cordoned locally
+        assert (tmp_path / "state" / "cordon.json").exists()  # `sentinel launch` refuses on this node
         wait_for(lambda: (m.tick([]), m.record.phase == "drained")[1], timeout=10, what="drained")
         assert kills  # the agent was stopped by a fresh worker, not queued behind the hung claim
         counts = m.metric_counters()
