@@ -253,7 +253,7 @@ def test_a_backend_step_past_its_phase_deadline_is_left_behind_and_counted(tmp_p
         assert m.record.phase == "cordoned" and m.cordoned  # moved on: cordoned locally
         assert (tmp_path / "state" / "cordon.json").exists()  # `sentinel launch` refuses on this node
         wait_for(lambda: (m.tick([]), m.record.phase == "drained")[1], timeout=10, what="drained")
-        assert kills  # the agent was stopped by a fresh worker, not queued behind the hung claim
+        assert kills  # the agent is stopped although the claim still hangs
         counts = m.metric_counters()
         assert counts[("sentinel_migration_deadline_exceeded", (("phase", "acknowledged"),))] == 1
         assert counts[("sentinel_migration_deadline_exceeded", (("phase", "cordoned"),))] == 0
