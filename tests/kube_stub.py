@@ -24,6 +24,7 @@ class KubeStub:
                              "status": {"allowed": True}}
         self.lease: dict | None = None
         self.drip_seconds = 0.0  # > 0: every answer goes out one byte per this many seconds
+        self.endless = False  # with drip_seconds: the body never ends (a space at a time, until stop())
         self.requests: list[tuple[str, str]] = []
         self.stopping = threading.Event()
         stub = self
@@ -45,14 +46,19 @@ class KubeStub:
                 if stub.drip_seconds <= 0:
                     self.wfile.write(head + data)
                     return
-                for i in range(len(head + data)):
+                if stub.endless:  # a Content-Length it never reaches: spaces after the JSON, forever
+                    head = head.replace(f"Content-Length: {len(data)}".encode(), b"Content-Length: 1073741824")
+                payload = head + data
+                i = 0
+                while i < len(payload) or stub.endless:
                     if stub.stopping.wait(stub.drip_seconds):
                         return
                     try:
-                        self.wfile.write((head + data)[i:i + 1])
+                        self.wfile.write(payload[i:i + 1] if i < len(payload) else b" ")
                         self.wfile.flush()
                     except OSError:
                         return
+                    i += 1
 
             def _route(self, method: str) -> None:
                 body = self._body()

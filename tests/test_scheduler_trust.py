@@ -288,7 +288,7 @@ def test_an_access_review_without_status_does_not_crash_the_start(kube, tmp_path
 
 
 def test_an_api_server_that_drips_is_cut_off_at_the_calls_total_deadline(kube, tmp_path):
-    kube.drip_seconds = 0.2  # each byte well within a per-read timeout: only a total deadline ends it
+    kube.drip_seconds = 0.05  # each byte well within a per-read timeout: only a total deadline ends it
     b = kube_backend(kube, tmp_path, command_timeout_seconds=1.0)
     with pytest.raises(Unreachable, match="total deadline"):
         b.check()
@@ -306,8 +306,8 @@ def test_an_api_server_that_drips_is_cut_off_at_the_calls_total_deadline(kube, t
 def test_hung_api_calls_are_bounded(kube, tmp_path):
     from sentinel.backends.kubernetes import MAX_HUNG
 
-    kube.drip_seconds = 0.2
-    b = kube_backend(kube, tmp_path, command_timeout_seconds=0.3)
+    kube.drip_seconds, kube.endless = 0.05, True  # answers that never end, a byte well within each read timeout
+    b = kube_backend(kube, tmp_path, command_timeout_seconds=1.0)
     for _ in range(MAX_HUNG):
         with pytest.raises(Unreachable, match="total deadline"):
             b.scheduler_state()
