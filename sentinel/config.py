@@ -192,6 +192,9 @@ class KubernetesConfig:
     condition_type: str = "GPUHealthy"
     # The circuit breaker's scope: nodes matching this label selector ("" = every node).
     node_selector: str = ""
+    # The Lease the daemons take a place in, resourceVersion-checked, before they cordon (the breaker's atomic count).
+    breaker_namespace: str = "sentinel"
+    breaker_lease: str = "sentinel-breaker"
 
     def validate(self, prefix: str) -> None:
         import re
@@ -202,6 +205,10 @@ class KubernetesConfig:
         if not re.match(r"^[A-Za-z][A-Za-z0-9]{0,62}$", self.condition_type):
             raise ConfigError(f"{prefix}.condition_type: must be a CamelCase word (got {_printable(self.condition_type)!r})")
         _text(prefix, "node_selector", self.node_selector)
+        for key in ("breaker_namespace", "breaker_lease"):
+            value = getattr(self, key)
+            if not re.match(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$", value):
+                raise ConfigError(f"{prefix}.{key}: not a Kubernetes name (lowercase letters, digits, '-'): {_printable(value)!r}")
 
 
 @dataclass(frozen=True)
