@@ -84,7 +84,7 @@ class MetricsConfig:
             raise ConfigError(f"{prefix}.tls_client_ca_file: needs tls_cert_file and tls_key_file (mTLS is on top of TLS)")
         import ssl
 
-        from sentinel import exporter  # imported here: config stays free of prometheus_client otherwise
+        from sentinel import httpauth  # the files' checks only: not the HTTP server, not prometheus_client
 
         for key in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "basic_auth_users_file"):
             path = getattr(self, key)
@@ -96,14 +96,14 @@ class MetricsConfig:
                     raise ConfigError(f"{prefix}.{key}: cannot read {path}: {exc.strerror}") from None
         if self.tls_cert_file:
             try:
-                exporter.build_tls_context(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+                httpauth.build_tls_context(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
             except (OSError, ssl.SSLError) as exc:
                 keys = "tls_cert_file/tls_key_file" + ("/tls_client_ca_file" if self.tls_client_ca_file else "")
                 raise ConfigError(f"{prefix}.{keys}: not a usable certificate, key (and CA): {exc}") from None
         if self.basic_auth_users_file:
             try:
-                exporter.load_users(self.basic_auth_users_file)
-            except exporter.UsersFileError as exc:
+                httpauth.load_users(self.basic_auth_users_file)
+            except httpauth.UsersFileError as exc:
                 raise ConfigError(f"{prefix}.basic_auth_users_file: {exc}") from None
 
 
