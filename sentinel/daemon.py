@@ -16,8 +16,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from sentinel.actions import Executor
+from sentinel.actions import ACTIONS, Executor
 from sentinel.config import Config
+from sentinel.families import Family, counter
 from sentinel.fsutil import UnsafePath, ensure_private_dir, probe_writable, write_json_atomic
 from sentinel.log import event
 from sentinel.metrics import View, build_registry
@@ -29,6 +30,12 @@ from sentinel.sources.nvml import NvmlSource
 from sentinel.systemd import Notifier
 
 log = logging.getLogger("sentinel.daemon")
+
+
+CONFIG_RELOADS = counter("sentinel_config_reloads", "Config reloads by outcome", "outcome")
+LOOP_ERRORS = counter("sentinel_loop_errors",
+                      "Exceptions the daemon's loop caught and survived, by component (source, policy, actions, ...)",
+                      "component")
 
 
 class StartupError(RuntimeError):
@@ -109,7 +116,7 @@ class Daemon:
         check_directories(self.runtime_dir, Path(self.config.daemon.state_dir))
         from sentinel.exporter import MetricsServer
 
-        self.httpd = MetricsServer.from_config(build_registry(lambda: self.view), self.config.metrics)
+        self.httpd = MetricsServer.from_config(build_registry(lambda: self.view, self.metric_families()), self.config.metrics)
         try:
             self.httpd.start()
         except OSError as exc:  # strerror is one sentence: "cannot listen for metrics on ...", or the unusable file
@@ -129,6 +136,13 @@ class Daemon:
         self.notifier.ready(summary)
         event(log, "sentinel started", node=self.node, gpus=len(self.nvml.gpus), metrics_port=self.metrics_port,
               sources=[self.nvml.name] + [s.name for s in self.event_sources])
+
+    def metric_families(self) -> list[Family]:
+        """The families of the counters and gauges this daemon publishes: its own and those its
+        components declare (``FAMILIES``); the collector renders those and no other name."""
+        components = [self.executor, *self.event_sources, self.endpoint, self.migrator]
+        return [ACTIONS, CONFIG_RELOADS, LOOP_ERRORS,
+                *(f for c in components if c is not None for f in getattr(c, "FAMILIES", ()))]
 
     def stop(self) -> None:
         self._stop.set()
@@ -242,13 +256,13 @@ class Daemon:
         for g in readings.gpus:
             rule_active.update(self.policy.rule_active(g))
         for kind_outcome, n in self.executor.counts.items():
-            counters[("sentinel_actions", (("action", kind_outcome[0]), ("outcome", kind_outcome[1])))] = float(n)
+            counters[ACTIONS.key(action=kind_outcome[0], outcome=kind_outcome[1])] = float(n)
         for outcome, n in self.reloads.items():
-            counters[("sentinel_config_reloads", (("outcome", outcome),))] = float(n)
+            counters[CONFIG_RELOADS.key(outcome=outcome)] = float(n)
         for extra in self.extra_counters:
             counters.update(self._guard("metrics", extra, default={}))
         for component, n in self.errors.items():
-            counters[("sentinel_loop_errors", (("component", component),))] = float(n)
+            counters[LOOP_ERRORS.key(component=component)] = float(n)
         gauges: dict = {}
         for extra in self.extra_gauges:
             gauges.update(self._guard("metrics", extra, default={}))

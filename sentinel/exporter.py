@@ -45,7 +45,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Iterable
 from urllib.parse import urlsplit
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as CONTENT_TYPE_OPENMETRICS
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
@@ -53,7 +53,9 @@ from prometheus_client.registry import Collector
 
 from sentinel.httpauth import (  # noqa: F401 - re-exported: the auth API's old home
     DEFAULT_ITERATIONS, MIN_ITERATIONS, PBKDF2_SCHEME, BasicAuth, UsersFileError, build_tls_context, hash_password, load_users)
+from sentinel.families import counter, gauge
 from sentinel.log import event
+from sentinel.metrics import View, build_registry, new_metric
 
 log = logging.getLogger("sentinel.exporter")
 
@@ -63,6 +65,13 @@ _CONTENT_TYPES = {TEXT: CONTENT_TYPE_PLAIN_0_0_4, OPENMETRICS: CONTENT_TYPE_OPEN
 _REALM = 'Basic realm="sentinel", charset="UTF-8"'
 _INDEX = (b"<html><head><title>Sentinel</title></head><body><h1>Sentinel GPU health exporter</h1>"
           b"<p><a href=\"/metrics\">/metrics</a> &middot; <a href=\"/healthz\">/healthz</a></p></body></html>\n")
+
+
+# The server's own families, rendered after the registry's.
+RENDER_FAILURES = counter("sentinel_exporter_render_failures", "Metric renders that raised; scrapes kept the previous samples")
+RENDER_DURATION = gauge("sentinel_exporter_render_duration_seconds", "Duration of the previous collect and render of the exposition")
+REJECTED_CONNECTIONS = counter("sentinel_exporter_rejected_connections", "Scrape connections refused or cut, by reason", "reason")
+FAMILIES = (RENDER_FAILURES, RENDER_DURATION, REJECTED_CONNECTIONS)
 
 
 # -- content negotiation ------------------------------------------------------------------------
@@ -423,17 +432,14 @@ class MetricsServer:
         return self._current.body(fmt, False)[1]
 
     def _own_families(self) -> list[Metric]:
-        fails = CounterMetricFamily("sentinel_exporter_render_failures",
-                                    "Metric renders that raised; scrapes kept the previous samples")
+        fails = new_metric(RENDER_FAILURES)
         fails.add_metric([], float(self._render_failures))
         out: list[Metric] = [fails]
         if self._render_seconds is not None:
-            dur = GaugeMetricFamily("sentinel_exporter_render_duration_seconds",
-                                    "Duration of the previous collect and render of the exposition")
+            dur = new_metric(RENDER_DURATION)
             dur.add_metric([], self._render_seconds)
             out.append(dur)
-        rejected = CounterMetricFamily("sentinel_exporter_rejected_connections",
-                                       "Scrape connections refused or cut, by reason", labels=["reason"])
+        rejected = new_metric(REJECTED_CONNECTIONS)
         with self._stats_lock:
             for reason, n in sorted(self._rejected.items()):
                 rejected.add_metric([reason], float(n))
@@ -510,7 +516,6 @@ def _cmd_hash_password(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     """Serve a simulated node's metrics, refreshed every second (for trying TLS/auth settings)."""
-    from sentinel.metrics import View, build_registry
     from sentinel.readings import NodeReadings
     from sentinel.sources.nvml import NvmlSource
     from sentinel.sources.simulated import SimulatedNvml

@@ -67,6 +67,7 @@ from sentinel.backends.base import (Backend, BackendContext, BackendError, Cordo
                                     read_cordon)
 from sentinel.backends.breaker import decide as breaker_decide
 from sentinel.fsutil import UnsafePath, read_trusted, write_json_atomic
+from sentinel.families import counter, gauge
 from sentinel.log import event
 
 log = logging.getLogger("sentinel.migration")
@@ -144,6 +145,17 @@ def leaving_reason(state_dir: Path) -> str:
     except (ValueError, KeyError, TypeError):
         return "unreadable migration record"
     return f"migration {record.get('request_id', '?')} is {phase.value}: {record.get('rule', '')}: {record.get('reason', '')}"
+
+
+MIGRATION_STEPS = counter("sentinel_migration_steps", "Migration steps and their failures, by step", "step")
+BACKEND_CALLS = counter("sentinel_backend_calls",
+                        "Calls to the action backend (scheduler), by backend, operation and outcome (ok, retried, failed)",
+                        "backend", "op", "outcome")
+BREAKER_REFUSALS = counter("sentinel_breaker_refusals",
+                           "Cordons the circuit breaker refused (too many nodes cordoned by Sentinel in the window)", "backend")
+NODE_CORDONED = gauge("sentinel_node_cordoned", "1 while this node is cordoned by Sentinel")
+BACKEND_UP = gauge("sentinel_backend_up",
+                   "1 when the last call to the action backend's scheduler answered, 0 when it did not", "backend")
 
 
 class Migrator:
@@ -525,17 +537,19 @@ class Migrator:
             self.record.notes.append(note)
         event(log, "spare", backend=self.backend.name, result=note)
 
+    FAMILIES = (MIGRATION_STEPS, BACKEND_CALLS, BREAKER_REFUSALS, NODE_CORDONED, BACKEND_UP)
+
     def metric_counters(self) -> dict:
-        out = {("sentinel_migration_steps", (("step", k),)): float(v) for k, v in dict(self.counts).items()}
+        out = {MIGRATION_STEPS.key(step=k): float(v) for k, v in dict(self.counts).items()}
         for (op, outcome), n in dict(self.calls).items():
-            out[("sentinel_backend_calls", (("backend", self.backend.name), ("op", op), ("outcome", outcome)))] = float(n)
-        out[("sentinel_breaker_refusals", (("backend", self.backend.name),))] = float(self.breaker_refusals)
+            out[BACKEND_CALLS.key(backend=self.backend.name, op=op, outcome=outcome)] = float(n)
+        out[BREAKER_REFUSALS.key(backend=self.backend.name)] = float(self.breaker_refusals)
         return out
 
     def gauges(self) -> dict:
-        out = {("sentinel_node_cordoned", ()): float(self.cordoned)}
+        out = {NODE_CORDONED.key(): float(self.cordoned)}
         if self.backend_up is not None:
-            out[("sentinel_backend_up", (("backend", self.backend.name),))] = float(self.backend_up)
+            out[BACKEND_UP.key(backend=self.backend.name)] = float(self.backend_up)
         return out
 
     def close(self) -> None:
