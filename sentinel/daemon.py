@@ -80,10 +80,20 @@ class Daemon:
         *,
         event_sources: list[EventSource] | None = None,
         executor: Executor | None = None,
+        endpoint: Any = None,
+        migrator: Any = None,
         notifier: Notifier | None = None,
+        wake: threading.Event | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
+        """Everything the daemon runs is passed in (:func:`sentinel.builder.build_daemon` wires it
+        from config): the NVML source, the kernel-event sources, the executor of the policy's
+        trips, the control channel to the ranks (``endpoint``, a
+        :class:`sentinel.channel.DaemonEndpoint`), the migration sequence (``migrator``, a
+        :class:`sentinel.migration.Migrator`), and ``wake``, the event that ends the wait between
+        polls (set by a kernel event or a finished backend call; the builder gives the same one
+        to the migrator). Without an endpoint and a migrator, trips are only counted and logged."""
         self.config = config
         self.nvml = nvml_source
         self.event_sources = list(event_sources or [])
@@ -102,12 +112,10 @@ class Daemon:
         self.runtime_dir = Path(config.daemon.runtime_dir)
         self.httpd: Any = None
         self.metrics_port: int | None = None
-        self.extra_counters: list[Callable[[], dict]] = []
-        self.extra_gauges: list[Callable[[], dict]] = []
-        self.endpoint: Any = None  # sentinel.channel.DaemonEndpoint
-        self.migrator: Any = None  # sentinel.migration.Migrator
+        self.endpoint = endpoint
+        self.migrator = migrator
         self._stop = threading.Event()
-        self._wake = threading.Event()
+        self._wake = wake or threading.Event()
         self.last_gpus: tuple = ()
 
     # -- start/stop ---------------------------------------------------------------------------
@@ -259,13 +267,14 @@ class Daemon:
             counters[ACTIONS.key(action=kind_outcome[0], outcome=kind_outcome[1])] = float(n)
         for outcome, n in self.reloads.items():
             counters[CONFIG_RELOADS.key(outcome=outcome)] = float(n)
-        for extra in self.extra_counters:
-            counters.update(self._guard("metrics", extra, default={}))
+        for component in (self.endpoint, self.migrator):
+            if component is not None:
+                counters.update(self._guard("metrics", component.metric_counters, default={}))
         for component, n in self.errors.items():
             counters[LOOP_ERRORS.key(component=component)] = float(n)
         gauges: dict = {}
-        for extra in self.extra_gauges:
-            gauges.update(self._guard("metrics", extra, default={}))
+        if self.migrator is not None:
+            gauges.update(self._guard("metrics", self.migrator.gauges, default={}))
         self.view = View(readings, health, forecasts, dict(self.trips), rule_active, counters, gauges, self.node,
                          detail=self.config.metrics.detail)
         if self.httpd is not None:

@@ -176,6 +176,7 @@ class Migrator:
         backend: Backend | None = None,
         sleep: Callable[[float], None] = time.sleep,
         wake: Callable[[], None] | None = None,
+        backend_up: bool | None = None,
     ) -> None:
         self.cfg = actions
         self.endpoint = endpoint
@@ -193,7 +194,7 @@ class Migrator:
         self.record: MigrationRecord | None = None
         self.counts: dict[str, int] = {}
         self.calls: dict[tuple[str, str], int] = {}  # (op, outcome) -> backend calls
-        self.backend_up: bool | None = None  # did the last backend call reach the scheduler?
+        self.backend_up = backend_up  # did the last backend call reach the scheduler? (None: no scheduler, or not asked yet)
         self.breaker_refusals = 0
         self._job: concurrent.futures.Future | None = None
         self._requested_at = 0.0  # monotonic
