@@ -150,6 +150,7 @@ class SentinelCollector(Collector):
                 act.add_metric([rule, str(gpu)], float(active))
         for store in (view.counters, view.gauges):
             self._store(families, store)
+        self._skipped_samples(families)
         yield from (m for m in families.values() if m.samples)  # no HELP/TYPE lines for an empty family
 
     def _gpus(self, families: _Families, r: NodeReadings, view: View, full: bool) -> None:
@@ -203,11 +204,14 @@ class SentinelCollector(Collector):
     def _skipped(self, families: _Families) -> None:
         with self._undeclared_lock:
             undeclared = sorted(self._undeclared.items())
-            samples = sorted(self._undeclared_samples.items())
         if undeclared:
             skipped = families.of(UNKNOWN_FIELDS)
             for fname, count in undeclared:
                 skipped.add_metric([fname], float(count))
+
+    def _skipped_samples(self, families: _Families) -> None:
+        with self._undeclared_lock:
+            samples = sorted(self._undeclared_samples.items())
         if samples:
             skipped = families.of(UNDECLARED_SAMPLES)
             for name, count in samples:
