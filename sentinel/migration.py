@@ -62,6 +62,7 @@ from typing import Any, Callable
 from sentinel import procs
 from sentinel.channel import DaemonEndpoint
 from sentinel.config import ActionsConfig
+from sentinel.backends import SETTINGS as backend_settings
 from sentinel.backends import make_backend
 from sentinel.backends.base import (Backend, BackendContext, BackendError, CordonReason,
                                     read_cordon)
@@ -209,11 +210,11 @@ class Migrator:
 
     def reconfigure(self, actions: ActionsConfig) -> None:
         """SIGHUP: new timeouts and commands apply from now on (a running step keeps its own).
-        The backend itself (``actions.backend``, ``[actions.slurm]``, ``[actions.kubernetes]``)
+        The backend itself (``actions.backend`` and each backend's ``[actions.<name>]`` table)
         changes only with a restart (:data:`sentinel.config.RESTART_ONLY`)."""
         self.cfg = actions
-        self.backend.cfg = dataclasses.replace(actions, backend=self.backend.cfg.backend, slurm=self.backend.cfg.slurm,
-                                               kubernetes=self.backend.cfg.kubernetes)
+        kept = {name: getattr(self.backend.cfg, name) for name in backend_settings}
+        self.backend.cfg = dataclasses.replace(actions, backend=self.backend.cfg.backend, **kept)
         self.backend.ctx.timeout = actions.command_timeout_seconds
         if actions.agent_pidfile:
             self.pidfile = Path(actions.agent_pidfile)

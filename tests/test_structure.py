@@ -182,7 +182,8 @@ def test_the_cycle_finder_finds_a_function_level_cycle(tmp_path):
 
 def test_validating_a_config_loads_neither_the_http_server_nor_prometheus(tmp_path):
     """``sentinel.config`` checks the TLS and users files through :mod:`sentinel.httpauth` only:
-    the HTTP server, its development ``serve`` command and prometheus_client stay off its path."""
+    the HTTP server, its development ``serve`` command and prometheus_client stay off its path; the
+    backends' settings come from their modules, never from their scheduler's client library."""
     import subprocess
     import sys
 
@@ -194,7 +195,7 @@ def test_validating_a_config_loads_neither_the_http_server_nor_prometheus(tmp_pa
     toml = f'[metrics]\nbasic_auth_users_file = "{users}"\n'
     code = ("import sys; from sentinel import config; config.parse(sys.argv[1]); "
             "print(sorted(m for m in sys.modules if m in ('sentinel.exporter', 'sentinel.metrics', "
-            "'sentinel.sources.simulated', 'http.server') or m.startswith('prometheus_client')))")
+            "'sentinel.sources.simulated', 'http.server', 'kubernetes') or m.startswith(('prometheus_client', 'kubernetes.'))))")
     r = subprocess.run([sys.executable, "-c", code, toml], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"

@@ -26,8 +26,10 @@ from __future__ import annotations
 import calendar
 import re
 import time
+from dataclasses import dataclass
 from typing import Any
 
+from sentinel import settings
 from sentinel.backends.base import (REASON_PREFIX, Backend, BackendError, CordonReason, CordonState, Fleet,
                                     PermissionDenied, Unreachable, UnknownNode)
 
@@ -58,6 +60,36 @@ def _now() -> str:
 
 def _escape(key: str) -> str:  # a JSON pointer path segment
     return key.replace("~", "~0").replace("/", "~1")
+
+
+K8S_NAME = r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+
+
+@dataclass(frozen=True)
+class KubernetesSettings:
+    """``[actions.kubernetes]``: how the daemon reaches the API server (read when ``actions.backend = \"kubernetes\"``)."""
+
+    # "" = in-cluster config (the DaemonSet's ServiceAccount token); a kubeconfig path otherwise.
+    kubeconfig: str = ""
+    # The taint Sentinel adds (value = the rule, effect NoSchedule) and the only one it removes.
+    taint_key: str = "sentinel.dev/gpu-failure"
+    # The Node condition Sentinel sets (status False while cordoned, True once uncordoned).
+    condition_type: str = "GPUHealthy"
+    # The circuit breaker's scope: nodes matching this label selector ("" = every node).
+    node_selector: str = ""
+
+    def validate(self, prefix: str) -> None:
+        settings.path(prefix, "kubeconfig", self.kubeconfig, required=False)
+        if not re.match(K8S_NAME, self.taint_key) or len(self.taint_key) > 316:
+            raise settings.ConfigError(f"{prefix}.taint_key: not a Kubernetes label key (prefix/name): "
+                                       f"{settings.printable(self.taint_key)!r}")
+        if not re.match(r"^[A-Za-z][A-Za-z0-9]{0,62}$", self.condition_type):
+            raise settings.ConfigError(f"{prefix}.condition_type: must be a CamelCase word "
+                                       f"(got {settings.printable(self.condition_type)!r})")
+        settings.text(prefix, "node_selector", self.node_selector)
+
+
+SETTINGS = KubernetesSettings
 
 
 class KubernetesBackend(Backend):
