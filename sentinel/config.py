@@ -30,8 +30,6 @@ MINUTE, HOUR, DAY = settings.MINUTE, settings.HOUR, settings.DAY
 # sentinel/rules/, found there by the registry. sentinel.rules imports neither this module nor the
 # policy, so validating a config never imports the policy (which imports this module).
 RULE_NAMES: frozenset[str] = rules.RULE_NAMES
-XID_ACTIONS = ("migrate", "snapshot", "alert", "ignore")
-XID_MIN, XID_MAX = 1, 65535
 
 
 @dataclass(frozen=True)
@@ -105,51 +103,36 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
-class PolicyConfig:
-    lead_time_seconds: float = 600.0
-    # Trend prediction: a rate needs this many agreeing samples (debounce) before it can trip.
-    debounce_samples: int = 3
-    trend_window_seconds: float = 3600.0
+class _PolicyCore:
+    """``[policy]`` keys of the policy's own machinery; :data:`PolicyConfig` adds the rules' keys."""
+
     cooldown_seconds: float = 3600.0
-    # Xid number (as a string key) -> "migrate" | "snapshot" | "alert" | "ignore"
-    xid_overrides: Mapping[str, str] = field(default_factory=dict)
-    xid_skip: tuple[int, ...] = ()
-    # Application Xids (13, 31, 43, 45) migrate only when they repeat this often.
-    app_xid_max_per_hour: int = 30
-    retired_pages_limit: int = 63
-    retired_dbe_limit: int = 15
-    remap_uncorrectable_limit: int = 512
-    nvlink_crc_per_second_limit: float = 100.0
-    pcie_replay_ber: float = 1e-12
     disabled_rules: tuple[str, ...] = ()
 
     def validate(self, prefix: str) -> None:
-        _number(prefix, "lead_time_seconds", self.lead_time_seconds, 0, 7 * DAY, low_open=True)
-        _integer(prefix, "debounce_samples", self.debounce_samples, 1, 10_000)
-        _number(prefix, "trend_window_seconds", self.trend_window_seconds, 0, 30 * DAY, low_open=True)
         _number(prefix, "cooldown_seconds", self.cooldown_seconds, 0, 30 * DAY)
-        for key, action in self.xid_overrides.items():
-            where = f"{prefix}.xid_overrides.{_printable(key)}"
-            # str.isdigit() accepts "²" and "٣", which int() then rejects or misreads: ASCII only,
-            # and one spelling per Xid ("079" would silently duplicate "79").
-            if not (key.isascii() and key.isdigit() and key == str(int(key)) and XID_MIN <= int(key) <= XID_MAX):
-                raise ConfigError(f"{where}: Xid keys are numbers {XID_MIN}..{XID_MAX} in plain ASCII digits, e.g. \"79\"")
-            if action not in XID_ACTIONS:
-                raise ConfigError(f"{where}: action must be migrate, snapshot, alert or ignore (got {action!r})")
-        for i, xid in enumerate(self.xid_skip):
-            _integer(prefix, f"xid_skip[{i}]", xid, XID_MIN, XID_MAX)
-        _integer(prefix, "app_xid_max_per_hour", self.app_xid_max_per_hour, 0, 1_000_000)
-        # A limit of 0 on a ">=" rule would fail every healthy GPU at the first poll.
-        _integer(prefix, "retired_pages_limit", self.retired_pages_limit, 1, 1_000_000)
-        _integer(prefix, "retired_dbe_limit", self.retired_dbe_limit, 0, 1_000_000)
-        _integer(prefix, "remap_uncorrectable_limit", self.remap_uncorrectable_limit, 1, 1_000_000)
-        _number(prefix, "nvlink_crc_per_second_limit", self.nvlink_crc_per_second_limit, 0, 1e12, low_open=True)
-        _number(prefix, "pcie_replay_ber", self.pcie_replay_ber, 0, 1, low_open=True)
+        for key in rules.CONFIG_KEYS:
+            key.validate(prefix, getattr(self, key.name))
         for rule in self.disabled_rules:
             if rule not in RULE_NAMES:
                 raise ConfigError(
                     f"{prefix}.disabled_rules: unknown rule {_printable(rule)!r} (known: {', '.join(sorted(RULE_NAMES))})"
                 )
+
+
+def _with_rule_keys(core: type, keys: tuple[rules.ConfigKey, ...]) -> type:
+    """``core`` plus one field per rule key (:class:`sentinel.rules.base.ConfigKey`): its default,
+    type and range are the declaration's, written nowhere else."""
+    fields = []
+    for key in keys:
+        default = key.default
+        spec = field(default_factory=lambda d=default: type(d)(d)) if isinstance(default, (dict, list)) else field(default=default)
+        fields.append((key.name, key.hint, spec))
+    return dataclasses.make_dataclass("PolicyConfig", fields, bases=(core,), frozen=True,
+                                      namespace={"__module__": __name__, "__doc__": "``[policy]``: the policy's and the rules' keys."})
+
+
+PolicyConfig = _with_rule_keys(_PolicyCore, rules.CONFIG_KEYS)
 
 
 BACKENDS = backends.NAMES  # one module each in sentinel/backends/, found there
