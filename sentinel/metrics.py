@@ -3,6 +3,12 @@
 A scrape never calls NVML: it only reads the immutable :class:`View` the daemon published after
 its last poll. Nothing is registered at import time; the daemon builds its own registry.
 
+Every family it renders is declared (:mod:`sentinel.families`): those of the View's typed parts
+here, the NVML fields' in :mod:`sentinel.fields`, and the View's ``counters`` and ``gauges`` by the
+components that count them, handed in by the daemon (``build_registry(view, families)``). A
+sample no family declares is left out and counted, never exported with a made-up help text.
+Every family is listed in ``docs/metrics.md``.
+
 Cardinality is sized for a fleet (``detail = "fleet"``, the default; ``[metrics] detail`` in the
 config): every series of a 2,048-node job is scraped every interval, so what no alert or
 dashboard reads is left out.
