@@ -41,8 +41,10 @@ import math
 import re
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
+from sentinel import settings
 from sentinel.backends.base import (REASON_PREFIX, Backend, BackendError, CordonReason, CordonState, Fleet,
                                     PermissionDenied, Unreachable, UnknownNode, Verdict, with_deadline)
 from sentinel.backends.breaker import slots
@@ -102,6 +104,44 @@ def _now() -> str:
 
 def _escape(key: str) -> str:  # a JSON pointer path segment
     return key.replace("~", "~0").replace("/", "~1")
+
+
+K8S_NAME = r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+
+
+@dataclass(frozen=True)
+class KubernetesSettings:
+    """``[actions.kubernetes]``: how the daemon reaches the API server (read when ``actions.backend = \"kubernetes\"``)."""
+
+    # "" = in-cluster config (the DaemonSet's ServiceAccount token); a kubeconfig path otherwise.
+    kubeconfig: str = ""
+    # The taint Sentinel adds (value = the rule, effect NoSchedule) and the only one it removes.
+    taint_key: str = "sentinel.dev/gpu-failure"
+    # The Node condition Sentinel sets (status False while cordoned, True once uncordoned).
+    condition_type: str = "GPUHealthy"
+    # The circuit breaker's scope: nodes matching this label selector ("" = every node).
+    node_selector: str = ""
+    # The Lease the daemons take a place in, resourceVersion-checked, before they cordon (the breaker's atomic count).
+    breaker_namespace: str = "sentinel"
+    breaker_lease: str = "sentinel-breaker"
+
+    def validate(self, prefix: str) -> None:
+        settings.path(prefix, "kubeconfig", self.kubeconfig, required=False)
+        if not re.match(K8S_NAME, self.taint_key) or len(self.taint_key) > 316:
+            raise settings.ConfigError(f"{prefix}.taint_key: not a Kubernetes label key (prefix/name): "
+                                       f"{settings.printable(self.taint_key)!r}")
+        if not re.match(r"^[A-Za-z][A-Za-z0-9]{0,62}$", self.condition_type):
+            raise settings.ConfigError(f"{prefix}.condition_type: must be a CamelCase word "
+                                       f"(got {settings.printable(self.condition_type)!r})")
+        settings.text(prefix, "node_selector", self.node_selector)
+        for key in ("breaker_namespace", "breaker_lease"):
+            value = getattr(self, key)
+            if not re.match(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$", value):
+                raise settings.ConfigError(f"{prefix}.{key}: not a Kubernetes name (lowercase letters, digits, '-'): "
+                                           f"{settings.printable(value)!r}")
+
+
+SETTINGS = KubernetesSettings
 
 
 class KubernetesBackend(Backend):
