@@ -331,7 +331,7 @@ class KubernetesBackend(Backend):
             done.append(f"{self.k.condition_type}=True")
         try:
             if self._release_claim():
-                done.append(f"breaker lease entry removed")
+                done.append("breaker lease entry removed")
         except BackendError as exc:
             done.append(f"breaker lease entry left (it expires with the window): {exc}")
         return f"kubernetes: {self.node}: " + (", ".join(done) if done else "nothing of Sentinel's to remove")
@@ -362,13 +362,15 @@ class KubernetesBackend(Backend):
         return Fleet(len(nodes), tuple(sorted(cordons)))
 
     # -- the breaker's Lease ------------------------------------------------------------------
-    def _read_lease(self) -> tuple[Any, dict[str, float]]:
-        """The breaker's Lease (created when missing) and its entries; entries that are not
-        ``node: finite time`` are dropped (a Lease is bounded: 65,536 entries at most)."""
+    def _read_lease(self, create: bool = True) -> tuple[Any, dict[str, float]]:
+        """The breaker's Lease (created when missing, if ``create``; else :class:`NotFound`) and its
+        entries; entries that are not ``node: finite time`` are dropped (65,536 entries at most)."""
         ns, name = self.k.breaker_namespace, self.k.breaker_lease
         try:
             lease = self._do("get", "leases", self.coordination.read_namespaced_lease, name, ns)
         except NotFound:
+            if not create:
+                raise
             body = self._client.V1Lease(metadata=self._client.V1ObjectMeta(name=name, namespace=ns, annotations={
                 BREAKER_ANNOTATION: "{}"}), spec=self._client.V1LeaseSpec(holder_identity="sentinel-breaker"))
             try:
@@ -438,7 +440,10 @@ class KubernetesBackend(Backend):
 
     def _release_claim(self) -> bool:
         for _ in range(LEASE_ATTEMPTS):
-            lease, entries = self._read_lease()
+            try:
+                lease, entries = self._read_lease(create=False)
+            except NotFound:
+                return False
             if self.node not in entries:
                 return False
             entries.pop(self.node)
