@@ -424,12 +424,15 @@ class SlotRendezvousHandler(RendezvousHandler):
         key, slot, node = self._k("hb", self.slot), self.slot, self.node_id
 
         def beat() -> None:
+            failures = 0
             while True:
                 self._hb_count += 1
                 try:
                     store.set(key, f"{node}:{self._hb_count}")
                 except RuntimeError as exc:  # the store is unreachable: the watcher decides, not us
-                    log.warning("slot %d: heartbeat failed: %s", slot, exc)
+                    failures += 1
+                    if failures == 1:
+                        log.warning("slot %d: heartbeat failed (said once): %s", slot, exc)
                 if stop.wait(self.keep_alive_interval):
                     return
 
@@ -460,16 +463,25 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     ``DynamicRendezvousHandler`` on the same store when the job's size is a range or
     ``--rdzv-conf slots=off`` (module docstring)."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend, create_backend
 
     slots = str(params.get("slots", "on")).lower()
     if slots not in ("on", "off"):
         raise ValueError(f"--rdzv-conf slots={slots!r}: must be on or off")
-    backend, store = create_backend(params)
+    _, store = create_backend(params)
     if slots == "off" or params.min_nodes != params.max_nodes:
         why = "slots=off" if slots == "off" else f"--nnodes {params.min_nodes}:{params.max_nodes} is a range"
         log.info("rendezvous: torch's dynamic rendezvous (%s)", why)
-        return dynamic_rendezvous.create_handler(store, backend, params)
+
+        class FallbackBackend(C10dRendezvousBackend):
+            """torch's c10d backend (same state key, same protocol) under this backend's name, which
+            torch's registry checks against ``--rdzv-backend``."""
+
+            @property
+            def name(self) -> str:
+                return BACKEND
+
+        return dynamic_rendezvous.create_handler(store, FallbackBackend(store, params.run_id), params)
     return SlotRendezvousHandler(
         store, params.run_id, params.max_nodes, local_addr=params.local_addr,
         join_timeout=_seconds(params, "join_timeout", 600.0),
