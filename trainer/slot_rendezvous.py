@@ -182,6 +182,7 @@ class SlotRendezvousHandler(RendezvousHandler):
         self._hb_stop: threading.Event | None = None
         self._hb_thread: threading.Thread | None = None
         self._hb_count = 0
+        self._hb_store: CountingStore | None = None
         self._forming = 0
         self._first = False
         self._arrived: tuple[int, int] | None = None
@@ -418,9 +419,10 @@ class SlotRendezvousHandler(RendezvousHandler):
 
     # -- heartbeats -----------------------------------------------------------------------------------
     def _start_heartbeats(self) -> None:
+        """A thread that sets ``hb/<slot>`` every ``keep_alive_interval``, on a second connection
+        made once, by the thread (a connect can take seconds under load: never inside a round)."""
         self._stop_heartbeats()
         stop = threading.Event()
-        store = self._store.clone(self.heartbeat_stats)
         key, slot, node = self._k("hb", self.slot), self.slot, self.node_id
 
         def beat() -> None:
@@ -428,7 +430,9 @@ class SlotRendezvousHandler(RendezvousHandler):
             while True:
                 self._hb_count += 1
                 try:
-                    store.set(key, f"{node}:{self._hb_count}")
+                    if self._hb_store is None:
+                        self._hb_store = self._store.clone(self.heartbeat_stats)
+                    self._hb_store.set(key, f"{node}:{self._hb_count}")
                 except RuntimeError as exc:  # the store is unreachable: the watcher decides, not us
                     failures += 1
                     if failures == 1:
