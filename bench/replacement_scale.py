@@ -215,17 +215,15 @@ class Recorder:
         self.doc = {"bench": "replacement_scale", "command": shlex.join([sys.executable, *argv]),
                     "git_commit": git_commit(), "cpus": os.cpu_count(),
                     "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rounds": []}
+        self.runs: list[dict] = []
         if path is not None and path.exists():
             try:
                 old = json.loads(path.read_text())
-                if isinstance(old, dict) and isinstance(old.get("runs"), list):
-                    self.runs = old["runs"]
-                else:
-                    self.runs = []
-            except (OSError, json.JSONDecodeError):
-                raise SystemExit(f"--out {path}: exists and is not this bench's JSON; choose another path") from None
-        else:
-            self.runs = []
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+                old = None
+            if not isinstance(old, dict) or not isinstance(old.get("runs"), list):
+                raise SystemExit(f"--out {path}: exists and is not this bench's JSON; choose another path")
+            self.runs = old["runs"]
         self.runs.append(self.doc)
 
     def add(self, row: dict) -> None:

@@ -183,6 +183,7 @@ class SlotRendezvousHandler(RendezvousHandler):
         self._hb_thread: threading.Thread | None = None
         self._hb_count = 0
         self._hb_store: CountingStore | None = None
+        self._next_server: tuple[threading.Thread, dict[str, Any]] | None = None
         self._forming = 0
         self._first = False
         self._arrived: tuple[int, int] | None = None
@@ -244,6 +245,8 @@ class SlotRendezvousHandler(RendezvousHandler):
         self.gen = f
         self._servers = {g: s for g, s in self._servers.items() if g >= f}
         self._start_heartbeats()
+        if self.slot == 0:
+            self._prepare_server()  # for the next generation
         after = self.stats.snapshot()
         self.last_round = {"role": role, "generation": f, "slot": self.slot, "seconds": time.monotonic() - t0,
                            "ops": after[0] - before[0], "bytes": after[1] + after[2] - before[1] - before[2]}
@@ -259,8 +262,35 @@ class SlotRendezvousHandler(RendezvousHandler):
             return json.dumps({"id": self.node_id})
         server = self._servers.get(f)
         if server is None:
-            server = self._servers[f] = self._server_factory(self.addr)
+            server = self._servers[f] = self._take_server()
         return json.dumps({"id": self.node_id, "addr": self.addr, "port": server.port})
+
+    def _prepare_server(self) -> None:
+        """Start the next generation's workers' store now, in a thread: starting a TCPStore server
+        connects to itself, and a connect took 5 s in 1 of 40 tries on a loaded host (c10d's
+        connect retry) — on the critical path of every waiting node if done inside the round."""
+        if self._next_server is not None:
+            return
+        box: dict[str, Any] = {}
+
+        def make() -> None:
+            try:
+                box["server"] = self._server_factory(self.addr)
+            except RuntimeError as exc:  # taken inline again, where its error is raised
+                box["error"] = exc
+
+        thread = threading.Thread(target=make, name="sentinel-rdzv-next-store", daemon=True)
+        thread.start()
+        self._next_server = (thread, box)
+
+    def _take_server(self) -> Any:
+        if self._next_server is not None:
+            thread, box = self._next_server
+            self._next_server = None
+            thread.join()
+            if "server" in box:
+                return box["server"]
+        return self._server_factory(self.addr)
 
     @staticmethod
     def _tcp_server(addr: str) -> Any:
@@ -313,6 +343,7 @@ class SlotRendezvousHandler(RendezvousHandler):
 
     def _spare(self, deadline: float) -> str:
         """Wait for a vacancy (the one matching this spare's ticket) and claim its slot."""
+        self._prepare_server()  # in case the slot is 0
         while True:
             t = self._store.add(self._k("spares"), 1)
             vkey = self._k("vacancy", t)
@@ -321,6 +352,8 @@ class SlotRendezvousHandler(RendezvousHandler):
             self.slot = vac["slot"]
             f = vac["gen"]
             if self._claim(f, vac["left"]):
+                if self.slot != 0:
+                    self._next_server = None  # never hosts the workers' store: let it go
                 return "spare"
             log.info("vacancy %d (slot %d) was filled by another spare; taking a new ticket", t, self.slot)
             self._servers.pop(f, None)
