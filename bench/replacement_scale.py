@@ -68,6 +68,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _server_preexec() -> None:
+    """In the store server: room for every participant's connection, and die with the bench (a
+    killed bench must not leave a server behind)."""
+    import ctypes
+    import signal
+
+    raise_fd_limit()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def raise_fd_limit() -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -94,7 +104,7 @@ class StoreServer:
         self.port = free_port()
         self.proc = subprocess.Popen([sys.executable, "-m", "trainer.store", "--port", str(self.port)], cwd=REPO,
                                      env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
-                                     preexec_fn=raise_fd_limit)
+                                     preexec_fn=_server_preexec)
         import torch.distributed as dist
 
         end = time.monotonic() + 60
