@@ -404,8 +404,24 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds a round may take before the handler counts as not finishing (default 600)")
     ap.add_argument("--out", type=Path, help="append every finished round to this JSON file")
     ap.add_argument("--smoke", action="store_true", help=f"N = {SMOKE_NODES}, 1 repeat, 60 s limit: seconds")
+    ap.add_argument("--from", dest="from_", type=Path, metavar="RUNS_JSON",
+                    help="measure nothing: print the tables (and --json) from the last run in an --out file")
     _report.add_json_argument(ap)
     args = ap.parse_args(argv)
+    if args.from_ is not None:
+        try:
+            run = json.loads(args.from_.read_text())["runs"][-1]
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            ap.error(f"--from {args.from_}: not an --out file of this bench")
+        rounds = run["rounds"]
+        failed = {r["handler"]: (r["nodes"], r["error"]) for r in rounds if "error" in r}
+        print(f"from {args.from_}: {run['command']} (commit {run['git_commit'][:12]}, started {run['started']})")
+        figures = summarise(rounds, failed, sorted({r["nodes"] for r in rounds}))
+        for kind, (n, _) in failed.items():
+            figures[f"{kind}_not_finished_nodes_count"] = n
+        figures["load_average_ratio"] = statistics.median(r["load_average"] for r in rounds)
+        _report.write(args.json, "replacement_scale", figures)
+        return 0
     if args.smoke:
         args.nodes = args.nodes or SMOKE_NODES
         args.repeats, args.torch_timeout = 1, min(args.torch_timeout, 60.0)
