@@ -186,7 +186,7 @@ def test_a_node_declared_dead_is_replaced_and_its_stale_generation_rejected(serv
     frozen = subprocess.Popen([sys.executable, "-c", FROZEN_NODE, str(server.port)], env=env, cwd=REPO,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        hs = [handler(server, 3, join_timeout=600.0), handler(server, 3, join_timeout=600.0)]
+        hs = [handler(server, 3, join_timeout=120.0), handler(server, 3, join_timeout=120.0)]
         infos = rendezvous(hs)  # with the subprocess (a loaded host can take a minute to import torch)
         rank = int(frozen.stdout.readline().split()[1])
         assert sorted([rank, *(i.rank for i in infos)]) == [0, 1, 2]

@@ -26,7 +26,9 @@ Recovery (off the fast path, done by one *watcher*: the first arrival of a gener
 who waited 3 x ``admission_timeout``): after ``admission_timeout`` seconds without a commit it
 re-offers a vacancy whose spare did not claim it (a spare that died mid-admission) and declares
 vacant a slot that neither arrived nor advanced its heartbeat over a whole timeout (a node that
-died without leaving). That costs the watcher O(N) ``check`` operations, once per timeout.
+died without leaving; one that never beat gets ``NO_BEAT_PASSES`` timeouts). That costs the watcher
+O(N) ``check`` operations, once per timeout. Never in generation 1 (nodes may still be starting):
+``join_timeout`` bounds the first join, as torch's does.
 
 A node whose slot was given away (it was declared dead, or replaced, and came back) is refused
 with :class:`SlotTakenError` (a ``RendezvousGracefulExitError``: its agent exits, the job goes on).
@@ -70,6 +72,7 @@ log = logging.getLogger("sentinel.rendezvous")
 
 BACKEND = "sentinel"
 LEFT = "LEFT:"
+NO_BEAT_PASSES = 10
 
 
 class SlotTakenError(RendezvousGracefulExitError):
@@ -186,6 +189,7 @@ class SlotRendezvousHandler(RendezvousHandler):
         self._next_server: tuple[threading.Thread, dict[str, Any]] | None = None
         self._forming = 0
         self._first = False
+        self._no_beat: dict[int, int] = {}
         self._arrived: tuple[int, int] | None = None
         self.last_round: dict[str, Any] = {}
 
@@ -391,7 +395,9 @@ class SlotRendezvousHandler(RendezvousHandler):
                     raise
             if self.is_closed():
                 raise RendezvousClosedError(f"rendezvous {self.run_id} is closed")
-            if self._first or time.monotonic() - start >= 3 * self.admission_timeout:
+            # generation 1 has no recovery: its nodes may still be starting (importing torch, being
+            # scheduled) and never had a heartbeat; join_timeout bounds it, as with torch's first join
+            if f > 1 and (self._first or time.monotonic() - start >= 3 * self.admission_timeout):
                 watch = self._recover(f, watch)
 
     def _recover(self, f: int, seen: dict[int, bytes | None]) -> dict[int, bytes | None]:
@@ -415,7 +421,11 @@ class SlotRendezvousHandler(RendezvousHandler):
             hb_key = self._k("hb", s)
             hb = self._store.get(hb_key) if self._store.check([hb_key]) else None
             now[s] = hb
-            if s in seen and seen[s] == hb:
+            # unchanged over a whole pass; a slot with no heartbeat at all (its first beat connects
+            # in the background) gets NO_BEAT_PASSES passes before it counts as dead
+            if hb is None:
+                self._no_beat[s] = self._no_beat.get(s, 0) + 1
+            if s in seen and seen[s] == hb and (hb is not None or self._no_beat[s] >= NO_BEAT_PASSES):
                 mark = LEFT + (hb.decode().rsplit(":", 1)[0] if hb else "unknown")
                 got = self._store.compare_set(key, "", mark).decode()
                 if got == mark:
