@@ -4,7 +4,6 @@ the published figure it must agree with (Llama 3)."""
 from __future__ import annotations
 
 import json
-import math
 import random
 import subprocess
 import sys
