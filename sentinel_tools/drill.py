@@ -691,8 +691,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agent", choices=["warm", "torchrun"], default="warm",
                    help="warm: python -m trainer.elastic, preloaded forkserver, warm spares, graceful leave;"
                         " torchrun: plain torchrun and cold spares (the before)")
-    p.add_argument("--rdzv-backend", choices=["c10d", "etcd-v2"], default="c10d",
-                   help="c10d: a standalone TCPStore; etcd-v2: a local etcd (Debian etcd-server) on loopback")
+    p.add_argument("--rdzv-backend", choices=["c10d", "etcd-v2", "sentinel"], default="c10d",
+                   help="c10d: a standalone TCPStore; etcd-v2: a local etcd (Debian etcd-server) on loopback; "
+                        "sentinel: rank-preserving slots on the standalone TCPStore (--agent warm only)")
     p.add_argument("--start-method", choices=["spawn", "fork", "forkserver"], default="spawn",
                    help="torchrun worker start method (--agent torchrun; a -m module ignores it)")
     p.add_argument("--timeout", type=float, default=180.0)
@@ -706,6 +707,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_drill(args: argparse.Namespace) -> int:
+    if args.rdzv_backend == "sentinel" and args.agent != "warm":
+        print("sentinel drill: --rdzv-backend sentinel needs --agent warm (plain torchrun does not register it)",
+              file=sys.stderr)
+        return 2
     if args.spares < 1 and not args.min_nodes:
         print("sentinel drill: --spares 0 needs --min-nodes < --nodes (continue on fewer nodes)", file=sys.stderr)
     drill = Drill(args)

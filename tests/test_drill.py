@@ -191,3 +191,18 @@ def test_failed_migrate_snapshot_still_drains_and_resumes_from_the_older_one():
     newest_ok = max(s["step"] for s in before if s["ok"])
     assert loaded["start_step"] == newest_ok + 1 and loaded["source"].endswith(f"step-{newest_ok:09d}")
     assert r["recomputed_steps"] == list(range(newest_ok + 1, committed["step"] + 1))
+
+
+def test_rank_preserving_rendezvous_replaces_two_nodes_in_one_generation_with_no_lost_step():
+    r = drill("--nodes", "3", "--spares", "2", "--victims", "2", "--fault", "dbe", "--rdzv-backend", "sentinel",
+              "--verify")
+    assert r["ok"], r
+    assert sorted(r["final_nodes"]) == ["node0", "spare0", "spare1"] and r["recomputed_steps"] == []
+    assert r["membership_changes"] == 1  # both slots filled in one generation
+    assert r["verify"]["bitwise_equal"]
+
+
+def test_sentinel_rendezvous_needs_the_warm_agent():
+    r = subprocess.run([sys.executable, "-m", "sentinel", "drill", "--agent", "torchrun", "--rdzv-backend", "sentinel"],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 2 and "needs --agent warm" in r.stderr
