@@ -19,12 +19,18 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.fsdp import fully_shard
+# When this worker started, stamped by the process itself before it imports torch: a cold worker
+# pays its torch import after it; a worker forked from a warm forkserver runs this module afresh
+# (runpy), so this is the moment of its fork. Same clock as every other progress event, to the
+# microsecond (what /proc's start time is not: boot time in whole seconds plus clock ticks).
+PROCESS_STARTED = time.time()
 
-from trainer.guard import DEFAULT_MIGRATE_HOLD_SECONDS, ModelOptimState, NodeDrained, SnapshotGuard
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+
+from trainer.guard import DEFAULT_MIGRATE_HOLD_SECONDS, ModelOptimState, NodeDrained, SnapshotGuard  # noqa: E402
 
 
 class TinyTransformer(nn.Module):
@@ -82,18 +88,6 @@ def state_digests(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, s
     return out
 
 
-def _process_start_time() -> float | None:
-    """Wall-clock time this process started (a worker forked from a warm forkserver starts late
-    and fast; a cold one imports torch first): /proc/self/stat field 22 plus the boot time."""
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                     if line.startswith("btime "))
-        return btime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=50)
@@ -139,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     # who hosts this process group's store: the rank-0 agent ("agent", already listening) or the
     # rank-0 worker (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: the other workers' connects may be refused and retried)
     worker_store = {"True": "agent", "False": "worker"}.get(os.environ.get("TORCHELASTIC_USE_AGENT_STORE", ""), "")
-    record("admitted", started=t_started, process_started=_process_start_time(), worker_store=worker_store)
+    record("admitted", started=t_started, process_started=PROCESS_STARTED, worker_store=worker_store)
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     device = torch.device("cuda") if cuda else torch.device("cpu")
