@@ -103,9 +103,9 @@ def ensure_munge() -> None:
 
 
 class SlurmCluster:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, conf: Path | None = None) -> None:
         self.root = root
-        self.conf = root / "slurm.conf"
+        self.conf = conf or root / "slurm.conf"
         self.procs: dict[str, subprocess.Popen] = {}
         self.ctld_port, *self.node_ports = free_ports(1 + len(NODES))
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
@@ -202,7 +202,14 @@ PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=U
                   "nodes idle again")
 
     def stop(self) -> None:
-        stop_groups(self.procs.values(), grace=10)
+        stop_groups(self.procs.values(), grace=10)  # nothing when attached to a running cluster
+
+    @classmethod
+    def attach(cls, conf: Path) -> "SlurmCluster":
+        """A cluster already running with ``conf`` (its nodes node1..node4): used, never started or stopped."""
+        if not conf.is_file():
+            raise SlurmUnavailable(f"--slurm-conf {conf}: no such file")
+        return cls(conf.parent, conf)
 
 
 # -- the drill ------------------------------------------------------------------------------------
@@ -214,7 +221,9 @@ class SlurmDrill(drill.Drill):
 
     def __init__(self, args) -> None:
         super().__init__(args)
-        self.cluster = SlurmCluster(self.work / "slurm")
+        conf = args.slurm_conf
+        self.attached = conf is not None
+        self.cluster = SlurmCluster.attach(Path(conf)) if self.attached else SlurmCluster(self.work / "slurm")
         self.job_id = ""
         self.checks: dict[str, object] = {}
 
@@ -270,7 +279,11 @@ class SlurmDrill(drill.Drill):
 
         a = self.args
         t_start = time.time()
-        self.cluster.start()
+        if self.attached:
+            self.cluster.wait(lambda: self.cluster.run("sinfo", "-h", "-o", "%t %D").stdout.split() == ["idle", str(len(NODES))],
+                              30, f"the 4 nodes of {self.cluster.conf} idle")
+        else:
+            self.cluster.start()
         self.start_store()
         self.nodes = [self.make_slurm_node(f"node{i + 1}", False) for i in range(a.nodes)]
         self.nodes += [self.make_slurm_node(f"node{a.nodes + i + 1}", True) for i in range(a.spares)]
@@ -337,6 +350,9 @@ def run_slurm_drill(args) -> int:
     if args.nodes + args.spares > len(NODES) - 1:
         print(f"sentinel drill --scheduler slurm: --nodes + --spares must leave one of the {len(NODES)} Slurm nodes free "
               f"(the new job and the admin's drain use it)", file=sys.stderr)
+        return 2
+    if args.slurm_conf is not None and not Path(args.slurm_conf).is_file():
+        print(f"sentinel drill --scheduler slurm: --slurm-conf {args.slurm_conf}: no such file", file=sys.stderr)
         return 2
     d = SlurmDrill(args)
     try:

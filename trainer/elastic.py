@@ -426,8 +426,6 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
-    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousGracefulExitError
     from torch.distributed.launcher.api import _get_addr_and_port
 
     from trainer import slot_rendezvous
@@ -493,7 +491,13 @@ def main(argv: list[str] | None = None) -> int:
                                 log_line_prefix_template=config.log_line_prefix_template,
                                 shutdown_timeout=config.shutdown_timeout,
                                 rendezvous=rdzv, draining=_draining_check(ours.state_dir))
+    return _run_agent(agent, rdzv)
+
+
+def _run_agent(agent: Any, rdzv: Rendezvous) -> int:
+    """Run the agent to its end; the exit status, with one line on stderr saying why it ended."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousGracefulExitError
 
     close_rendezvous = True
     try:
