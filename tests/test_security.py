@@ -148,12 +148,15 @@ def test_acks_from_anyone_but_the_ranks_asked_are_refused(attacker, runtime):
     try:
         assert ep.request("migrate", "m1", "test") == 1
         forged = Ack(id="m1", rank=0, step=1, ok=True).encode()
-        r = attacker.python(f"import socket; s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM); "
-                            f"s.sendto({forged!r}, {str(runtime / 'daemon.sock')!r})")
+        send = (f"import socket; s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM); "
+                f"s.sendto({forged!r}, {str(runtime / 'daemon.sock')!r})")
+        r = attacker.python(send)  # another user cannot reach daemon.sock at all
+        assert r.returncode != 0 and "PermissionError" in r.stderr
+        # a process of the job's user and group (here root) that was not asked: refused by pid
+        r = subprocess.run([sys.executable, "-c", send], capture_output=True, text=True, timeout=30)
         assert r.returncode == 0, r.stderr
-        time.sleep(0.1)
-        assert ep.poll_acks() == [] and not ep.complete("m1")
-        assert ep.rejected["ack_not_expected"] == 1
+        wait_for(lambda: ep.poll_acks() == [] and ep.rejected["ack_not_expected"] == 1, 5, what="the refusal")
+        assert not ep.complete("m1")
         rank.ack(Ack(id="m1", rank=0, step=1, ok=True))
         acks = wait_for(ep.poll_acks, 5, what="the genuine ack")
         assert acks[0].pid == os.getpid() and ep.complete("m1")
@@ -166,8 +169,6 @@ def test_a_squatted_rank_socket_is_reported_and_the_rank_still_reachable(attacke
     """The attacker squats the name of a rank that is about to start; the rank (a job running as
     an unprivileged user, here nobody: a root rank would simply take its name back) binds an
     unpredictable name, says so, and the daemon still reaches it."""
-    register_agent(runtime)
-    ep = DaemonEndpoint(runtime)
     code = textwrap.dedent(f"""
         import os, sys, time
         from pathlib import Path
@@ -187,8 +188,11 @@ def test_a_squatted_rank_socket_is_reported_and_the_rank_still_reachable(attacke
     rank = subprocess.Popen(["/usr/bin/python3", "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             user=65534, group=65534, extra_groups=[],
                             env={"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "PATH": "/usr/bin:/bin"})
+    ep = None
     try:
         pid = int(rank.stdout.readline())
+        register_agent(runtime, pid)  # the rank is the agent: the job is nobody's
+        ep = DaemonEndpoint(runtime)
         atk = bind_as(attacker, runtime / "ranks" / f"{pid}.sock")
         rank.stdin.write("go\n")
         rank.stdin.flush()
@@ -202,7 +206,8 @@ def test_a_squatted_rank_socket_is_reported_and_the_rank_still_reachable(attacke
         kill_attacker(atk)
     finally:
         rank.kill()
-        ep.close()
+        if ep is not None:
+            ep.close()
 
 
 def test_planted_files_cannot_blind_the_channel(attacker, runtime):
