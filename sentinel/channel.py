@@ -352,6 +352,8 @@ class RankEndpoint:
                 log.error("acknowledgement %s not sent: the daemon's socket stayed full for %.0f s",
                           ack.id, self.ack_timeout)
                 return False
+            if not self.connected:
+                self._connect()
             if self.connected:  # connected: POLLOUT says when the daemon's queue has room
                 waiter = select.poll()
                 waiter.register(self.sock, select.POLLOUT)
