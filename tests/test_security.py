@@ -255,6 +255,59 @@ def test_planted_files_and_a_self_sigbus_neither_blind_nor_trigger_the_daemon(at
     assert d2.proc.poll() is None
 
 
+FORGING_RANK = textwrap.dedent("""
+    import ctypes, os, signal, struct, sys, time
+    from pathlib import Path
+    from sentinel.channel import RankEndpoint
+    out = Path(sys.argv[2])
+    ep = RankEndpoint.open(Path(sys.argv[1]))
+    (out / "ready").write_text(str(os.getpid()))
+    end = time.time() + 60
+    while not (out / "go").exists() and time.time() < end:
+        ep.poll()
+        time.sleep(0.05)
+    info = ctypes.create_string_buffer(128)
+    struct.pack_into("iiiiQ", info, 0, signal.SIGBUS, 0, 4, 0, 0x7F0000001000)  # BUS_MCEERR_AR
+    ctypes.CDLL(None).syscall(129, os.getpid(), signal.SIGBUS, info)  # rt_sigqueueinfo to itself
+""")
+
+
+@pytest.mark.needs_ebpf
+def test_a_rank_that_forges_a_memory_failure_on_itself_drains_nothing(shared_tmp, sim_state, start_daemon):
+    """The job's own verified rank sends itself SIGBUS with si_code BUS_MCEERR_AR (rt_sigqueueinfo,
+    which the kernel allows): the daemon sees it (counted as an unconfirmed memory failure, the
+    alert's metric) and neither migrates nor cordons."""
+    require_ebpf("signal:signal_generate")
+    runtime, state, out = shared_tmp / "run", shared_tmp / "state", shared_tmp / "out"
+    out.mkdir()
+    d = start_daemon("--simulate", str(sim_state), "--state-dir", str(state), runtime_dir=runtime, ebpf=True)
+    job = subprocess.Popen([sys.executable, "-m", "sentinel", "launch", "--pidfile", str(runtime / "agent.pid"),
+                            "--state-dir", str(state), "--", sys.executable, "-c", FORGING_RANK, str(runtime), str(out)],
+                           env={**os.environ, "SENTINEL_RUNTIME_DIR": str(runtime)})
+    try:
+        wait_for(lambda: (out / "ready").exists() and (runtime / "agent.pid").exists(), 20, what="the rank")
+        t = d.status["time"]
+        wait_for(lambda: d.status["time"] > t + 2, 15, what="the daemon to watch the rank")
+        (out / "go").write_text("")
+        job.wait(timeout=30)
+
+        def counted():
+            return metric_value(d.scrape(), "sentinel_kernel_events_total", source="ebpf_rank_signals",
+                                kind="SIGBUS_memory_failure_unconfirmed")
+
+        assert wait_for(counted, 15, what="the forged signal to be counted") == 1
+        t = d.status["time"]
+        wait_for(lambda: d.status["time"] > t + 1, 15, what="the loop to go on")
+        assert d.status["migration"] is None and not d.status["cordoned"]
+        assert not (state / "cordon.json").exists() and not (state / "migration.json").exists()
+        assert metric_value(d.scrape(), "sentinel_kernel_events_total", source="ebpf_rank_signals",
+                            kind="SIGBUS_memory_failure") is None
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait(timeout=10)
+
+
 # -- 6. the agent pidfile ------------------------------------------------------------------------------
 @pytest.mark.parametrize("content", ["-1\n", "0\n", "1\n", "garbage\n", '-1\n{"pid":-1,"start_time":0,"exe":"","uid":0,"boot_id":""}\n'])
 def test_pidfiles_that_would_signal_the_wrong_processes_are_refused(tmp_path, content):
