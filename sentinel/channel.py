@@ -430,6 +430,12 @@ class DaemonEndpoint:
         self.requests: dict[str, RequestState] = {}
         self.agent_error = ""
         self._granted: tuple[int, int] | None = None
+        # The last complete scan: the directory's mtime and agent then, and the alternative names
+        # it verified. While neither changed, only those names are verified again (cheap).
+        self._scanned: tuple[int, tuple[int, int] | None] | None = None
+        self._alternatives: dict[str, int] = {}
+        self._kept: set[tuple[str, int]] = set()  # junk that could not be removed: not tried again
+        self._removal_budget = 0  # removals left in this scan: at most max_ranks per call
         try:
             self._grant(self.agent())
         except (OSError, procs.NotTrusted):
@@ -463,9 +469,12 @@ class DaemonEndpoint:
         if self.rejected[reason] == 1 or self.rejected[reason] % 1000 == 0:
             log.warning("ignored %d file(s) in %s (%s; last: %s)", self.rejected[reason], self.ranks_dir, reason, name)
 
-    def _remove(self, dfd: int, name: str, is_dir: bool) -> bool:
+    def _remove(self, dfd: int, name: str, is_dir: bool, ino: int = 0) -> bool:
         """Remove one junk entry of ``ranks/`` (the entry itself: unlink never follows a link;
         a directory only when empty). Counted; never raises."""
+        if (name, ino) in self._kept or self._removal_budget <= 0:
+            return False
+        self._removal_budget -= 1
         try:
             if is_dir:
                 os.rmdir(name, dir_fd=dfd)
@@ -475,6 +484,9 @@ class DaemonEndpoint:
             return True
         except OSError:
             self.counts[("rank", "junk_kept")] += 1
+            if len(self._kept) > 65536:
+                self._kept.clear()
+            self._kept.add((name, ino))
             return False
         self.counts[("rank", "junk_removed")] += 1
         return True
@@ -520,7 +532,9 @@ class DaemonEndpoint:
         in the way); (2) at most ``max_entries`` directory entries are read for the alternative
         names (``<pid>.<hex>.sock``) and for junk, which is removed: anything that is not a
         socket (a directory only when empty), a bad name, a socket whose process is gone or
-        owned by another uid, or — with a trusted agent — not the job's."""
+        owned by another uid, or — with a trusted agent — not the job's; at most ``max_ranks``
+        removals per call. While the directory and the agent are unchanged since a complete scan,
+        only the alternative names it found are verified again."""
         try:
             agent = self.agent()
             self.agent_error = ""
@@ -532,6 +546,7 @@ class DaemonEndpoint:
             self.agent_error = error
             agent = None
         out: dict[int, RankInfo] = {}
+        self._removal_budget = self.max_ranks
         try:
             dfd = os.open(self.ranks_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError:
@@ -549,21 +564,37 @@ class DaemonEndpoint:
                     except OSError:
                         continue  # the usual case: this process is not a rank
                     self._consider(dfd, name, pid, agent, out)
-            self._scan(dfd, agent, out)
+            try:
+                mtime = os.fstat(dfd).st_mtime_ns
+            except OSError:
+                mtime = -1
+            state = (mtime, (agent.pid, agent.start_time) if agent else None)
+            if self._scanned == state:
+                for name, pid in list(self._alternatives.items()):
+                    self._consider(dfd, name, pid, agent, out)
+            else:
+                self._alternatives = {}
+                complete = self._scan(dfd, agent, out)
+                # a change within the filesystem's timestamp granularity would leave the mtime as it
+                # was: only a directory left alone for a second stands for what was read
+                self._scanned = state if complete and time.time_ns() - mtime > 1_000_000_000 else None
         finally:
             os.close(dfd)
         return out
 
-    def _scan(self, dfd: int, agent: procs.AgentRecord | None, out: dict[int, RankInfo]) -> None:
+    def _scan(self, dfd: int, agent: procs.AgentRecord | None, out: dict[int, RankInfo]) -> bool:
+        """Read at most ``max_entries`` entries; True when that was all of them and nothing was
+        removed (the directory's mtime then stands for what was read)."""
+        removed = self.counts[("rank", "junk_removed")] + self.counts[("rank", "stale_removed")]
         try:
             it = os.scandir(dfd)
         except OSError:
-            return
+            return False
         with it:
             for n, entry in enumerate(it):
                 if n >= self.max_entries:
                     self._reject("*", 0, "too_many_entries")
-                    break
+                    return False
                 name = entry.name
                 pid = parse_rank_name(name)
                 if pid is None:
@@ -573,11 +604,14 @@ class DaemonEndpoint:
                     except OSError:
                         continue
                     self._reject(name, ino, "bad_name")
-                    self._remove(dfd, name, is_dir)
+                    self._remove(dfd, name, is_dir, ino)
                     continue
                 if pid in out and out[pid].path.name == name:
                     continue  # found by name in the first pass
                 self._consider(dfd, name, pid, agent, out)
+                if pid in out and out[pid].path.name == name and name != f"{pid}.sock":
+                    self._alternatives[name] = pid
+        return removed == self.counts[("rank", "junk_removed")] + self.counts[("rank", "stale_removed")]
 
     def _consider(self, dfd: int, name: str, pid: int, agent: procs.AgentRecord | None,
                   out: dict[int, RankInfo]) -> None:
@@ -596,7 +630,7 @@ class DaemonEndpoint:
             return
         self._reject(name, ino, why)
         if why in _JUNK:
-            self._remove(dfd, name, is_dir)
+            self._remove(dfd, name, is_dir, ino)
 
     def rank_pids(self) -> list[int]:
         return sorted(self.ranks())

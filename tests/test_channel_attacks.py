@@ -191,7 +191,7 @@ def test_4200_files_planted_after_registration_neither_hide_the_rank_nor_stay(at
         m = make(tmp_path, ep, clock=Clock())
         m.begin("m1", TRIP)
         assert [q.id for q in rank.poll()] == ["m1"]  # the snapshot request reached it
-        for _ in range(3):  # each scan removes what it read that is junk
+        for _ in range(8):  # each scan removes up to max_ranks (1,024) of the junk it read
             ep.ranks()
         left = sorted(os.listdir(runtime / "ranks"))
         assert left == sorted([rank.path.name, "full"])  # a directory with contents is left, counted
