@@ -186,6 +186,24 @@ def _recv_with_creds(sock: socket.socket) -> tuple[bytes, int, int] | None:
     return data, pid, uid
 
 
+_ACL_VERSION = 2
+_ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ, _ACL_MASK, _ACL_OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
+_ACL_UNDEFINED_ID = 0xFFFFFFFF
+
+
+def _writable_by(path: Path, uids: frozenset[int]) -> None:
+    """Give ``path`` the POSIX ACL ``u::rw-,u:<uid>:-w- (each of uids),g::---,m::-w-,o::---``:
+    its owner and those uids may send to it, nobody else. Needed because the daemon's unit keeps
+    no CAP_DAC_OVERRIDE: root is just another uid to a 0600 file. Raises OSError (EOPNOTSUPP on a
+    filesystem without ACLs)."""
+    entries = [(_ACL_USER_OBJ, 6, _ACL_UNDEFINED_ID)]
+    entries += [(_ACL_USER, 2, uid) for uid in sorted(uids)]
+    entries += [(_ACL_GROUP_OBJ, 0, _ACL_UNDEFINED_ID), (_ACL_MASK, 2, _ACL_UNDEFINED_ID),
+                (_ACL_OTHER, 0, _ACL_UNDEFINED_ID)]
+    blob = struct.pack("<I", _ACL_VERSION) + b"".join(struct.pack("<HHI", *e) for e in entries)
+    os.setxattr(path, "system.posix_acl_access", blob, follow_symlinks=False)
+
+
 def _bind_dgram(path: Path, mode: int) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
@@ -223,7 +241,8 @@ class NullEndpoint:
 class RankEndpoint:
     """A training rank's end: receives requests (verified sender), sends acknowledgements.
 
-    The socket file is mode 0600 (the job's uid, and root, may write to it), and the socket is
+    The socket file is mode 0600 with an ACL entry for the daemon's uid (root or
+    ``SENTINEL_DAEMON_UID``: the daemon's unit keeps no CAP_DAC_OVERRIDE), and the socket is
     *connected* to ``daemon.sock``: the kernel then refuses every datagram to it that does not
     come from the daemon's socket (EPERM for the sender), and the daemon's own datagrams skip
     the receive-queue limit, so nobody — not even the job's user — can fill the queue the
@@ -248,7 +267,7 @@ class RankEndpoint:
         ranks = directory / "ranks"
         self.path = ranks / f"{os.getpid()}.sock"
         try:
-            self.sock = _bind_dgram(self.path, 0o600)  # the job's uid and root; nobody else may send
+            self.sock = self._bind(self.path)
         except OSError as exc:
             if exc.errno not in (errno.EPERM, errno.EACCES, errno.EADDRINUSE):
                 raise
@@ -262,8 +281,25 @@ class RankEndpoint:
             self.counts["squatted"] += 1
             log.error("%s", self.error)
             self.path = ranks / f"{os.getpid()}.{secrets.token_hex(8)}.sock"
-            self.sock = _bind_dgram(self.path, 0o600)
+            self.sock = self._bind(self.path)
         self._connect()
+
+    def _bind(self, path: Path) -> socket.socket:
+        """Bind ``path`` 0600 plus an ACL entry for each daemon uid (root keeps no
+        CAP_DAC_OVERRIDE in its unit). On a filesystem without ACLs the file is 0622 (the old
+        way): the connection to ``daemon.sock`` still makes the kernel refuse everyone else."""
+        sock = _bind_dgram(path, 0o600)
+        others = self.allowed_uids - {os.geteuid()}
+        if not others:
+            return sock  # the rank runs as the daemon's uid: 0600 is all it takes
+        try:
+            _writable_by(path, others)
+        except OSError as exc:
+            os.chmod(path, 0o622)
+            self.counts["acl_unsupported"] += 1
+            log.warning("cannot set an ACL on %s (%s); it is open to every local user until the daemon connects",
+                        path, exc.strerror or exc)
+        return sock
 
     def _connect(self) -> None:
         """Connect to the daemon's socket (only it may send to us then); never raises."""

@@ -130,6 +130,34 @@ def drive(m, ep, until, seconds=20.0, what="the migration"):
     raise AssertionError(f"timed out waiting for {what}: phase {m.record.phase}, notes {m.record.notes}")
 
 
+def acl(path: Path) -> dict:
+    import struct
+
+    raw = os.getxattr(path, "system.posix_acl_access", follow_symlinks=False)
+    tags = {0x01: "user_obj", 0x02: "user", 0x04: "group_obj", 0x08: "group", 0x10: "mask", 0x20: "other"}
+    out = {}
+    for off in range(4, len(raw), 8):
+        tag, perm, ident = struct.unpack_from("<HHI", raw, off)
+        out[(tags[tag], ident if tag in (0x02, 0x08) else None)] = perm
+    return out
+
+
+DAEMON = textwrap.dedent("""
+    import json, sys, time
+    from pathlib import Path
+    from sentinel.channel import DaemonEndpoint
+    ep = DaemonEndpoint(Path(sys.argv[1]))
+    asked = ep.request("migrate", "m1", "test", retry_seconds=30)
+    print("asked", asked, flush=True)
+    end = time.monotonic() + 30
+    while not ep.complete("m1") and time.monotonic() < end:
+        ep.poll_acks()
+        time.sleep(0.02)
+    print(json.dumps({"complete": ep.complete("m1"), "counts": {"/".join(k): v for k, v in ep.counts.items()}}))
+    ep.close()
+""")
+
+
 # -- 1. flooding a rank's socket ----------------------------------------------------------------------
 def test_a_flood_of_the_rank_socket_never_keeps_the_snapshot_request_out(attacker, job, tmp_path):
     """Before the job registered, the rank's socket is not yet connected to the daemon: only the
@@ -137,7 +165,7 @@ def test_a_flood_of_the_rank_socket_never_keeps_the_snapshot_request_out(attacke
     full queue (EAGAIN): the rank still counts as asked, and the request is retried until it is
     in. Once connected, the kernel refuses every other sender, the job's user included."""
     runtime, ep, rank = job
-    assert rank.path.stat().st_mode & 0o777 == 0o600
+    assert rank.path.stat().st_mode & 0o007 == 0  # nothing for other users (0600 plus the daemon's ACL entry)
     assert outcome(flood(rank.path, "fill", 10))["EAGAIN"] == 1  # the job's user filled the queue
     assert set(outcome(flood(rank.path, "fill", 1, attacker=attacker))) == {"EACCES"}  # another user: not even that
     register_agent(runtime, rank.pid)
@@ -161,7 +189,9 @@ def test_a_flood_of_the_rank_socket_never_keeps_the_snapshot_request_out(attacke
 def test_a_rank_socket_is_reachable_only_by_the_job_user_and_root(attacker, job):
     runtime, ep, rank = job
     st = rank.path.stat()
-    assert (st.st_uid, st.st_mode & 0o777) == (JOB_UID, 0o600)
+    assert st.st_uid == JOB_UID and st.st_mode & 0o007 == 0
+    assert acl(rank.path) == {("user_obj", None): 6, ("user", 0): 2, ("group_obj", None): 0, ("mask", None): 2,
+                              ("other", None): 0}  # the owner, and root may send; nobody else
     register_agent(runtime, rank.pid)
     ep.ranks()  # the daemon takes the job: daemon.sock opens to its group
     st = (runtime / "daemon.sock").stat()
@@ -181,7 +211,7 @@ def test_4200_files_planted_after_registration_neither_hide_the_rank_nor_stay(at
     secret = shared_tmp / "precious"
     secret.write_text("root's")
     try:
-        plant = (f"cd {runtime / 'ranks'} && for i in $(seq 2 4201); do : > $i.sock; done; "
+        plant = (f"cd {runtime / 'ranks'} && for i in $(seq 5000001 5004200); do : > $i.sock; done; "
                  f"ln -s {secret} 9999001.sock; ln -s {secret} junk; mkdir 9999002.sock; mkdir full; : > full/x; "
                  "mkfifo 9999003.sock")
         r = attacker.run(["sh", "-c", plant])
@@ -297,3 +327,22 @@ def test_the_largest_valid_byte_counts_cannot_hold_a_node_past_the_extension_cap
     finally:
         rank.close()
         ep.close()
+
+
+def test_the_daemon_without_cap_dac_override_still_reaches_a_rank_of_another_user(job):
+    """The daemon's unit keeps no CAP_DAC_OVERRIDE: to it, a 0600 socket of the job's user is as
+    closed as to anyone. The rank's ACL entry for root is what lets the request in."""
+    runtime, ep, rank = job
+    register_agent(runtime, rank.pid)
+    ep.close()
+    daemon = subprocess.Popen(["setpriv", "--bounding-set=-dac_override", SYSTEM_PYTHON, "-c", DAEMON, str(runtime)],
+                              stdout=subprocess.PIPE, text=True, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    try:
+        assert daemon.stdout.readline().split() == ["asked", "1"]
+        rank.go()
+        result = json.loads(daemon.stdout.readline())
+        assert result["complete"], result
+        assert [a[:4] for a in rank.answers()] == [["migrate", "m1", True, True]]
+    finally:
+        daemon.kill()
+        daemon.wait(timeout=10)
