@@ -4,23 +4,32 @@ Layout under ``SENTINEL_RUNTIME_DIR`` (default ``/run/sentinel``, root-owned, mo
 
     ranks/<pid>.sock          one per training rank, bound by the rank (directory mode 1733:
     ranks/<pid>.<hex>.sock    anyone may create, nobody may list or delete another's socket);
-                              the second form when ``<pid>.sock`` was squatted by someone else
-    daemon.sock               the daemon's, for acknowledgements
+                              the second form when ``<pid>.sock`` was squatted by someone else.
+                              0600 plus an ACL entry for the daemon's uid (its unit keeps no
+                              CAP_DAC_OVERRIDE), and connected to daemon.sock (below)
+    daemon.sock               the daemon's, for acknowledgements: 0600 root until an agent is
+                              trusted, then root:<the agent's gid> 0660
     agent.pid                 the torchrun agent's identity, written by ``sentinel launch``
 
 Who counts as a rank (the daemon side): a file in ``ranks/`` is a rank only when it is a socket
 (not a symlink, not a plain file), owned by the uid that owns ``/proc/<pid>``, and that process
-descends from the agent recorded in ``agent.pid`` (see :mod:`sentinel.procs`). Anything else is
-ignored and counted once (``sentinel_channel_rejected_total{reason}``); at most ``max_entries``
-names are read from the directory per scan, so planted files cannot blind the daemon.
+descends from the agent recorded in ``agent.pid`` (see :mod:`sentinel.procs`). Every process's
+``<pid>.sock`` is looked up by name, so no number of planted files can hide a rank; a bounded
+scan (``max_entries`` names) finds the alternative names and removes junk (never through a
+link). What is not a rank is counted once (``sentinel_channel_rejected_total{reason}``).
 Acknowledgements are accepted only from the very ranks a request was sent to (kernel-verified
-``SCM_CREDENTIALS`` pid, same start time); anyone else's are refused and counted.
+``SCM_CREDENTIALS`` pid, same start time); anyone else's are refused and counted. A send the
+kernel refuses for now (EAGAIN, EPERM) keeps the rank as asked and is retried until the
+request's deadline. Every datagram is bounded and range-checked (:func:`decode`).
 
-Security (the rank side): every rank socket has ``SO_PASSCRED``, so each datagram carries
-kernel-verified credentials (``SCM_CREDENTIALS``). A rank acts on a request only when it comes
-from root or the daemon's configured uid; anything else is refused and counted. A malformed
-message is ignored and counted. A rank whose socket name was squatted logs it once, binds the
-alternative name and reports it in ``RankEndpoint.error``.
+Security (the rank side): each rank's socket is *connected* to ``daemon.sock``, so the kernel
+refuses every datagram to it that is not the daemon's (even from the job's own user) and lets the
+daemon's past a full receive queue. Every rank socket has ``SO_PASSCRED`` as well, so each
+datagram carries kernel-verified credentials (``SCM_CREDENTIALS``): a rank acts on a request
+only when it comes from root or the daemon's configured uid; anything else is refused and
+counted. A malformed message is ignored and counted. A rank whose socket name was squatted logs
+it once, binds the alternative name and reports it in ``RankEndpoint.error``. Acks that meet a
+full ``daemon.sock`` are retried. The boundaries and their tests: ``docs/security.md``.
 
 Cost: :meth:`RankEndpoint.poll` is one non-blocking ``recvmsg`` returning EAGAIN when idle
 (about a microsecond). With no runtime directory (no daemon installed) the rank gets a
