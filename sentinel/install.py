@@ -12,9 +12,12 @@
   record), root-owned and writable by nobody else. ``/run/sentinel`` is the unit's
   ``RuntimeDirectory=``.
 
-The ``sentinel`` command the units run as root, and the package it runs, must be root's
-alone (file and every directory above): an install from a user's virtualenv or checkout is
-refused, naming the path.
+The ``sentinel`` command the units run as root, the interpreter on its ``#!`` line (``#!/usr/bin/env
+python3`` resolved on PATH, pip's ``/bin/sh`` + ``'''exec'`` form for long paths read through), and
+the package it runs, must be root's alone (file and every directory above): an install from a
+user's virtualenv or checkout, or a root-owned script whose interpreter another user can change,
+is refused, naming the path. The agent unit runs the launcher as ``<that python> -I -m sentinel
+launch`` (isolated: the env file's PYTHONPATH reaches only the job).
 
 Idempotent: a second run changes nothing and says so. ``--root DIR`` installs into an image or a
 staging tree (paths inside the files stay absolute). Every file is replaced atomically
@@ -36,6 +39,7 @@ from sentinel.fsutil import UnsafePath, check_private_dir, ensure_private_dir, w
 UNITS = ("sentinel.service", "sentinel-agent@.service")
 CONFIG = "sentinel.toml"
 SHIPPED_BIN = "/usr/local/bin/sentinel"
+SHIPPED_PYTHON = "/usr/bin/python3 -I -m sentinel"  # the agent unit's launcher
 
 
 class InstallError(RuntimeError):
@@ -56,8 +60,40 @@ def default_bin() -> str:
     raise InstallError("cannot tell where the sentinel command is installed; pass --bin /path/to/sentinel")
 
 
-def unit_text(name: str, sentinel_bin: str) -> str:
-    return shipped(name).replace(SHIPPED_BIN, sentinel_bin)
+def unit_text(name: str, sentinel_bin: str, python: str | None = None) -> str:
+    text = shipped(name).replace(SHIPPED_BIN, sentinel_bin)
+    return text.replace(SHIPPED_PYTHON, f"{python} -I -m sentinel") if python else text
+
+
+def interpreters(path: str) -> list[str]:
+    """Every program that runs before ``path``'s own code when it is executed: the ``#!``
+    interpreter, then what ``#!/usr/bin/env NAME`` finds on PATH or what pip's long-path form
+    (``#!/bin/sh``, then ``'''exec' "PY" "$0" "$@"``) hands over to. Empty for a binary or a
+    script without ``#!``. Raises InstallError for a ``#!`` line that names no absolute program."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1024)
+    except OSError as exc:
+        raise InstallError(f"cannot read {path}: {exc.strerror}") from None
+    if not head.startswith(b"#!"):
+        return []
+    lines = head[2:].split(b"\n")
+    words = lines[0].decode("utf-8", "replace").split()
+    if not words or not os.path.isabs(words[0]):
+        raise InstallError(f"{path}: its #! line names no absolute interpreter ({lines[0][:80]!r})")
+    chain = [words[0]]
+    if os.path.basename(words[0]) == "env":
+        names = [w for w in words[1:] if not w.startswith("-")]
+        found = shutil.which(names[0]) if names else None
+        if not found:
+            raise InstallError(f"{path}: #!{' '.join(words)} names no program found on PATH")
+        chain.append(os.path.abspath(found))
+    elif os.path.basename(words[0]) in ("sh", "bash", "dash") and len(lines) > 1 and lines[1].startswith(b"'''exec' "):
+        quoted = lines[1].decode("utf-8", "replace").split('"')
+        if len(quoted) < 2 or not os.path.isabs(quoted[1]):
+            raise InstallError(f"{path}: cannot read the interpreter of its '''exec' line")
+        chain.append(quoted[1])
+    return chain
 
 
 def _under(root: Path, path: str) -> Path:
@@ -103,6 +139,11 @@ def install(root: Path, sentinel_bin: str, *, reload_systemd: bool, out=print) -
     if not os.access(sentinel_bin, os.X_OK):
         raise InstallError(f"{sentinel_bin} is not an executable file; pass --bin /path/to/sentinel")
     check_root_owned(sentinel_bin, "the sentinel command (ExecStart=)")
+    chain = interpreters(sentinel_bin)
+    for program in chain:
+        check_root_owned(program, f"the interpreter of {sentinel_bin} (its #! line)")
+    python = chain[-1] if chain and os.path.basename(chain[-1]).startswith("python") else sys.executable
+    check_root_owned(python, "the Python of the agent unit's launcher")
     check_root_owned(str(Path(config_mod.__file__).parent), "the sentinel package")
     try:
         for path, mode in ((_under(root, "/etc/sentinel"), 0o755), (_under(root, "/var/lib/sentinel"), 0o750),
@@ -117,7 +158,7 @@ def install(root: Path, sentinel_bin: str, *, reload_systemd: bool, out=print) -
     try:
         for name in UNITS:
             unit = _under(root, f"/etc/systemd/system/{name}")
-            outcome = _replace(unit, unit_text(name, sentinel_bin), 0o644)
+            outcome = _replace(unit, unit_text(name, sentinel_bin, python), 0o644)
             changed |= outcome != "unchanged"
             out(f"{unit}: {outcome}")
         conf = _under(root, f"/etc/sentinel/{CONFIG}")

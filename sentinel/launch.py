@@ -17,7 +17,9 @@ The launcher runs as root and, with ``user`` (``--user``, or ``SENTINEL_AGENT_US
 agent unit's environment file), runs the agent — and so the whole job — as that user: the child
 takes a session of its own (no controlling terminal shared with root: no TIOCSTI into root's
 shell), the user's groups, gid and uid before ``exec``, and the agent never starts if any of that
-fails. The job still writes to the launcher's stdout and stderr: run it from a unit or ``srun``,
+fails. As root with ``--user``, the launcher itself must run isolated (``python3 -I -m sentinel
+launch``, as the agent unit does; refused otherwise, exit 2): the env file's ``PYTHONPATH`` is the
+job's and must reach only the agent, never root's imports. The job still writes to the launcher's stdout and stderr: run it from a unit or ``srun``,
 not from a root terminal left open for other work while the job (or a process it left behind)
 runs. The launcher itself stays root because the daemon trusts only a root-owned pidfile (a
 pidfile the job's user could write would let that user point root's SIGTERM at any process of
@@ -94,6 +96,11 @@ def launch(command: list[str], pidfile: Path, state_dir: Path, user: str = "", *
             return _fail(f"--user {user}: no such user", 2)
         if os.geteuid() != 0 and account.pw_uid != os.geteuid():
             return _fail(f"--user {user} needs the launcher to run as root", 2)
+        if os.geteuid() == 0 and account.pw_uid != 0 and not sys.flags.isolated:
+            # A Python that reads PYTHONPATH, PYTHONHOME, the user site or the current directory
+            # imports, as root, whatever the job's user put there (the env file is the job's).
+            return _fail(f"--user {user}: the launcher runs as root and must run isolated: "
+                         f"`python3 -I -m sentinel launch ...` (the agent unit does; `sentinel install` writes it)", 2)
 
     refused = _refusal(command, pidfile, state_dir)
     if refused is not None:

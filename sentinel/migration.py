@@ -47,7 +47,8 @@ marker, the scheduler's cordon retried later; CORDONED -> DRAINED), counted in
 
 The deadline: ``ack_timeout_seconds`` for the ranks to answer at all ("staged" acks carry the
 snapshot's size), extended once every expected rank has staged by the time the staged bytes need
-at ``snapshot_min_bytes_per_second``. The migrate request tells the ranks to hold at least
+at ``snapshot_min_bytes_per_second`` (at most :data:`MAX_EXTENSION_SECONDS` more; an ack claiming more
+than ``channel.MAX_ACK_BYTES`` for one rank is malformed and ignored). The migrate request tells the ranks to hold at least
 ``hold_seconds`` (the longest the daemon may take to drain after their commit).
 
 The agent is stopped as a whole with SIGTERM, through a pidfd, and only when the pidfile's
@@ -82,6 +83,9 @@ from sentinel.families import counter, gauge
 from sentinel.log import event
 
 log = logging.getLogger("sentinel.migration")
+# The most the staged acks can add to the ack deadline, whatever sizes the ranks claim: a rank's
+# ack is the job's word, and the job must not be able to hold a failing node for days.
+MAX_EXTENSION_SECONDS = 3600.0
 
 
 class Phase(str, enum.Enum):
@@ -375,7 +379,8 @@ class Migrator:
         self._requested_at = self.clock()
         self._deadline = self._requested_at + self.cfg.ack_timeout_seconds
         self._extended = False
-        rec.ranks = self.endpoint.request("migrate", rec.request_id, rec.reason_long, hold_seconds=self.hold_seconds)
+        rec.ranks = self.endpoint.request("migrate", rec.request_id, rec.reason_long, hold_seconds=self.hold_seconds,
+                                          retry_seconds=self.cfg.ack_timeout_seconds)
         self._save()
         event(log, "migration requested", request_id=rec.request_id, node=self.node, ranks=rec.ranks)
         self._submit(self._start_spare)  # not awaited: the spare warms up while the snapshot is written
@@ -404,7 +409,8 @@ class Migrator:
         if self._resend:  # restarted mid-request: the same id again; a holding rank answers at once
             self._resend = False
             rec.ranks = max(rec.ranks, self.endpoint.request("migrate", rec.request_id, rec.reason_long,
-                                                             hold_seconds=self.hold_seconds))
+                                                             hold_seconds=self.hold_seconds,
+                                                             retry_seconds=self.cfg.ack_timeout_seconds))
         if rec.phase == Phase.REQUESTED.value:
             self._collect(rec, acks or [])
         if self._job is not None:
@@ -477,8 +483,8 @@ class Migrator:
         now = self.clock()
         if state and not self._extended and sent and sent <= set(state.staged) | acked_pids:
             # every rank is alive and writing: give the write the time its size needs
-            rec.staged_bytes = sum(a.bytes for a in state.staged.values())
-            extra = rec.staged_bytes / self.cfg.snapshot_min_bytes_per_second
+            rec.staged_bytes = sum(a.bytes for a in state.staged.values())  # each bounded by channel.MAX_ACK_BYTES
+            extra = min(MAX_EXTENSION_SECONDS, rec.staged_bytes / self.cfg.snapshot_min_bytes_per_second)
             self._deadline = max(self._deadline, now + self.cfg.ack_timeout_seconds + extra)
             self._extended = True
         gone = {pid for pid in sent - acked_pids if not _alive(pid)}

@@ -48,6 +48,18 @@ def proc_uid(pid: int, proc: Path = PROC) -> int:
         raise ProcessLookupError(pid) from None
 
 
+def proc_gid(pid: int, proc: Path = PROC) -> int:
+    """The real gid of ``pid`` (``/proc/<pid>/status``); raises ProcessLookupError when it is gone."""
+    try:
+        raw = (proc / str(pid) / "status").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        raise ProcessLookupError(pid) from None
+    for line in raw.splitlines():
+        if line.startswith(b"Gid:"):
+            return int(line.split()[1])
+    raise ValueError(f"/proc/{pid}/status has no Gid line")
+
+
 def proc_exe(pid: int, proc: Path = PROC) -> str:
     try:
         return os.readlink(proc / str(pid) / "exe")

@@ -32,7 +32,8 @@ def test_installs_units_config_and_directories_then_changes_nothing(tmp_path):
     assert unit == shipped.replace("/usr/local/bin/sentinel", BIN)
     assert f"ExecStart={BIN} run --config /etc/sentinel/sentinel.toml" in unit
     agent = (root / "etc/systemd/system/sentinel-agent@.service").read_text()
-    assert f"ExecStart={BIN} launch" in agent
+    # the launcher runs isolated; /usr/bin/true has no #! line, so it is this installation's Python
+    assert f"ExecStart={sys.executable} -I -m sentinel launch --pidfile /run/sentinel/agent.pid" in agent
     assert (root / "etc/sentinel/sentinel.toml").read_text() == (REPO / "systemd/sentinel.toml").read_text()
     assert stat.S_IMODE((root / "var/lib/sentinel").stat().st_mode) == 0o750
     assert stat.S_IMODE((root / "etc/sentinel").stat().st_mode) == 0o755
@@ -106,3 +107,48 @@ def test_a_command_another_user_can_change_is_never_made_roots_execstart(attacke
                         "--no-reload"], capture_output=True, text=True, timeout=60,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 2 and str(venv) in r.stderr, r.stderr
+
+
+def _root_script(directory, text):
+    directory.mkdir(parents=True, exist_ok=True)
+    script = directory / "sentinel"
+    script.write_text(text)
+    script.chmod(0o755)
+    return script
+
+
+def _install_bin(root, script, env=None):
+    return subprocess.run([sys.executable, "-m", "sentinel", "install", "--root", str(root), "--bin", str(script),
+                           "--no-reload"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+
+
+def test_a_root_script_whose_interpreter_another_user_can_change_is_refused(attacker, shared_tmp):
+    """The script is root's, in root's directory, but its #! names an interpreter in the user's
+    directory (directly, through /usr/bin/env on PATH, or through pip's sh wrapper for long
+    paths): root would run the user's program. Refused, naming the interpreter; nothing written."""
+    venv = shared_tmp / "venv" / "bin"
+    venv.mkdir(parents=True)
+    os.chown(venv, attacker.uid, attacker.gid)
+    r = attacker.run(["cp", "/usr/bin/python3", str(venv / "python3")])
+    assert r.returncode == 0, r.stderr
+    bindir = shared_tmp / "rootbin"
+    root = shared_tmp / "node"
+    cases = {
+        "direct": (f"#!{venv}/python3\nfrom sentinel.cli import main\n", {}),
+        "env": ("#!/usr/bin/env python3\nfrom sentinel.cli import main\n", {"PATH": f"{venv}:/usr/bin:/bin"}),
+        "pip sh wrapper": (f"#!/bin/sh\n\'\'\'exec\' \"{venv}/python3\" \"$0\" \"$@\"\n\' \'\'\'\n", {}),
+    }
+    for how, (text, env) in cases.items():
+        script = _root_script(bindir, text)
+        r = _install_bin(root, script, env)
+        assert r.returncode == 2, (how, r.stdout)
+        assert f"the interpreter of {script} (its #! line) would run as root" in r.stderr, (how, r.stderr)
+        assert f"owned by uid {attacker.uid}" in r.stderr or str(venv) in r.stderr, (how, r.stderr)
+        assert not (root / "etc/systemd/system/sentinel.service").exists(), how
+    # the same script run by root's own Python: installed, and the agent unit's launcher is that Python, isolated
+    script = _root_script(bindir, "#!/usr/bin/python3\nfrom sentinel.cli import main\n")
+    r = _install_bin(root, script)
+    assert r.returncode == 0, r.stderr
+    agent = (root / "etc/systemd/system/sentinel-agent@.service").read_text()
+    assert "ExecStart=/usr/bin/python3 -I -m sentinel launch --pidfile /run/sentinel/agent.pid" in agent

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, SYSTEM_PYTHON
 
 pytestmark = [pytest.mark.needs_torch]
 torch = pytest.importorskip("torch")
@@ -157,6 +157,65 @@ def test_a_holder_another_user_could_write_is_refused(tmp_path):
     (tmp_path / "h2").mkdir()
     with pytest.raises(MemoryTierError, match="not a directory"):
         ensure_holder(tmp_path / "link")
+
+
+# -- a holder no other user can claim (issue #24, point 5) -----------------------------------------
+HOLDER_AS_JOB = r"""
+import json, logging, sys
+logging.basicConfig()
+from pathlib import Path
+from trainer.memory.place import default_holder_dir, ensure_holder, holder_id  # no torch: the system Python
+shm, run_user, local_rank = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+h = ensure_holder(default_holder_dir(shm=shm, run_user=run_user, local_rank=local_rank, wait_seconds=10))
+print(json.dumps([str(h), holder_id(h)]), flush=True)
+"""
+
+
+@pytest.mark.needs_root
+@pytest.mark.parametrize("with_run_user", [False, True])
+def test_a_squatted_holder_name_does_not_stop_the_memory_tier(attacker, shared_tmp, with_run_user):
+    """Another user made /dev/shm/sentinel-<the job's uid> first. The job's ranks (nobody here) take
+    /run/user/<uid>/sentinel where logind made it, else a /dev/shm/sentinel-<uid>-<random> that
+    local rank 0 creates and every rank of the node finds again by its verified owner — never the
+    attacker's look-alike."""
+    job_uid = 65534
+    shm = shared_tmp / "shm"
+    shm.mkdir()
+    shm.chmod(0o1777)
+    run_user = shared_tmp / "run-user"
+    run_user.mkdir()
+    if with_run_user:
+        (run_user / str(job_uid)).mkdir(mode=0o700)
+        os.chown(run_user / str(job_uid), job_uid, job_uid)
+    squat = (f"mkdir -m 777 {shm}/sentinel-{job_uid} && mkdir -m 700 {shm}/sentinel-{job_uid}-0000000000000000 "
+             f"&& mkdir -m 700 {shm}/sentinel-{job_uid}-ffffffffffffffff")
+    r = attacker.run(["sh", "-c", squat])
+    assert r.returncode == 0, r.stderr
+
+    def rank(local_rank):
+        return subprocess.Popen([SYSTEM_PYTHON, "-c", HOLDER_AS_JOB, str(shm), str(run_user), str(local_rank)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, user=job_uid,
+                                group=job_uid, extra_groups=[], env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+
+    ranks = [rank(1), rank(2), rank(0)]  # the others start first and wait for local rank 0
+    outs = [p.communicate(timeout=120) for p in ranks]
+    assert all(p.returncode == 0 for p in ranks), [err for _, err in outs]
+    chosen = {tuple(json.loads(out)) for out, _ in outs}
+    assert len(chosen) == 1, chosen  # one holder (one holder id) for the whole node
+    ((path, _id),) = chosen
+    path = Path(path)
+    if with_run_user:
+        assert path == run_user / str(job_uid) / "sentinel"
+    else:
+        assert path.parent == shm and path.name.startswith(f"sentinel-{job_uid}-")
+        assert path.name not in (f"sentinel-{job_uid}-0000000000000000", f"sentinel-{job_uid}-ffffffffffffffff")
+    st = path.stat()
+    assert st.st_uid == job_uid and st.st_mode & 0o777 == 0o700
+    assert "squatted" in outs[-1][1]
+    # a restart finds the same holder again
+    again = rank(0)
+    out, err = again.communicate(timeout=60)
+    assert tuple(json.loads(out)) == (str(path), _id), err
 
 
 @pytest.mark.needs_root

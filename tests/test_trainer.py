@@ -374,3 +374,32 @@ def test_a_skip_inside_a_test_fails_under_ci_whatever_its_markers(tmp_path):
     (tmp_path / "laptop").mkdir()
     r = run_pytest_over(tmp_path / "laptop", False, files)
     assert r.returncode == 0 and "2 skipped, 1 xfailed" in r.stdout, r.stdout[-3000:]
+
+
+@pytest.mark.needs_root
+@pytest.mark.parametrize("umask", [0o000, 0o022])
+def test_disk_snapshots_are_private_whatever_the_umask(attacker, shared_tmp, umask):
+    """Every snapshot directory 0700 and every file in it 0600 (the marker too), as the memory
+    tier's holder: another user can neither list nor read a step of the job's state."""
+    old = os.umask(umask)
+    try:
+        guard = SnapshotGuard(shared_tmp / "snaps", {"model": torch.nn.Linear(4, 4)}, interval_steps=1,
+                              async_save=False, endpoint=NullEndpoint())
+        guard.step(0)
+        guard.step(1)
+        guard.close()
+    finally:
+        os.umask(old)
+    root = shared_tmp / "snaps"
+    assert root.stat().st_mode & 0o777 == 0o700  # made by Sentinel: private too
+    steps = complete_snapshots(root)
+    assert len(steps) == 2
+    for _, path in steps:
+        assert path.stat().st_mode & 0o777 == 0o700, path
+        files = [p for p in path.rglob("*") if p.is_file()]
+        assert (path / MARKER) in files and len(files) >= 3
+        assert {p.name: p.stat().st_mode & 0o777 for p in files} == {p.name: 0o600 for p in files}
+    root.chmod(0o755)  # even with the top directory opened by the operator, a step stays closed
+    step_dir = steps[0][1]
+    r = attacker.run(["sh", "-c", f"ls {step_dir}; cat {step_dir}/{MARKER}"])
+    assert r.returncode != 0 and "Permission denied" in r.stderr

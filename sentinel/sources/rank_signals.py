@@ -8,11 +8,25 @@ looked at and other names are ignored). The BPF map of watched pids holds ``max_
 kept in sync on every drain, and a pid that does not fit, or a map update the kernel refuses, is
 counted, never raised.
 
-Each event carries the signal's ``si_code``. For SIGBUS it tells a memory failure the kernel
-reports (BUS_MCEERR_AR 4, BUS_MCEERR_AO 5: only the kernel can send those) from any other SIGBUS
-(``kill -BUS`` is SI_USER 0, tkill SI_TKILL -6, a truncated mmap BUS_ADRERR 2). The event's
-``code`` detail carries it to the policy, and ``sentinel_kernel_events_total`` counts the two as
-kind ``SIGBUS_memory_failure`` and ``SIGBUS_not_memory``.
+Each event carries the signal's ``si_code``. For SIGBUS it tells a memory failure
+(BUS_MCEERR_AR 4, BUS_MCEERR_AO 5) from any other SIGBUS (``kill -BUS`` is SI_USER 0, tkill
+SI_TKILL -6, a truncated mmap BUS_ADRERR 2). The code alone proves nothing: any process may
+send *itself* a SIGBUS with BUS_MCEERR_AR through ``rt_sigqueueinfo`` (the kernel only refuses
+a si_code >= 0 sent to *another* process). So a memory-failure code is confirmed by the
+kernel's own record (``memory_failure`` in the event's detail):
+
+* ``"kernel"`` — the kernel stack at ``signal_generate`` passes through ``force_sig_mceerr`` or
+  ``send_sig_mceerr``, the only kernel functions that build a memory-failure siginfo (from the
+  page-fault or machine-check path, or from ``memory_failure()`` itself);
+* ``"kernel_ras"`` — no such frame was seen, but the kernel reported a memory failure
+  (``ras:memory_failure_event``, where the kernel has it) within :data:`RAS_WINDOW_NS` before;
+* ``"forged"`` — the stack was read and shows neither (the ``rt_sigqueueinfo`` syscall, a
+  SIGIO redirected with ``F_SETSIG``): a process made it up;
+* ``"unconfirmed"`` — the stack could not be read and there is no other record.
+
+Only the first two migrate (:mod:`sentinel.rules.rank_signal`). ``sentinel_kernel_events_total``
+counts kind ``SIGBUS_memory_failure`` (confirmed), ``SIGBUS_memory_failure_unconfirmed``
+(forged or unconfirmed: alerted, ``SentinelForgedMemoryFailureSignal``) and ``SIGBUS_not_memory``.
 
     python -m sentinel.sources.rank_signals -v --pid 1234
 """
@@ -39,6 +53,10 @@ SIGNALS = {7: "SIGBUS", 11: "SIGSEGV", 9: "SIGKILL", 6: "SIGABRT"}
 BUS_MCEERR_AR = 4  # hardware memory error consumed on a machine check: action required
 BUS_MCEERR_AO = 5  # hardware memory error detected in the process: action optional
 MEMORY_FAILURE_CODES = frozenset({BUS_MCEERR_AR, BUS_MCEERR_AO})
+# The kernel functions that send a memory-failure SIGBUS (kernel/signal.c); one of them is on the
+# kernel stack of every genuine one.
+MEMORY_FAILURE_SENDERS = frozenset({"force_sig_mceerr", "send_sig_mceerr"})
+RAS_WINDOW_NS = 60 * 10**9  # a ras:memory_failure_event this recent corroborates a memory-failure code
 PID_MAX_LIMIT = 1 << 22  # pid_max can be at most this; pids are below pid_max
 _MAP_FULL = os.strerror(errno.E2BIG)  # what bcc's message carries when a hash map is full
 
@@ -69,15 +87,51 @@ class RankSignalSource(KernelSource):
         self.probe: RingProbe | None = None
         self.watched: set[int] = set()
         self.extra: set[int] = set(pids)  # watched whatever the provider or directory says (--pid)
+        self.ras = False  # ras:memory_failure_event attached
+        self._symbols: dict[int, str] = {}
 
     def start(self) -> None:
+        from sentinel.sources.ebpf import tracepoint_exists
+
+        self.ras = tracepoint_exists("ras", "memory_failure_event")
         self.probe = self.load_probe("ebpf_rank_signals", RingProbe(
             "rank_signals", "rank_signals.bpf.c", ("signal", "signal_generate"),
-            cflags={"MAX_RANKS": self.max_ranks, "RINGBUF_PAGES": 16}, on_event=self._on_event))
+            cflags={"MAX_RANKS": self.max_ranks, "RINGBUF_PAGES": 16, "HAVE_MF_EVENT": int(self.ras)},
+            on_event=self._on_event))
         self.sync()
 
     def _count(self, family: Family, **labels: str) -> None:
         self.counts[family.key(probe="rank_signals", **labels)] += 1
+
+    def symbol(self, address: int) -> str:
+        """The kernel function at ``address`` (bcc's /proc/kallsyms lookup), cached; "" if unknown."""
+        name = self._symbols.get(address)
+        if name is None:
+            try:
+                from sentinel.sources.ebpf import import_bcc
+
+                raw = import_bcc().BPF.ksym(address)
+                name = raw.decode("ascii", "replace") if isinstance(raw, bytes) else str(raw)
+            except Exception:  # noqa: BLE001 - an unknown address is simply not evidence
+                name = ""
+            if name.startswith("["):  # "[unknown]"
+                name = ""
+            if len(self._symbols) < 4096:
+                self._symbols[address] = name
+        return name
+
+    def memory_failure_origin(self, e) -> str:
+        """Who generated a memory-failure SIGBUS: "kernel", "kernel_ras", "forged" or
+        "unconfirmed" (see the module docstring)."""
+        n = int(e.kstack_bytes)
+        frames = [self.symbol(int(e.kstack[i])) for i in range(min(n // 8, len(e.kstack)))] if n > 0 else []
+        if any(f in MEMORY_FAILURE_SENDERS for f in frames):
+            return "kernel"
+        mf = int(e.memory_failure_ts_ns)
+        if mf and 0 <= int(e.ts_ns) - mf <= RAS_WINDOW_NS:
+            return "kernel_ras"
+        return "forged" if frames else "unconfirmed"
+
 
     def _offered(self) -> tuple[list[int], bool] | None:
         """``(pids, more)``: the pids offered for watching, in order, at most ``max_ranks + 1`` of
@@ -170,16 +224,24 @@ class RankSignalSource(KernelSource):
     def _on_event(self, e) -> None:
         sig = SIGNALS.get(e.sig, str(e.sig))
         code = int(e.code)
-        memory_failure = sig == "SIGBUS" and code in MEMORY_FAILURE_CODES
-        if sig == "SIGBUS":
-            kind = "SIGBUS_memory_failure" if memory_failure else "SIGBUS_not_memory"
+        origin = ""
+        if sig == "SIGBUS" and code in MEMORY_FAILURE_CODES:
+            origin = self.memory_failure_origin(e)
+            confirmed = origin in ("kernel", "kernel_ras")
+            kind = "SIGBUS_memory_failure" if confirmed else "SIGBUS_memory_failure_unconfirmed"
+            if not confirmed:
+                log.error("SIGBUS with a memory-failure si_code %d for rank pid %d, sent by pid %d, has no kernel "
+                          "record (%s): not acted on", code, e.pid, e.sender_pid, origin)
+        elif sig == "SIGBUS":
+            kind = "SIGBUS_not_memory"
         else:
             kind = sig
         self.counts[KERNEL_EVENTS.key(source="ebpf_rank_signals", kind=kind)] += 1
-        self.push(event=KernelEvent(kind="rank_signal", source="ebpf_rank_signals",
-                                    detail={"pid": e.pid, "signal": sig, "code": code, "sender_pid": e.sender_pid,
-                                            "comm": bytes(e.comm).split(b"\0", 1)[0].decode("utf-8", "replace"),
-                                            "ts_ns": e.ts_ns}))
+        detail = {"pid": e.pid, "signal": sig, "code": code, "sender_pid": e.sender_pid,
+                  "comm": bytes(e.comm).split(b"\0", 1)[0].decode("utf-8", "replace"), "ts_ns": e.ts_ns}
+        if origin:
+            detail["memory_failure"] = origin
+        self.push(event=KernelEvent(kind="rank_signal", source="ebpf_rank_signals", detail=detail))
 
     def drain(self):
         """Sync the watched pids, then hand over the events. Never raises."""
@@ -201,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
 
     return run_alone("python -m sentinel.sources.rank_signals", make,
                      lambda e: (f"{e.detail['signal']} (si_code {e.detail['code']}) -> pid {e.detail['pid']} "
-                                f"({e.detail['comm']}) from pid {e.detail['sender_pid']}"),
+                                f"({e.detail['comm']}) from pid {e.detail['sender_pid']}"
+                                + (f", memory failure: {e.detail['memory_failure']}" if "memory_failure" in e.detail else "")),
                      add, argv)
 
 

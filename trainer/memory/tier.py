@@ -15,7 +15,8 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from trainer.memory.holder import Slot, ensure_holder, holder_id, inventory
+from trainer.memory.holder import Slot, inventory
+from trainer.memory.place import ensure_holder, holder_id
 from trainer.memory.layout import Layout, copy_all, encode, get_path, local, path_key, walk
 from trainer.memory.plan import DISK, RestorePlan, plan_restore, ring_partners
 from trainer.memory.replicator import CHUNK, Job, Replicator, collective
