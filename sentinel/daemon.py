@@ -214,6 +214,8 @@ class Daemon:
         return self.decide_and_act(readings, counters, now)
 
     def decide_and_act(self, readings: NodeReadings, counters: dict, now: float) -> NodeReadings:
+        if self.migrator is not None and self._guard("migration", self.migrator.check_returned_to_service, default=False):
+            self.policy_state = self.policy.returned_to_service(self.policy_state)
         decided = self._guard("policy", self.policy.decide, self.policy_state, readings, now)
         trips = []
         if decided is not None:
