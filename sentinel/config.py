@@ -45,9 +45,13 @@ class DaemonConfig:
     state_dir: str = "/var/lib/sentinel"
     node_name: str = ""
     log_level: str = "info"
+    # /livez and /readyz fail once the last completed poll is older than this many poll intervals
+    # (at least one interval plus the NVML deadline a slow poll may spend): a hung loop shows in a pod
+    liveness_polls: float = 2.0
 
     def validate(self, prefix: str) -> None:
         _number(prefix, "poll_interval_seconds", self.poll_interval_seconds, 0, DAY, low_open=True)
+        _number(prefix, "liveness_polls", self.liveness_polls, 1, 1000)
         _number(prefix, "nvml_deadline_seconds", self.nvml_deadline_seconds, 0, HOUR, low_open=True)
         _path(prefix, "runtime_dir", self.runtime_dir, required=True)
         _path(prefix, "state_dir", self.state_dir, required=True)

@@ -102,6 +102,8 @@ class Daemon:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self.last_gpus: tuple = ()
+        self.started_at = clock()
+        self.last_poll: float | None = None  # monotonic time of the last completed full poll
 
     # -- start/stop ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -109,7 +111,7 @@ class Daemon:
         check_directories(self.runtime_dir, Path(self.config.daemon.state_dir))
         from sentinel.exporter import MetricsServer
 
-        self.httpd = MetricsServer.from_config(build_registry(lambda: self.view), self.config.metrics)
+        self.httpd = MetricsServer.from_config(build_registry(lambda: self.view), self.config.metrics, health=self.liveness)
         try:
             self.httpd.start()
         except OSError as exc:  # strerror is one sentence: "cannot listen for metrics on ...", or the unusable file
@@ -252,6 +254,11 @@ class Daemon:
         for component, n in self.errors.items():
             counters[("sentinel_loop_errors", (("component", component),))] = float(n)
         gauges: dict = {}
+        if not readings.events_only:
+            self.last_poll = self.clock()
+            gauges[("sentinel_last_poll_timestamp_seconds", ())] = self.wall()
+        elif self.view.gauges.get(("sentinel_last_poll_timestamp_seconds", ())) is not None:
+            gauges[("sentinel_last_poll_timestamp_seconds", ())] = self.view.gauges[("sentinel_last_poll_timestamp_seconds", ())]
         for extra in self.extra_gauges:
             gauges.update(self._guard("metrics", extra, default={}))
         self.view = View(readings, health, forecasts, dict(self.trips), rule_active, counters, gauges, self.node,
@@ -293,6 +300,27 @@ class Daemon:
             self.errors["status_write"] += 1
             if self.errors["status_write"] == 1 or self.errors["status_write"] % 100 == 0:
                 event(log, "cannot write status", logging.ERROR, error=str(exc))
+
+    @property
+    def liveness_limit_seconds(self) -> float:
+        d = self.config.daemon
+        return max(d.liveness_polls * d.poll_interval_seconds, d.poll_interval_seconds + d.nvml_deadline_seconds)
+
+    def liveness(self) -> tuple[bool, bool, str]:
+        """(live, ready, one line) for ``/livez`` and ``/readyz``; called on the HTTP threads.
+        Live while the last completed poll is at most :attr:`liveness_limit_seconds` old (before
+        the first poll: since the daemon was built); ready once a poll completed and while live.
+        A loop hung anywhere (a source, an action, the status write) stops completing polls."""
+        now = self.clock()
+        last = self.last_poll
+        age = now - (self.started_at if last is None else last)
+        limit = self.liveness_limit_seconds
+        live = age <= limit
+        if last is None:
+            return live, False, f"no poll completed yet ({age:.1f} s since start; limit {limit:g} s)"
+        if not live:
+            return False, False, f"last completed poll {age:.1f} s ago, over the limit of {limit:g} s: the loop is stuck"
+        return True, True, f"ok: last completed poll {age:.1f} s ago (limit {limit:g} s)"
 
     def summary(self) -> str:
         counts = Counter(Health(s.health).name.lower() for s in self.policy_state.gpus.values())
