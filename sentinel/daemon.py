@@ -25,7 +25,7 @@ from sentinel.policy import Health, Policy, PolicyState
 import dataclasses
 
 from sentinel.readings import KernelEvent, NodeReadings, SourceHealth, XidEvent
-from sentinel.sources.nvml import NvmlSource
+from sentinel.sources.nvml import NvmlSource, NvmlUnavailable
 from sentinel.systemd import Notifier
 
 log = logging.getLogger("sentinel.daemon")
@@ -103,6 +103,13 @@ class Daemon:
         self._wake = threading.Event()
         self.last_gpus: tuple = ()
         self.started_at = clock()
+        # NVML that cannot start (no driver, a broken one) is a reading, not an exit: the daemon
+        # stays up, exports sentinel_source_up{source="nvml"} 0 and retries nvmlInit with backoff
+        self.nvml_started = False
+        self.nvml_problem = ""
+        self.nvml_init_failures = 0
+        self._nvml_retry_at = 0.0
+        self._nvml_retry_delay = 0.0
         self.last_poll: float | None = None  # monotonic time of the last completed full poll
 
     # -- start/stop ---------------------------------------------------------------------------
@@ -117,10 +124,8 @@ class Daemon:
         except OSError as exc:  # strerror is one sentence: "cannot listen for metrics on ...", or the unusable file
             raise StartupError(exc.strerror or str(exc)) from None
         self.metrics_port = self.httpd.port
-        self.nvml.start()
-        bus_map = {g.pci_bus_id: g.index for g in self.nvml.gpus if g.pci_bus_id}
+        self.start_nvml()
         for src in self.event_sources:
-            src.set_gpus(bus_map)
             src.wake = self._wake.set
             try:
                 src.start()
@@ -131,6 +136,35 @@ class Daemon:
         self.notifier.ready(summary)
         event(log, "sentinel started", node=self.node, gpus=len(self.nvml.gpus), metrics_port=self.metrics_port,
               sources=[self.nvml.name] + [s.name for s in self.event_sources])
+
+    def start_nvml(self) -> bool:
+        """nvmlInit and enumeration (bounded by the NVML deadline). On failure the daemon goes on
+        blind to the GPUs: logged, counted (``sentinel_nvml_init_failures_total``), reported
+        down, and retried from the loop with backoff (one poll interval, doubling to 5 min)."""
+        try:
+            self.nvml.start()
+        except NvmlUnavailable as exc:
+            self.nvml_init_failures += 1
+            first = not self.nvml_problem
+            self.nvml_problem = str(exc)
+            interval = self.config.daemon.poll_interval_seconds
+            self._nvml_retry_delay = min(300.0, max(interval, 2 * self._nvml_retry_delay))
+            self._nvml_retry_at = self.clock() + self._nvml_retry_delay
+            if first or self._nvml_retry_delay < 300.0 or self.nvml_init_failures % 12 == 0:
+                event(log, "NVML unavailable: the GPUs of this node are not watched; retrying", logging.ERROR,
+                      error=self.nvml_problem, retry_in_seconds=self._nvml_retry_delay,
+                      hint="no NVIDIA driver or a broken one (nvidia-smi says which); on a machine without "
+                           "NVIDIA GPUs, `sentinel run --simulate` runs on simulated ones")
+            return False
+        if self.nvml_problem:
+            event(log, "NVML available again", gpus=len(self.nvml.gpus), driver_version=self.nvml.driver_version)
+        self.nvml_started = True
+        self.nvml_problem = ""
+        self._nvml_retry_delay = 0.0
+        bus_map = {g.pci_bus_id: g.index for g in self.nvml.gpus if g.pci_bus_id}
+        for src in self.event_sources:
+            src.set_gpus(bus_map)
+        return True
 
     def stop(self) -> None:
         self._stop.set()
@@ -165,11 +199,14 @@ class Daemon:
         now = self.clock()
         t0 = time.perf_counter()
         sources: dict[str, SourceHealth] = {}
-        gpus = tuple(self._guard("nvml", self.nvml.poll, default=()))
+        if not self.nvml_started and now >= self._nvml_retry_at:
+            self._guard("nvml_init", self.start_nvml)
+        gpus = tuple(self._guard("nvml", self.nvml.poll, default=())) if self.nvml_started else ()
         nvml_seconds = time.perf_counter() - t0
         # NVML sees this node when it answered at least one read this poll: not when every GPU is
-        # lost or hung, or every call fails (sentinel_source_up{source="nvml"} 0: blind here)
-        sources[self.nvml.name] = SourceHealth(up=any(g.values or g.nvlink for g in gpus), poll_seconds=nvml_seconds)
+        # lost or hung, or every call fails, or NVML did not start (sentinel_source_up{source="nvml"} 0)
+        sources[self.nvml.name] = SourceHealth(up=any(g.values or g.nvlink for g in gpus), poll_seconds=nvml_seconds,
+                                               detail=self.nvml_problem)
         xids, kernel_events, counters = self.drain_sources(sources)
         xids = self._guard("nvml_events", self.nvml.drain_xid_events, default=[]) + xids
         readings = NodeReadings(
@@ -253,6 +290,7 @@ class Daemon:
             counters.update(self._guard("metrics", extra, default={}))
         for component, n in self.errors.items():
             counters[("sentinel_loop_errors", (("component", component),))] = float(n)
+        counters[("sentinel_nvml_init_failures", ())] = float(self.nvml_init_failures)
         gauges: dict = {}
         if not readings.events_only:
             self.last_poll = self.clock()
@@ -274,6 +312,7 @@ class Daemon:
             "time": self.wall(),
             "metrics_port": self.metrics_port,
             "driver_version": readings.driver_version,
+            "nvml_error": self.nvml_problem or None,  # NVML did not start: the GPUs are not watched
             "gpus": [
                 {
                     "index": g.index,
@@ -323,6 +362,8 @@ class Daemon:
         return True, True, f"ok: last completed poll {age:.1f} s ago (limit {limit:g} s)"
 
     def summary(self) -> str:
+        if not self.nvml_started:
+            return f"NVML unavailable, GPUs not watched: {self.nvml_problem}"
         counts = Counter(Health(s.health).name.lower() for s in self.policy_state.gpus.values())
         return ", ".join(f"{n} {h}" for h, n in sorted(counts.items())) or "no GPUs"
 
