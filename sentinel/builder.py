@@ -67,7 +67,7 @@ def attach_actions(daemon: Daemon) -> None:
     check_directories(runtime, state)
     pidfile = Path(cfg.actions.agent_pidfile) if cfg.actions.agent_pidfile else runtime / "agent.pid"
     try:
-        endpoint = DaemonEndpoint(runtime, agent_pidfile=pidfile)
+        endpoint = DaemonEndpoint(runtime, agent_pidfile=pidfile, registration=cfg.actions.agent_registration)
     except OSError as exc:
         raise StartupError(f"cannot open the control channel in {runtime}: {exc.strerror}") from None
     node = cfg.daemon.node_name or socket.gethostname()

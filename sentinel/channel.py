@@ -5,8 +5,9 @@ Layout under ``SENTINEL_RUNTIME_DIR`` (default ``/run/sentinel``, root-owned, mo
     ranks/<pid>.sock          one per training rank, bound by the rank (directory mode 1733:
     ranks/<pid>.<hex>.sock    anyone may create, nobody may list or delete another's socket);
                               the second form when ``<pid>.sock`` was squatted by someone else
-    daemon.sock               the daemon's, for acknowledgements
-    agent.pid                 the torchrun agent's identity, written by ``sentinel launch``
+    daemon.sock               the daemon's, for acknowledgements and agent registrations
+    agent.pid                 the torchrun agent's identity, written by ``sentinel launch`` as
+                              root, or by the daemon for a launcher that registered
 
 Who counts as a rank (the daemon side): a file in ``ranks/`` is a rank only when it is a socket
 (not a symlink, not a plain file), owned by the uid that owns ``/proc/<pid>``, and that process
@@ -15,6 +16,14 @@ ignored and counted once (``sentinel_channel_rejected_total{reason}``); at most 
 names are read from the directory per scan, so planted files cannot blind the daemon.
 Acknowledgements are accepted only from the very ranks a request was sent to (kernel-verified
 ``SCM_CREDENTIALS`` pid, same start time); anyone else's are refused and counted.
+
+Agent registration: a launcher that is not root (an ordinary user's Slurm job, a non-root pod)
+cannot write the root-owned ``agent.pid``; it sends a ``register`` datagram to ``daemon.sock``
+instead. The daemon takes the sender's pid from the kernel (``SCM_CREDENTIALS``, in the daemon's
+own pid namespace: a pod's agent arrives with its host pid), never from the message; records it
+only when the sender is a job process of an accepted kind (:func:`sentinel.procs.job_origin`,
+``actions.agent_registration``) and no live agent of another user is recorded; and writes the
+record itself, as root. Every outcome is counted (``sentinel_channel_messages_total{kind="register"}``).
 
 Security (the rank side): every rank socket has ``SO_PASSCRED``, so each datagram carries
 kernel-verified credentials (``SCM_CREDENTIALS``). A rank acts on a request only when it comes
@@ -30,6 +39,7 @@ rank sockets stay where they are and the new daemon finds them.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -111,7 +121,26 @@ class Ack:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
 
 
-def decode(data: bytes) -> Request | Ack:
+@dataclass(frozen=True)
+class Register:
+    """A launcher asks the daemon to record it as the node's agent (it is the agent's parent and
+    forwards signals to it). The pid is the kernel's, from the datagram's credentials."""
+
+    type: str = "register"
+    version: int = VERSION
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+
+def register(directory: Path) -> None:
+    """Ask the daemon whose runtime directory is ``directory`` to record this process as the
+    agent (one datagram; raises OSError when no daemon listens)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+        s.sendto(Register().encode(), str(directory / "daemon.sock"))
+
+
+def decode(data: bytes) -> Request | Ack | Register:
     """Parse one datagram; raises MalformedMessage for anything not exactly a v1 message."""
     if len(data) > MAX_MESSAGE:
         raise MalformedMessage("message too long")
@@ -137,6 +166,10 @@ def decode(data: bytes) -> Request | Ack:
             if ack.phase not in ("staged", "committed") or isinstance(ack.bytes, bool) or not isinstance(ack.bytes, int):
                 raise MalformedMessage("ack phase must be staged or committed, bytes an integer")
             return ack
+        if kind == "register":
+            if set(msg) != {"type", "version"}:
+                raise MalformedMessage("register carries no fields")
+            return Register()
     except TypeError as exc:
         raise MalformedMessage(f"unexpected fields: {exc}") from None
     raise MalformedMessage(f"unknown message type {kind!r}")
@@ -305,13 +338,17 @@ class DaemonEndpoint:
     """
 
     def __init__(self, directory: Path, *, agent: Callable[[], procs.AgentRecord] | None = None,
-                 agent_pidfile: Path | None = None, max_ranks: int = 1024, proc: Path = procs.PROC) -> None:
+                 agent_pidfile: Path | None = None, max_ranks: int = 1024, proc: Path = procs.PROC,
+                 registration: tuple[str, ...] = ()) -> None:
         self.directory = directory
         self.ranks_dir = directory / "ranks"
         self.ranks_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.ranks_dir, 0o1733)
-        pidfile = agent_pidfile or directory / "agent.pid"
-        self.agent = agent or (lambda: procs.read_agent_record(pidfile, proc=proc))
+        self.pidfile = agent_pidfile or directory / "agent.pid"
+        self._mapped: dict = {}  # the last pod agent's host pid (procs.read_agent_record)
+        self._rank_pids: dict[tuple[int, int], int] = {}  # (pid namespace, its pid) -> host pid
+        self.agent = agent or (lambda: procs.read_agent_record(self.pidfile, proc=proc, mapped=self._mapped))
+        self.registration = tuple(registration)
         self.max_ranks = max_ranks
         self.max_entries = 4 * max_ranks
         self.proc = proc
@@ -346,6 +383,11 @@ class DaemonEndpoint:
             self.agent_error = error
             agent = None
         out: dict[int, RankInfo] = {}
+        # an agent in a pod: its ranks name their sockets by their pids in the pod's namespace
+        own_ns = procs.pid_namespace("self", self.proc)
+        pod_ns = agent.pidns if agent is not None and agent.pidns and agent.pidns != own_ns else 0
+        if not pod_ns:
+            self._rank_pids.clear()
         try:
             it = os.scandir(self.ranks_dir)
         except OSError:
@@ -364,6 +406,15 @@ class DaemonEndpoint:
                 if pid is None:
                     self._reject(name, ino, "bad_name")
                     continue
+                if pod_ns:
+                    mapped = procs.host_pid(pid, pod_ns, self.proc, hint=self._rank_pids.get((pod_ns, pid)))
+                    if mapped is None:  # no process of the pod has that pid: not (or no longer) a rank
+                        self._reject(name, ino, "not_in_job")
+                        continue
+                    self._rank_pids[(pod_ns, pid)] = mapped
+                    if len(self._rank_pids) > 4 * self.max_ranks:
+                        self._rank_pids.clear()
+                    pid = mapped
                 path = self.ranks_dir / name
                 ok, reason = procs.is_socket_owned_by_process(path, pid, self.proc)
                 if not ok:
@@ -428,11 +479,14 @@ class DaemonEndpoint:
             got = _recv_with_creds(self.sock)
             if got is None:
                 break
-            data, pid, _uid = got
+            data, pid, uid = got
             try:
                 msg = decode(data)
             except MalformedMessage:
                 self.counts[("ack", "malformed")] += 1
+                continue
+            if isinstance(msg, Register):
+                self._register(pid, uid)
                 continue
             state = self.requests.get(msg.id) if isinstance(msg, Ack) else None
             if state is None or pid not in state.sent_to:
@@ -456,6 +510,45 @@ class DaemonEndpoint:
                 self.counts[("ack", "ok" if msg.ok else "error")] += 1
             out.append(msg)
         return out
+
+    def _register(self, pid: int, uid: int) -> None:
+        """A launcher asked to be recorded as the agent; ``pid``/``uid`` are the kernel's."""
+        def refuse(reason: str, why: str) -> None:
+            self.counts[("register", reason)] += 1
+            log.warning("agent registration from pid %d (uid %d) refused: %s", pid, uid, why)
+
+        if pid <= 1:
+            refuse("refused_no_pid", "the kernel gave no pid for the sender (another pid namespace than the "
+                                     "daemon's: run the daemon with hostPID)")
+            return
+        try:
+            origin = procs.job_origin(pid, self.registration, proc=self.proc)
+            record = dataclasses.replace(procs.AgentRecord.of(pid, self.proc),
+                                         pidns=procs.pid_namespace("self", self.proc))
+        except procs.NotTrusted as exc:
+            refuse("refused_not_a_job", str(exc))
+            return
+        except (ProcessLookupError, OSError, ValueError, IndexError):
+            refuse("refused_gone", "it exited before it could be recorded")
+            return
+        if record.uid != uid:
+            refuse("refused_uid", f"it runs as uid {record.uid} now")
+            return
+        try:
+            current = self.agent()
+        except (OSError, procs.NotTrusted):
+            current = None
+        if current is not None and current.pid != pid and current.uid != uid:
+            refuse("refused_busy", f"the live agent pid {current.pid} of uid {current.uid} is recorded")
+            return
+        try:
+            procs.write_agent_record(self.pidfile, record)
+        except OSError as exc:
+            refuse("refused_write_failed", f"cannot write {self.pidfile}: {exc}")
+            return
+        self.counts[("register", "ok")] += 1
+        log.info("agent recorded: pid %d (uid %d), a %s job process, registered over %s", pid, uid, origin,
+                 self.directory / "daemon.sock")
 
     def complete(self, request_id: str) -> bool:
         state = self.requests.get(request_id)

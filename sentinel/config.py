@@ -60,6 +60,9 @@ class DaemonConfig:
             raise ConfigError(f"{prefix}.log_level: must be one of debug, info, warning, error (got {self.log_level!r})")
 
 
+AGENT_REGISTRATION = ("slurm", "kubernetes")
+
+
 @dataclass(frozen=True)
 class MetricsConfig:
     listen_address: str = "0.0.0.0"
@@ -220,6 +223,11 @@ class ActionsConfig:
     uncordon_command: tuple[str, ...] = ()
     # How the node's torchrun agent is found: a pidfile the launcher writes ("" = <runtime_dir>/agent.pid).
     agent_pidfile: str = ""
+    # A launcher that is not root (an ordinary user's Slurm job, a non-root pod) asks the daemon to
+    # record it; the daemon does when the kernel-verified sender is a job process of one of these
+    # kinds: "slurm" (a task of a Slurm job step: under a root slurmstepd), "kubernetes" (in a pod's
+    # kubepods cgroup). [] = only root's launcher (which writes the pidfile itself) is recorded.
+    agent_registration: tuple[str, ...] = ("slurm", "kubernetes")
     # backend = "command": a command that stops the agent, e.g. ["systemctl", "stop", "sentinel-agent@train.service"].
     agent_stop_command: tuple[str, ...] = ()
     # backend = "command": run when a migration begins, to bring a cold spare's agent up.
@@ -256,6 +264,10 @@ class ActionsConfig:
             if getattr(self, key) and self.backend != "command":
                 raise ConfigError(f"{prefix}.{key}: commands run only with backend = \"command\" (backend is {self.backend!r})")
         _path(prefix, "agent_pidfile", self.agent_pidfile, required=False)
+        for i, kind in enumerate(self.agent_registration):
+            if kind not in AGENT_REGISTRATION:
+                raise ConfigError(f"{prefix}.agent_registration[{i}]: must be one of {', '.join(AGENT_REGISTRATION)} "
+                                  f"(got {_printable(kind)!r})")
         self.slurm.validate(f"{prefix}.slurm")
         self.kubernetes.validate(f"{prefix}.kubernetes")
 

@@ -410,4 +410,6 @@ class Daemon:
         self.nvml.deadline = new.daemon.nvml_deadline_seconds
         if self.migrator is not None:
             self.migrator.reconfigure(new.actions)
+        if self.endpoint is not None:
+            self.endpoint.registration = new.actions.agent_registration
         event(log, "config reloaded")

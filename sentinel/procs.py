@@ -10,6 +10,13 @@ Job membership (who counts as a training rank): a process is in the job when it 
 the recorded agent (torchrun's workers are its children). Membership is checked by walking the
 ``PPid`` chain in ``/proc``; a process that was reparented (its agent died) is no longer in the
 job, which is what we want.
+
+Pid namespaces (a training pod; the daemon runs with ``hostPID``): a record written inside a
+pod names the agent by its pid *in the pod* and carries the inode of that pid namespace
+(``pidns``). The daemon never signals that number as a host pid: it finds the one host process
+that is in that very namespace with that namespace pid (``NSpid`` in ``/proc/<pid>/status``) and
+then checks it as any other (start time, executable, uid) before trusting it
+(:func:`host_pid`). Rank sockets named by namespace pids are mapped the same way.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import json
 import os
 import signal
 import stat
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -57,6 +65,45 @@ def proc_exe(pid: int, proc: Path = PROC) -> str:
         return ""
 
 
+def pid_namespace(pid: int | str = "self", proc: Path = PROC) -> int:
+    """The inode of ``pid``'s pid namespace (0 when it cannot be read)."""
+    try:
+        return os.stat(proc / str(pid) / "ns" / "pid").st_ino
+    except OSError:
+        return 0
+
+
+def ns_pids(pid: int, proc: Path = PROC) -> list[int]:
+    """``pid`` in each pid namespace it belongs to, outermost first (``NSpid``); [] when unknown."""
+    try:
+        with open(proc / str(pid) / "status", "rb") as f:
+            for line in f:
+                if line.startswith(b"NSpid:"):
+                    return [int(x) for x in line.split()[1:]]
+    except (OSError, ValueError):
+        pass
+    return []
+
+
+def host_pid(nspid: int, pidns: int, proc: Path = PROC, *, hint: int | None = None) -> int | None:
+    """The pid, as this process sees it, of the process whose pid is ``nspid`` inside the pid
+    namespace ``pidns`` (an inode, :func:`pid_namespace`); None when no process is. ``hint``, a
+    pid found before, is checked first (one process: no scan)."""
+    def matches(pid: int) -> bool:
+        return pid_namespace(pid, proc) == pidns and (ns_pids(pid, proc) or [0])[-1] == nspid
+
+    if hint is not None and matches(hint):
+        return hint
+    try:
+        names = os.listdir(proc)
+    except OSError:
+        return None
+    for name in names:
+        if name.isdigit() and matches(int(name)):
+            return int(name)
+    return None
+
+
 def boot_id() -> str:
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
@@ -89,11 +136,14 @@ class AgentRecord:
     exe: str
     uid: int
     boot_id: str
+    # the pid namespace ``pid`` is counted in (0: unknown, a record of an older version); the
+    # daemon maps a pid of another namespace to the host's (module docstring)
+    pidns: int = 0
 
     @classmethod
     def of(cls, pid: int, proc: Path = PROC) -> "AgentRecord":
         _, start = proc_stat(pid, proc)
-        return cls(pid, start, proc_exe(pid, proc), proc_uid(pid, proc), boot_id())
+        return cls(pid, start, proc_exe(pid, proc), proc_uid(pid, proc), boot_id(), pid_namespace(pid, proc))
 
     def encode(self) -> str:
         # line 1: the pid alone (what tools and humans expect of a pidfile); line 2: the identity
@@ -105,10 +155,13 @@ def write_agent_record(pidfile: Path, record: AgentRecord) -> None:
     write_atomic(pidfile, record.encode(), mode=0o644)
 
 
-def read_agent_record(pidfile: Path, *, owners: frozenset[int] = frozenset({0}), proc: Path = PROC) -> AgentRecord:
+def read_agent_record(pidfile: Path, *, owners: frozenset[int] = frozenset({0}), proc: Path = PROC,
+                      mapped: dict | None = None) -> AgentRecord:
     """The recorded agent, verified live: raises FileNotFoundError when there is no pidfile and
     NotTrusted when it must not be acted on (symlink, wrong owner, bad content, pid <= 1, gone,
-    reused pid, other executable, other boot)."""
+    reused pid, other executable, other boot). A record of another pid namespace comes back with
+    the host pid (as this process sees it), found by :func:`host_pid`; ``mapped`` (a dict the
+    caller keeps) remembers the last mapping so the next read needs no scan of ``/proc``."""
     try:
         raw = read_trusted(pidfile, owners=owners, max_bytes=4096)
     except UnsafePath as exc:
@@ -116,18 +169,30 @@ def read_agent_record(pidfile: Path, *, owners: frozenset[int] = frozenset({0}),
     lines = raw.decode("utf-8", "replace").splitlines()
     try:
         data = json.loads(lines[1])
-        rec = AgentRecord(**{k: data[k] for k in ("pid", "start_time", "exe", "uid", "boot_id")})
+        rec = AgentRecord(**{k: data[k] for k in ("pid", "start_time", "exe", "uid", "boot_id")},
+                          pidns=data.get("pidns", 0))
         if not all(isinstance(getattr(rec, k), int) and not isinstance(getattr(rec, k), bool)
-                   for k in ("pid", "start_time", "uid")):
-            raise TypeError("pid, start_time and uid must be integers")
+                   for k in ("pid", "start_time", "uid", "pidns")):
+            raise TypeError("pid, start_time, uid and pidns must be integers")
         if lines[0].strip() != str(rec.pid):
             raise ValueError("the pid line and the record disagree")
     except (IndexError, ValueError, TypeError, KeyError) as exc:
         raise NotTrusted(f"{pidfile} is not a record written by `sentinel launch` ({exc})") from None
-    if rec.pid <= 1:
-        raise NotTrusted(f"{pidfile} names pid {rec.pid}; only a pid > 1 can be an agent")
     if rec.boot_id and rec.boot_id != boot_id():
         raise NotTrusted(f"{pidfile} was written before the last reboot")
+    if rec.pidns and rec.pidns != pid_namespace("self", proc) and rec.pid > 0:
+        # written in a pod (its own pid namespace): find the host process it names, then check it
+        key = (rec.pidns, rec.pid, rec.start_time)
+        found = host_pid(rec.pid, rec.pidns, proc, hint=(mapped or {}).get(key))
+        if found is None:
+            raise NotTrusted(f"agent pid {rec.pid} of pid namespace {rec.pidns} from {pidfile} has exited or is not "
+                             f"visible here (the daemon needs the host's pid namespace: hostPID: true)")
+        if mapped is not None:
+            mapped.clear()
+            mapped[key] = found
+        rec = dataclasses.replace(rec, pid=found)
+    if rec.pid <= 1:
+        raise NotTrusted(f"{pidfile} names pid {rec.pid}; only a pid > 1 can be an agent")
     try:
         _, start = proc_stat(rec.pid, proc)
         exe = proc_exe(rec.pid, proc)
@@ -141,6 +206,52 @@ def read_agent_record(pidfile: Path, *, owners: frozenset[int] = frozenset({0}),
     if uid != rec.uid:
         raise NotTrusted(f"pid {rec.pid} from {pidfile} runs as uid {uid}, not the recorded {rec.uid}")
     return rec
+
+
+SLURM_STEPD = "slurmstepd"
+
+
+def job_origin(pid: int, kinds: tuple[str, ...], *, proc: Path = PROC, limit: int = 64) -> str:
+    """Which kind of scheduler job process ``pid`` is (the first of ``kinds`` that holds), for a
+    launcher that asked the daemon to record it; raises NotTrusted saying why none holds.
+
+    Only facts the process's user cannot forge count:
+
+    * ``slurm``: an ancestor is ``slurmstepd`` running as root (``/proc/<pid>/exe`` of a root
+      process; an ordinary user can neither start a root process nor rename its executable). Only
+      Slurm puts a process under a step daemon, and only into a job of that process's own user.
+    * ``kubernetes``: the process is in a pod's cgroup (``kubepods`` in ``/proc/<pid>/cgroup``),
+      where only the container runtime (root) places processes.
+    """
+    reasons = []
+    for kind in kinds:
+        if kind == "slurm":
+            current = pid
+            for _ in range(limit):
+                try:
+                    ppid, _ = proc_stat(current, proc)
+                except (ProcessLookupError, ValueError, IndexError, OSError):
+                    break
+                if ppid <= 1:
+                    break
+                current = ppid
+                try:
+                    if proc_uid(current, proc) == 0 and os.path.basename(proc_exe(current, proc)) == SLURM_STEPD:
+                        return kind
+                except (ProcessLookupError, OSError):
+                    break
+            reasons.append("not a task of a Slurm job step (no root slurmstepd above it)")
+        elif kind == "kubernetes":
+            try:
+                cgroup = (proc / str(pid) / "cgroup").read_text()
+            except OSError:
+                cgroup = ""
+            if "kubepods" in cgroup:
+                return kind
+            reasons.append("not in a Kubernetes pod's cgroup (kubepods)")
+    if not reasons:
+        raise NotTrusted("the daemon records no launcher but root's (actions.agent_registration = [])")
+    raise NotTrusted("; ".join(reasons))
 
 
 def signal_agent(rec: AgentRecord, sig: int, *, proc: Path = PROC) -> None:
