@@ -208,7 +208,7 @@ def read_agent_record(pidfile: Path, *, owners: frozenset[int] = frozenset({0}),
     return rec
 
 
-SLURM_STEPD = "slurmstepd"
+SLURM_STEPD = "slurmstepd"  # Debian installs it as slurmstepd-wlm (an alternatives link)
 
 
 def job_origin(pid: int, kinds: tuple[str, ...], *, proc: Path = PROC, limit: int = 64) -> str:
@@ -236,7 +236,8 @@ def job_origin(pid: int, kinds: tuple[str, ...], *, proc: Path = PROC, limit: in
                     break
                 current = ppid
                 try:
-                    if proc_uid(current, proc) == 0 and os.path.basename(proc_exe(current, proc)) == SLURM_STEPD:
+                    exe = os.path.basename(proc_exe(current, proc))
+                    if proc_uid(current, proc) == 0 and (exe == SLURM_STEPD or exe.startswith(SLURM_STEPD + "-")):
                         return kind
                 except (ProcessLookupError, OSError):
                     break

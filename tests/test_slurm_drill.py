@@ -109,7 +109,9 @@ def test_an_ordinary_users_job_is_protected_through_slurm(attacker, user_python)
     assert s["job_user"] == f"{attacker.name}({attacker.uid})" and s["ok_job_ran_as_user"]
     assert s["ok_agent_registered"], s  # the victim's daemon recorded the user's launcher
     # Xid 79 -> the ranks' snapshot -> drain -> spare, no step lost
-    assert result["snapshots"] and any(n.startswith("sent SIGTERM to torchrun agent pid") for n in result["migration_notes"])
+    committed = [e for e in result["timeline"] if e["stage"] == "snapshot committed"]
+    assert committed and committed[0]["ok"] is True and committed[0]["step"] is not None
+    assert any(n.startswith("sent SIGTERM to torchrun agent pid") for n in result["migration_notes"])
     assert s["sinfo_R"] == ["node2|drained|sentinel: xid gpu0 Xid 79 on GPU 0 (nvml)"]
     assert s["job_state"] == "COMPLETED"
     assert result["finished"] and result["final_nodes"] == ["node1", "node3"]
