@@ -100,9 +100,14 @@ def test_an_ordinary_users_job_is_protected_through_slurm(attacker, user_python)
         pytest.skip(f"needs {why}")
     python, libdir = user_python
     env = {**ENV, "LD_LIBRARY_PATH": str(libdir)}
-    r = subprocess.run([sys.executable, "-m", "sentinel", "drill", "--scheduler", "slurm", "--json", "--timeout", "300",
-                        "--user", attacker.name, "--job-python", str(python)],
-                       capture_output=True, text=True, timeout=420, env=env, cwd=str(REPO))
+    try:
+        r = subprocess.run([sys.executable, "-m", "sentinel", "drill", "--scheduler", "slurm", "--json", "--timeout",
+                            "300", "--user", attacker.name, "--job-python", str(python)],
+                           capture_output=True, text=True, timeout=420, env=env, cwd=str(REPO))
+    finally:  # the job's memory tier holder (/dev/shm/sentinel-<uid>) outlives it, as on a node
+        import shutil
+
+        shutil.rmtree(f"/dev/shm/sentinel-{attacker.uid}", ignore_errors=True)
     assert r.stdout.lstrip().startswith("{"), r.stderr[-3000:]
     result = json.loads(r.stdout)
     s = result["slurm"]
