@@ -122,3 +122,19 @@ def test_an_ordinary_users_job_is_protected_through_slurm(attacker, user_python)
     assert result["finished"] and result["final_nodes"] == ["node1", "node3"]
     assert result["spare_in_place"] and result["recomputed_steps"] == []
     assert result["ok"] and r.returncode == 0
+
+
+def test_the_batch_script_refuses_a_command_without_an_elastic_rendezvous(tmp_path):
+    """A job whose agents the first migration would kill (no elastic rendezvous, or c10d hosting its
+    store in an agent) is refused before anything starts, naming the missing flag."""
+    sbatch = REPO / "deploy" / "slurm" / "train.sbatch"
+
+    def run(*argv):
+        return subprocess.run(["bash", str(sbatch), *argv], capture_output=True, text=True, timeout=60,
+                              env={**ENV, "TRAIN_NODES": "2"}, cwd=str(tmp_path))
+
+    r = run("torchrun", "--nnodes=2", "--nproc-per-node=8", "train.py")
+    assert r.returncode == 2 and "need an elastic rendezvous" in r.stderr
+    r = run("torchrun", "--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=h:29400", "train.py")
+    assert r.returncode == 2 and "--rdzv-conf=is_host=false" in r.stderr and "trainer.store" in r.stderr
+    assert not list(tmp_path.iterdir())  # nothing started, nothing written
