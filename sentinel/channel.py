@@ -515,7 +515,9 @@ class DaemonEndpoint:
         """A launcher asked to be recorded as the agent; ``pid``/``uid`` are the kernel's."""
         def refuse(reason: str, why: str) -> None:
             self.counts[("register", reason)] += 1
-            log.warning("agent registration from pid %d (uid %d) refused: %s", pid, uid, why)
+            n = self.counts[("register", reason)]
+            if n == 1 or n % 100 == 0:  # a flood of registrations is counted, not logged line by line
+                log.warning("agent registration from pid %d (uid %d) refused (%d so far): %s", pid, uid, n, why)
 
         if pid <= 1:
             refuse("refused_no_pid", "the kernel gave no pid for the sender (another pid namespace than the "
