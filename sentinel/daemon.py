@@ -290,7 +290,8 @@ class Daemon:
             counters.update(self._guard("metrics", extra, default={}))
         for component, n in self.errors.items():
             counters[("sentinel_loop_errors", (("component", component),))] = float(n)
-        counters[("sentinel_nvml_init_failures", ())] = float(self.nvml_init_failures)
+        if self.nvml_init_failures:  # absent on the nodes where NVML started the first time (most)
+            counters[("sentinel_nvml_init_failures", ())] = float(self.nvml_init_failures)
         gauges: dict = {}
         if not readings.events_only:
             self.last_poll = self.clock()

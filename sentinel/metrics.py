@@ -74,8 +74,8 @@ COUNTER_HELP = {
     "sentinel_backend_up": "1 when the last call to the action backend's scheduler answered, 0 when it did not",
     "sentinel_migration_steps": "Migration steps and their failures, by step",
     "sentinel_node_cordoned": "1 while this node is cordoned by Sentinel",
-    "sentinel_nvml_init_failures": "nvmlInit (or GPU enumeration) attempts that failed; retried with backoff",
-    "sentinel_last_poll_timestamp_seconds": "Wall-clock time of the daemon's last completed poll (a hung loop stops it)",
+    "sentinel_nvml_init_failures": "Failed nvmlInit attempts (retried with backoff)",
+    "sentinel_last_poll_timestamp_seconds": "Time of the last completed poll",
 }
 
 
