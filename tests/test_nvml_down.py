@@ -102,3 +102,48 @@ def test_the_nvml_alert_passes_promtool():
     r = subprocess.run([promtool, "test", "rules", "alerts-nvml_test.yml"], capture_output=True, text=True, timeout=60,
                        cwd=MON)
     assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_real_prometheus_fires_the_nvml_alert_on_a_daemon_without_nvml(start_daemon, tmp_path):
+    """monitoring/alerts-nvml.yml (every `for:` at 0s), evaluated by a real Prometheus scraping a real
+    daemon on this driverless machine: SentinelNvmlUnavailable fires for it."""
+    import re
+    import socket
+
+    from test_prometheus import prometheus_api
+
+    prometheus = shutil.which("prometheus")
+    if prometheus is None:
+        pytest.skip("prometheus not installed (apt-get install prometheus)")
+    if nvml_works():
+        pytest.fail("this test needs a machine where nvmlInit fails (no NVIDIA driver); this one has NVML")
+    d = start_daemon("--config", str(_config(tmp_path)))
+    rules = tmp_path / "alerts-nvml.yml"
+    rules.write_text(re.sub(r"(?m)^(\s+for:) \S+$", r"\1 0s", (MON / "alerts-nvml.yml").read_text()))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        prom_port = s.getsockname()[1]
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+                   f"rule_files:\n  - {rules}\n"
+                   "scrape_configs:\n  - job_name: sentinel\n    static_configs:\n"
+                   f"      - targets: ['127.0.0.1:{d.port}']\n")
+    log = open(tmp_path / "prometheus.log", "w")
+    proc = subprocess.Popen([prometheus, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                             f"--web.listen-address=127.0.0.1:{prom_port}"], stdout=log, stderr=subprocess.STDOUT)
+
+    def firing():
+        if proc.poll() is not None:
+            raise AssertionError(f"prometheus exited: {(tmp_path / 'prometheus.log').read_text()[-2000:]}")
+        data = prometheus_api(prom_port, "alerts") or {"alerts": []}
+        return [a for a in data["alerts"] if a["labels"]["alertname"] == "SentinelNvmlUnavailable"
+                and a["state"] == "firing"]
+
+    try:
+        (alert,) = wait_for(firing, timeout=90, interval=0.5, what="SentinelNvmlUnavailable to fire")
+        assert alert["labels"]["severity"] == "critical" and alert["labels"]["source"] == "nvml"
+        assert d.proc.poll() is None  # and the daemon is still up
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+        log.close()
