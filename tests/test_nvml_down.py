@@ -102,6 +102,15 @@ def test_the_nvml_alert_passes_promtool():
     r = subprocess.run([promtool, "test", "rules", "alerts-nvml_test.yml"], capture_output=True, text=True, timeout=60,
                        cwd=MON)
     assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
+    # its runbook_url names a section of docs/runbooks.md
+    import re
+
+    import yaml
+
+    (rule,) = [r for g in yaml.safe_load((MON / "alerts-nvml.yml").read_text())["groups"] for r in g["rules"]]
+    anchor = rule["annotations"]["runbook_url"].split("docs/runbooks.md#", 1)[1]
+    headings = {h.strip().lower() for h in re.findall(r"^#{1,6} (.+)$", (REPO / "docs" / "runbooks.md").read_text(), re.M)}
+    assert anchor in headings
 
 
 def test_a_real_prometheus_fires_the_nvml_alert_on_a_daemon_without_nvml(start_daemon, tmp_path):
