@@ -119,3 +119,30 @@ def test_only_a_job_process_is_recorded_under_its_host_pid(sim_state, start_daem
     finally:
         (gate / "exit").write_text("")
         pod.wait(timeout=20)
+
+
+def test_an_ordinary_users_launcher_refuses_to_start_on_a_node_the_daemon_cordoned(sim_state, start_daemon, shared_tmp,
+                                                                                   attacker):
+    """It cannot read the daemon's 0750 state directory; the running daemon's status says the node is cordoned."""
+    state = shared_tmp / "state"
+    d = start_daemon("--simulate", str(sim_state), "--state-dir", str(state), runtime_dir=shared_tmp / "run")
+    job = shared_tmp / "job"
+    job.mkdir()
+    os.chown(job, attacker.uid, attacker.gid)
+    marker = job / "ran"
+
+    def launch():
+        return attacker.run([SYSTEM_PYTHON, "-m", "sentinel", "launch", "--pidfile", str(shared_tmp / "run" / "agent.pid"),
+                             "--state-dir", str(state), "--", "/usr/bin/touch", str(marker)],
+                            env={"PYTHONPATH": str(REPO), "SENTINEL_RUNTIME_DIR": str(shared_tmp / "run")})
+
+    r = launch()  # not cordoned: it runs (and, not being a job's process, is not recorded)
+    assert r.returncode == 0 and marker.exists(), r.stderr
+    marker.unlink()
+    from sentinel.sources import simulated
+
+    simulated.inject(sim_state, 0, ["xid=79"])
+    wait_for(lambda: d.status["cordoned"], timeout=30, what="the node cordoned")
+    r = launch()
+    assert r.returncode == 3 and "node is cordoned" in r.stderr and "xid" in r.stderr
+    assert not marker.exists()
