@@ -47,6 +47,7 @@ import os
 import secrets
 import socket
 import struct
+import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -347,6 +348,7 @@ class DaemonEndpoint:
         self.pidfile = agent_pidfile or directory / "agent.pid"
         self._mapped: dict = {}  # the last pod agent's host pid (procs.read_agent_record)
         self._rank_pids: dict[tuple[int, int], int] = {}  # (pid namespace, its pid) -> host pid
+        self._pod_scan: tuple[int, float, dict[int, int]] = (0, 0.0, {})  # (namespace, when, its pids)
         self.agent = agent or (lambda: procs.read_agent_record(self.pidfile, proc=proc, mapped=self._mapped))
         self.registration = tuple(registration)
         self.max_ranks = max_ranks
@@ -407,13 +409,10 @@ class DaemonEndpoint:
                     self._reject(name, ino, "bad_name")
                     continue
                 if pod_ns:
-                    mapped = procs.host_pid(pid, pod_ns, self.proc, hint=self._rank_pids.get((pod_ns, pid)))
+                    mapped = self._pod_rank(pid, pod_ns)
                     if mapped is None:  # no process of the pod has that pid: not (or no longer) a rank
                         self._reject(name, ino, "not_in_job")
                         continue
-                    self._rank_pids[(pod_ns, pid)] = mapped
-                    if len(self._rank_pids) > 4 * self.max_ranks:
-                        self._rank_pids.clear()
                     pid = mapped
                 path = self.ranks_dir / name
                 ok, reason = procs.is_socket_owned_by_process(path, pid, self.proc)
@@ -443,6 +442,25 @@ class DaemonEndpoint:
                         continue
                 out[pid] = RankInfo(pid, start, path)
         return out
+
+    def _pod_rank(self, nspid: int, pod_ns: int) -> int | None:
+        """The host pid of the pod's process ``nspid``: the one found before when it still is that
+        process, else from one scan of ``/proc`` for the whole pod, made at most once every
+        ``procs.REMAP_SECONDS`` (names no process of the pod has, planted or stale, cannot make
+        every poll scan)."""
+        known = self._rank_pids.get((pod_ns, nspid))
+        if known is not None and procs.in_namespace(known, nspid, pod_ns, self.proc):
+            return known
+        now = time.monotonic()
+        if self._pod_scan[0] != pod_ns or now - self._pod_scan[1] >= procs.REMAP_SECONDS:
+            self._pod_scan = (pod_ns, now, procs.pids_in_namespace(pod_ns, self.proc))
+        found = self._pod_scan[2].get(nspid)
+        if found is None or not procs.in_namespace(found, nspid, pod_ns, self.proc):
+            return None
+        if len(self._rank_pids) > 4 * self.max_ranks:
+            self._rank_pids.clear()
+        self._rank_pids[(pod_ns, nspid)] = found
+        return found
 
     def rank_pids(self) -> list[int]:
         return sorted(self.ranks())
