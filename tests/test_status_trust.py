@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -50,6 +51,6 @@ def test_a_status_file_another_user_wrote_is_not_believed(attacker, shared_tmp):
 def test_the_daemons_own_status_file_is_read(shared_tmp):
     run = shared_tmp / "run"
     run.mkdir()
-    (run / "status.json").write_text(json.dumps(FORGED))  # root's, as the daemon writes it
+    (run / "status.json").write_text(json.dumps({**FORGED, "time": time.time()}))  # root's, as the daemon writes it
     hc = healthcheck(str(run))
     assert hc.returncode == 0 and hc.stdout.startswith("SENTINEL OK - 1 GPU(s) healthy"), hc.stdout + hc.stderr
