@@ -92,7 +92,7 @@ def open_endpoint(cfg: Config, runtime: Path) -> DaemonEndpoint:
     """The control channel to this node's ranks, in the (checked) runtime directory."""
     pidfile = Path(cfg.actions.agent_pidfile) if cfg.actions.agent_pidfile else runtime / "agent.pid"
     try:
-        return DaemonEndpoint(runtime, agent_pidfile=pidfile)
+        return DaemonEndpoint(runtime, agent_pidfile=pidfile, registration=cfg.actions.agent_registration)
     except OSError as exc:
         raise StartupError(f"cannot open the control channel in {runtime}: {exc.strerror}") from None
 

@@ -9,7 +9,10 @@ Layout under ``SENTINEL_RUNTIME_DIR`` (default ``/run/sentinel``, root-owned, mo
                               CAP_DAC_OVERRIDE), and connected to daemon.sock (below)
     daemon.sock               the daemon's, for acknowledgements: 0600 root until an agent is
                               trusted, then root:<the agent's gid> 0660
-    agent.pid                 the torchrun agent's identity, written by ``sentinel launch``
+    register.sock             agent registrations from launchers that are not root (0622:
+                              anyone may send; only with ``actions.agent_registration``)
+    agent.pid                 the torchrun agent's identity, written by ``sentinel launch`` as
+                              root, or by the daemon for a launcher that registered
 
 Who counts as a rank (the daemon side): a file in ``ranks/`` is a rank only when it is a socket
 (not a symlink, not a plain file), owned by the uid that owns ``/proc/<pid>``, and that process
@@ -21,6 +24,15 @@ Acknowledgements are accepted only from the very ranks a request was sent to (ke
 ``SCM_CREDENTIALS`` pid, same start time); anyone else's are refused and counted. A send the
 kernel refuses for now (EAGAIN, EPERM) keeps the rank as asked and is retried until the
 request's deadline. Every datagram is bounded and range-checked (:func:`decode`).
+
+Agent registration: a launcher that is not root (an ordinary user's Slurm job, a non-root pod)
+cannot write the root-owned ``agent.pid``; it sends a ``register`` datagram to ``register.sock``
+instead (a socket of its own, so that registrations never share ``daemon.sock``'s queue
+with the acks, and ``daemon.sock`` stays closed to everyone but the job). The daemon takes the sender's pid from the kernel (``SCM_CREDENTIALS``, in the daemon's
+own pid namespace: a pod's agent arrives with its host pid), never from the message; records it
+only when the sender is a job process of an accepted kind (:func:`sentinel.procs.job_origin`,
+``actions.agent_registration``) and no live agent of another user is recorded; and writes the
+record itself, as root. Every outcome is counted (``sentinel_channel_messages_total{kind="register"}``).
 
 Security (the rank side): each rank's socket is *connected* to ``daemon.sock``, so the kernel
 refuses every datagram to it that is not the daemon's (even from the job's own user) and lets the
@@ -143,7 +155,26 @@ def _seconds(value: object) -> bool:
             and value == value and 0 <= value < 1e6)  # value == value: not NaN
 
 
-def decode(data: bytes) -> Request | Ack:
+@dataclass(frozen=True)
+class Register:
+    """A launcher asks the daemon to record it as the node's agent (it is the agent's parent and
+    forwards signals to it). The pid is the kernel's, from the datagram's credentials."""
+
+    type: str = "register"
+    version: int = VERSION
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+
+def register(directory: Path) -> None:
+    """Ask the daemon whose runtime directory is ``directory`` to record this process as the
+    agent (one datagram to ``register.sock``; raises OSError when no daemon listens)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+        s.sendto(Register().encode(), str(directory / "register.sock"))
+
+
+def decode(data: bytes) -> Request | Ack | Register:
     """Parse one datagram; raises MalformedMessage for anything not exactly a v1 message: too
     long, nested (refused before the parser recurses), not UTF-8, a field of the wrong type, or
     a number out of range (bytes, step, rank, seconds). Never raises anything else."""
@@ -178,6 +209,10 @@ def decode(data: bytes) -> Request | Ack:
             if not _int_in(ack.bytes, 0, MAX_ACK_BYTES):
                 raise MalformedMessage(f"ack bytes must be an integer from 0 to {MAX_ACK_BYTES}")
             return ack
+        if kind == "register":
+            if set(msg) != {"type", "version"}:
+                raise MalformedMessage("register carries no fields")
+            return Register()
     except TypeError as exc:
         raise MalformedMessage(f"unexpected fields: {exc}") from None
     raise MalformedMessage(f"unknown message type {kind!r}")
@@ -462,19 +497,27 @@ class DaemonEndpoint:
 
     def __init__(self, directory: Path, *, agent: Callable[[], procs.AgentRecord] | None = None,
                  agent_pidfile: Path | None = None, max_ranks: int = 1024, proc: Path = procs.PROC,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, registration: tuple[str, ...] = ()) -> None:
         self.directory = directory
         self.ranks_dir = directory / "ranks"
         self.ranks_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.ranks_dir, 0o1733)
-        pidfile = agent_pidfile or directory / "agent.pid"
-        self.agent = agent or (lambda: procs.read_agent_record(pidfile, proc=proc))
+        self.pidfile = agent_pidfile or directory / "agent.pid"
+        self._mapped: dict = {}  # the last pod agent's host pid (procs.read_agent_record)
+        self._rank_pids: dict[tuple[int, int], int] = {}  # (pid namespace, its pid) -> host pid
+        self._pod_scan: tuple[int, float, dict[int, int]] = (0, 0.0, {})  # (namespace, when, its pids)
+        self.agent = agent or (lambda: procs.read_agent_record(self.pidfile, proc=proc, mapped=self._mapped))
+        self.registration = tuple(registration)
         self.max_ranks = max_ranks
         self.max_entries = 4 * max_ranks
         self.proc = proc
         self.clock = clock
         self.sock_path = directory / "daemon.sock"
         self.sock = _bind_dgram(self.sock_path, 0o600)
+        # registrations have a socket of their own: anyone may send to it (a launcher that is not
+        # root, before any agent is trusted), and a flood of it never fills daemon.sock's queue
+        self.register_path = directory / "register.sock"
+        self.register_sock = _bind_dgram(self.register_path, 0o622) if self.registration else None
         self.counts: Counter[tuple[str, str]] = Counter()
         self.rejected: Counter[str] = Counter()
         self._rejected_seen: set[tuple[str, int, str]] = set()
@@ -598,23 +641,30 @@ class DaemonEndpoint:
             agent = None
         out: dict[int, RankInfo] = {}
         self._removal_budget = self.max_ranks
+        # an agent in a pod: its ranks name their sockets by their pids in the pod's namespace
+        own_ns = procs.pid_namespace("self", self.proc)
+        pod_ns = agent.pidns if agent is not None and agent.pidns and agent.pidns != own_ns else 0
+        if not pod_ns:
+            self._rank_pids.clear()
         try:
             dfd = os.open(self.ranks_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError:
             return out
         try:
             if agent is not None:
-                for pid in self._process_pids():
+                # (name's pid, host pid): a pod's ranks name their sockets by their pids in the pod
+                pids = self._pod_pids(pod_ns) if pod_ns else ((pid, pid) for pid in self._process_pids())
+                for named, pid in pids:
                     if len(out) >= self.max_ranks:
                         break
                     if pid <= 1:
                         continue
-                    name = f"{pid}.sock"
+                    name = f"{named}.sock"
                     try:
                         os.stat(name, dir_fd=dfd, follow_symlinks=False)
                     except OSError:
                         continue  # the usual case: this process is not a rank
-                    self._consider(dfd, name, pid, agent, out)
+                    self._consider(dfd, name, pid, agent, out, named)
             try:
                 mtime = os.fstat(dfd).st_mtime_ns
             except OSError:
@@ -625,7 +675,7 @@ class DaemonEndpoint:
                     self._consider(dfd, name, pid, agent, out)
             else:
                 self._alternatives = {}
-                complete = self._scan(dfd, agent, out)
+                complete = self._scan(dfd, agent, out, pod_ns)
                 # a change within the filesystem's timestamp granularity would leave the mtime as it
                 # was: only a directory left alone for a second stands for what was read
                 self._scanned = state if complete and time.time_ns() - mtime > 1_000_000_000 else None
@@ -633,7 +683,7 @@ class DaemonEndpoint:
             os.close(dfd)
         return out
 
-    def _scan(self, dfd: int, agent: procs.AgentRecord | None, out: dict[int, RankInfo]) -> bool:
+    def _scan(self, dfd: int, agent: procs.AgentRecord | None, out: dict[int, RankInfo], pod_ns: int = 0) -> bool:
         """Read at most ``max_entries`` entries; True when that was all of them and nothing was
         removed (the directory's mtime then stands for what was read)."""
         removed = self.counts[("rank", "junk_removed")] + self.counts[("rank", "stale_removed")]
@@ -657,20 +707,28 @@ class DaemonEndpoint:
                     self._reject(name, ino, "bad_name")
                     self._remove(dfd, name, is_dir, ino)
                     continue
+                named = pid
+                if pod_ns:
+                    mapped = self._pod_rank(pid, pod_ns)
+                    if mapped is None:  # no process of the pod has that pid: not (or no longer) a rank
+                        self._reject(name, 0, "not_in_job")
+                        continue
+                    pid = mapped
                 if pid in out and out[pid].path.name == name:
                     continue  # found by name in the first pass
-                self._consider(dfd, name, pid, agent, out)
-                if pid in out and out[pid].path.name == name and name != f"{pid}.sock":
+                self._consider(dfd, name, pid, agent, out, named)
+                if pid in out and out[pid].path.name == name and name != f"{named}.sock":
                     self._alternatives[name] = pid
         return removed == self.counts[("rank", "junk_removed")] + self.counts[("rank", "stale_removed")]
 
     def _consider(self, dfd: int, name: str, pid: int, agent: procs.AgentRecord | None,
-                  out: dict[int, RankInfo]) -> None:
-        """Verify one entry: add it to ``out``, or count why not and remove it when it is junk."""
+                  out: dict[int, RankInfo], named: int | None = None) -> None:
+        """Verify one entry (``pid`` the host pid, ``named`` the pid its name carries: the same
+        but for a pod's rank): add it to ``out``, or count why not and remove it when it is junk."""
         info, why, ino, is_dir = self._verify(dfd, name, pid, agent)
         if info is not None:
             # two verified sockets of one rank: the canonical name wins
-            if len(out) < self.max_ranks and (pid not in out or name == f"{pid}.sock"):
+            if len(out) < self.max_ranks and (pid not in out or name == f"{pid if named is None else named}.sock"):
                 out[pid] = info
             return
         if why == "gone":
@@ -682,6 +740,33 @@ class DaemonEndpoint:
         self._reject(name, ino, why)
         if why in _JUNK:
             self._remove(dfd, name, is_dir, ino)
+
+    def _pod_pids(self, pod_ns: int) -> list[tuple[int, int]]:
+        """(pid in the pod, host pid) of the pod's processes, from one scan of ``/proc`` made at
+        most once every ``procs.REMAP_SECONDS``."""
+        now = time.monotonic()
+        if self._pod_scan[0] != pod_ns or now - self._pod_scan[1] >= procs.REMAP_SECONDS:
+            self._pod_scan = (pod_ns, now, procs.pids_in_namespace(pod_ns, self.proc))
+        return sorted(self._pod_scan[2].items())
+
+    def _pod_rank(self, nspid: int, pod_ns: int) -> int | None:
+        """The host pid of the pod's process ``nspid``: the one found before when it still is that
+        process, else from one scan of ``/proc`` for the whole pod, made at most once every
+        ``procs.REMAP_SECONDS`` (names no process of the pod has, planted or stale, cannot make
+        every poll scan)."""
+        known = self._rank_pids.get((pod_ns, nspid))
+        if known is not None and procs.in_namespace(known, nspid, pod_ns, self.proc):
+            return known
+        now = time.monotonic()
+        if self._pod_scan[0] != pod_ns or now - self._pod_scan[1] >= procs.REMAP_SECONDS:
+            self._pod_scan = (pod_ns, now, procs.pids_in_namespace(pod_ns, self.proc))
+        found = self._pod_scan[2].get(nspid)
+        if found is None or not procs.in_namespace(found, nspid, pod_ns, self.proc):
+            return None
+        if len(self._rank_pids) > 4 * self.max_ranks:
+            self._rank_pids.clear()
+        self._rank_pids[(pod_ns, nspid)] = found
+        return found
 
     def rank_pids(self) -> list[int]:
         return sorted(self.ranks())
@@ -742,16 +827,20 @@ class DaemonEndpoint:
         to. Retries pending sends first. A datagram that is not a valid ack (too long, nested,
         out of range) is counted as malformed and skipped; the others of the batch are kept."""
         self.retry_pending()
+        self._poll_registrations()
         out = []
         for _ in range(10000):  # bounded: a flood cannot keep the loop here
             got = _recv_with_creds(self.sock)
             if got is None:
                 break
-            data, pid, _uid = got
+            data, pid, uid = got
             try:
                 msg = decode(data)
             except MalformedMessage:
                 self.counts[("ack", "malformed")] += 1
+                continue
+            if isinstance(msg, Register):
+                self._register(pid, uid)
                 continue
             state = self.requests.get(msg.id) if isinstance(msg, Ack) else None
             if state is None or pid not in state.sent_to:
@@ -776,6 +865,66 @@ class DaemonEndpoint:
             out.append(msg)
         return out
 
+    def _poll_registrations(self) -> None:
+        """Read ``register.sock``: only registrations count there (an ack is refused). Bounded."""
+        if self.register_sock is None:
+            return
+        for _ in range(1000):
+            got = _recv_with_creds(self.register_sock)
+            if got is None:
+                return
+            data, pid, uid = got
+            try:
+                msg = decode(data)
+            except MalformedMessage:
+                self.counts[("register", "malformed")] += 1
+                continue
+            if not isinstance(msg, Register):
+                self.counts[("register", "refused_not_register")] += 1
+                continue
+            self._register(pid, uid)
+
+    def _register(self, pid: int, uid: int) -> None:
+        """A launcher asked to be recorded as the agent; ``pid``/``uid`` are the kernel's."""
+        def refuse(reason: str, why: str) -> None:
+            self.counts[("register", reason)] += 1
+            n = self.counts[("register", reason)]
+            if n == 1 or n % 100 == 0:  # a flood of registrations is counted, not logged line by line
+                log.warning("agent registration from pid %d (uid %d) refused (%d so far): %s", pid, uid, n, why)
+
+        if pid <= 1:
+            refuse("refused_no_pid", "the kernel gave no pid for the sender (another pid namespace than the "
+                                     "daemon's: run the daemon with hostPID)")
+            return
+        try:
+            origin = procs.job_origin(pid, self.registration, proc=self.proc)
+            record = dataclasses.replace(procs.AgentRecord.of(pid, self.proc),
+                                         pidns=procs.pid_namespace("self", self.proc))
+        except procs.NotTrusted as exc:
+            refuse("refused_not_a_job", str(exc))
+            return
+        except (ProcessLookupError, OSError, ValueError, IndexError):
+            refuse("refused_gone", "it exited before it could be recorded")
+            return
+        if record.uid != uid:
+            refuse("refused_uid", f"it runs as uid {record.uid} now")
+            return
+        try:
+            current = self.agent()
+        except (OSError, procs.NotTrusted):
+            current = None
+        if current is not None and current.pid != pid and current.uid != uid:
+            refuse("refused_busy", f"the live agent pid {current.pid} of uid {current.uid} is recorded")
+            return
+        try:
+            procs.write_agent_record(self.pidfile, record)
+        except OSError as exc:
+            refuse("refused_write_failed", f"cannot write {self.pidfile}: {exc}")
+            return
+        self.counts[("register", "ok")] += 1
+        log.info("agent recorded: pid %d (uid %d), a %s job process, registered over %s", pid, uid, origin,
+                 self.register_path)
+
     def complete(self, request_id: str) -> bool:
         state = self.requests.get(request_id)
         return bool(state and state.sent_to and set(state.sent_to) <= set(state.acks))
@@ -791,6 +940,9 @@ class DaemonEndpoint:
     def close(self) -> None:
         self.sock.close()
         self.sock_path.unlink(missing_ok=True)
+        if self.register_sock is not None:
+            self.register_sock.close()
+            self.register_path.unlink(missing_ok=True)
 
 
 def send_raw(path: Path, data: bytes) -> None:

@@ -20,7 +20,7 @@ from sentinel import config as config_mod
 log = logging.getLogger("sentinel.cli")
 
 NO_NVML = (
-    "NVML was not found ({detail}); on a machine without NVIDIA GPUs, simulate them: "
+    "the NVML package is missing ({detail}); on a machine without NVIDIA GPUs, simulate them: "
     "`sentinel simulate init /tmp/gpus.json --gpus 8` then `sentinel run --simulate /tmp/gpus.json`"
 )
 
@@ -250,9 +250,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     try:
         try:
-            daemon.start()
-        except NvmlUnavailable as exc:
-            return fail(NO_NVML.format(detail=exc))
+            daemon.start()  # NVML that cannot start is a reading (source down, retried), not an exit
         except StartupError as exc:
             return fail(str(exc))
         daemon.run(reload)
@@ -351,6 +349,10 @@ def cmd_status(args: argparse.Namespace) -> int:
                   f"{num('ecc_corrected_volatile', 'ecc_uncorrected_volatile'):>12} "
                   f"{num('retired_pages_sbe', 'retired_pages_dbe'):>8} {num('remapped_rows_uncorrectable'):>6} {xids:<10} {fc}")
     unhealthy = [g for g in status["gpus"] if g["health"] != "healthy" or g["lost"] or g["hung"]]
+    if status.get("nvml_error"):  # blind to the GPUs is never healthy (--json: the "nvml_error" field)
+        if not args.json:
+            print(f"NVML unavailable, the GPUs are not watched: {status['nvml_error']}", file=sys.stderr)
+        return 1
     return 1 if unhealthy else 0
 
 

@@ -40,15 +40,22 @@ class DaemonConfig:
     state_dir: str = "/var/lib/sentinel"
     node_name: str = ""
     log_level: str = "info"
+    # /livez and /readyz fail once the last completed poll is older than this many poll intervals
+    # (at least one interval plus the NVML deadline a slow poll may spend): a hung loop shows in a pod
+    liveness_polls: float = 2.0
 
     def validate(self, prefix: str) -> None:
         _number(prefix, "poll_interval_seconds", self.poll_interval_seconds, 0, DAY, low_open=True)
+        _number(prefix, "liveness_polls", self.liveness_polls, 1, 1000)
         _number(prefix, "nvml_deadline_seconds", self.nvml_deadline_seconds, 0, HOUR, low_open=True)
         _path(prefix, "runtime_dir", self.runtime_dir, required=True)
         _path(prefix, "state_dir", self.state_dir, required=True)
         _text(prefix, "node_name", self.node_name)
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"{prefix}.log_level: must be one of debug, info, warning, error (got {self.log_level!r})")
+
+
+AGENT_REGISTRATION = ("slurm", "kubernetes")
 
 
 @dataclass(frozen=True)
@@ -155,6 +162,11 @@ class _ActionsCore:
     uncordon_command: tuple[str, ...] = ()
     # How the node's torchrun agent is found: a pidfile the launcher writes ("" = <runtime_dir>/agent.pid).
     agent_pidfile: str = ""
+    # A launcher that is not root (an ordinary user's Slurm job, a non-root pod) asks the daemon to
+    # record it; the daemon does when the kernel-verified sender is a job process of one of these
+    # kinds: "slurm" (a task of a Slurm job step: under a root slurmstepd), "kubernetes" (in a pod's
+    # kubepods cgroup). [] = only root's launcher (which writes the pidfile itself) is recorded.
+    agent_registration: tuple[str, ...] = ("slurm", "kubernetes")
     # backend = "command": a command that stops the agent, e.g. ["systemctl", "stop", "sentinel-agent@train.service"].
     agent_stop_command: tuple[str, ...] = ()
     # backend = "command": run when a migration begins, to bring a cold spare's agent up.
@@ -188,6 +200,10 @@ class _ActionsCore:
             if getattr(self, key) and self.backend != "command":
                 raise ConfigError(f"{prefix}.{key}: commands run only with backend = \"command\" (backend is {self.backend!r})")
         _path(prefix, "agent_pidfile", self.agent_pidfile, required=False)
+        for i, kind in enumerate(self.agent_registration):
+            if kind not in AGENT_REGISTRATION:
+                raise ConfigError(f"{prefix}.agent_registration[{i}]: must be one of {', '.join(AGENT_REGISTRATION)} "
+                                  f"(got {_printable(kind)!r})")
         for name in backends.SETTINGS:
             getattr(self, name).validate(f"{prefix}.{name}")
 

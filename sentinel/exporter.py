@@ -64,7 +64,7 @@ OPENMETRICS = "openmetrics"
 _CONTENT_TYPES = {TEXT: CONTENT_TYPE_PLAIN_0_0_4, OPENMETRICS: CONTENT_TYPE_OPENMETRICS}
 _REALM = 'Basic realm="sentinel", charset="UTF-8"'
 _INDEX = (b"<html><head><title>Sentinel</title></head><body><h1>Sentinel GPU health exporter</h1>"
-          b"<p><a href=\"/metrics\">/metrics</a> &middot; <a href=\"/healthz\">/healthz</a></p></body></html>\n")
+          b"<p><a href=\"/metrics\">/metrics</a> &middot; <a href=\"/livez\">/livez</a> &middot; <a href=\"/readyz\">/readyz</a></p></body></html>\n")
 
 
 # The server's own families, rendered after the registry's.
@@ -238,6 +238,11 @@ class _Handler(BaseHTTPRequestHandler):
     def _respond(self, *, head: bool) -> None:
         owner = self.server.owner
         path = urlsplit(self.path).path
+        if path in ("/livez", "/readyz", "/healthz"):  # probes carry no credentials; they say ok or stuck only
+            live, ready, line = owner.health()
+            ok = ready if path == "/readyz" else live
+            self._send(200 if ok else 503, "text/plain; charset=utf-8", (line + "\n").encode(), head)
+            return
         if owner._auth is not None and owner._auth.check(self.headers.get("Authorization")) is None:
             owner._reject("unauthorized")
             self._send(401, "text/plain; charset=utf-8", b"401 Unauthorized\n", head, [("WWW-Authenticate", _REALM)])
@@ -250,8 +255,6 @@ class _Handler(BaseHTTPRequestHandler):
             if compress:
                 extra.append(("Content-Encoding", "gzip"))
             self._send(200, _CONTENT_TYPES[fmt], body, head, extra)
-        elif path == "/healthz":
-            self._send(200, "text/plain; charset=utf-8", b"ok\n", head)
         elif path == "/":
             self._send(200, "text/html; charset=utf-8", _INDEX, head)
         else:
@@ -273,7 +276,11 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class MetricsServer:
-    """Serves ``/metrics`` (plus ``/`` and ``/healthz``) from bytes rendered by :meth:`refresh`.
+    """Serves ``/metrics`` (plus ``/``) from bytes rendered by :meth:`refresh`, and the probes.
+
+    ``/livez`` (and its old name ``/healthz``) and ``/readyz`` answer what ``health`` says
+    (``(live, ready, line)``: 200 or 503 with the line); they need no credentials, as kubelet
+    probes carry none, and say nothing but ok or stuck. Without ``health`` they answer ok.
 
     ``registry`` is anything with ``collect()`` (a CollectorRegistry). Nothing listens until
     :meth:`start`; :meth:`refresh` may be called before or after. Thread-safe: :meth:`refresh`
@@ -293,6 +300,7 @@ class MetricsServer:
         timeout_seconds: float = 10.0,
         max_connections: int = 64,
         clock: Callable[[], float] = time.monotonic,
+        health: Callable[[], tuple[bool, bool, str]] | None = None,
     ) -> None:
         if bool(tls_cert_file) != bool(tls_key_file):
             raise ValueError("tls_cert_file and tls_key_file go together")
@@ -306,6 +314,7 @@ class MetricsServer:
         self.timeout_seconds = timeout_seconds
         self.max_connections = max_connections
         self.clock = clock
+        self.health = health or (lambda: (True, True, "ok"))
         self._tls: ssl.SSLContext | None = None
         self._auth: BasicAuth | None = None
         self._httpd: _HTTPServer | None = None

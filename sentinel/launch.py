@@ -24,6 +24,12 @@ not from a root terminal left open for other work while the job (or a process it
 runs. The launcher itself stays root because the daemon trusts only a root-owned pidfile (a
 pidfile the job's user could write would let that user point root's SIGTERM at any process of
 theirs, or claim another job's ranks) and because the cordon marker is root's.
+
+Not root (an ordinary user's ``srun``, a non-root pod), the launcher cannot write that pidfile:
+it asks the daemon over ``register.sock`` to record it instead (:func:`register_with_daemon`). The
+daemon takes the launcher's pid from the kernel, checks that it is a task of a Slurm job step
+or a pod's process (``actions.agent_registration``) and writes the record itself; the launcher
+forwards the drain's SIGTERM to the agent as it does for root. docs/schedulers.md says why.
 """
 
 from __future__ import annotations
@@ -50,7 +56,12 @@ def _refusal(command: list[str], pidfile: Path, state_dir: Path) -> int | None:
     its marker cannot be read), no command, no pidfile directory. None: go ahead."""
     from sentinel.migration import read_cordon
 
-    marker, problem = read_cordon(state_dir / "cordon.json")
+    if os.geteuid() != 0 and not os.access(state_dir, os.X_OK):
+        # an ordinary user cannot look into the daemon's 0750 state directory: the running
+        # daemon's status (root's, world-readable) says whether it cordoned this node
+        marker, problem = _cordon_from_status(pidfile), ""
+    else:
+        marker, problem = read_cordon(state_dir / "cordon.json")
     if marker is not None:
         return _fail(f"node is cordoned ({state_dir / 'cordon.json'}: {marker.get('reason', '')}); "
                      f"clear it with `sentinel uncordon --state-dir {state_dir}`", 3)
@@ -145,10 +156,68 @@ def launch(command: list[str], pidfile: Path, state_dir: Path, user: str = "", *
     try:
         record = AgentRecord.of(pid)
         write_agent_record(pidfile, record)
+    except PermissionError:  # not root (an ordinary user's Slurm job, a non-root pod): ask the daemon
+        record = None
+        register_with_daemon(pidfile)
     except (OSError, ProcessLookupError) as exc:
+        record = None
         print(f"sentinel: warning: cannot record the agent in {pidfile}: {exc}; the daemon will not "
               f"recognise this job's ranks", file=sys.stderr)
     return _wait(pid, pidfile, record)
+
+
+def _cordon_from_status(pidfile: Path) -> dict | None:
+    """The running daemon's cordon (from ``status.json`` in its runtime directory), or None."""
+    import json
+
+    from sentinel.fsutil import UnsafePath, read_trusted
+
+    directory = Path(os.environ.get("SENTINEL_RUNTIME_DIR") or pidfile.parent)
+    try:
+        status = json.loads(read_trusted(directory / "status.json", owners=frozenset({0}), max_bytes=1 << 22))
+    except (OSError, UnsafePath, ValueError):
+        return None
+    if isinstance(status, dict) and status.get("cordoned"):
+        migration = status.get("migration") or {}
+        return {"reason": f"{migration.get('rule', '?')}: {migration.get('reason', '')} (the daemon's status)"}
+    return None
+
+
+def register_with_daemon(pidfile: Path, *, wait_seconds: float = 10.0) -> bool:
+    """Ask the node's daemon to record this launcher (the agent's parent, which forwards signals to
+    it) as the agent, then wait (bounded) for the pidfile to name it. The daemon takes the pid from
+    the kernel and records only a process of a scheduler's job (:mod:`sentinel.channel`). Says on
+    stderr what happened; returns whether the daemon recorded it."""
+    import json
+    import time
+
+    from sentinel import channel, procs
+
+    directory = Path(os.environ.get("SENTINEL_RUNTIME_DIR") or pidfile.parent)
+    try:
+        channel.register(directory)
+    except OSError as exc:
+        print(f"sentinel: warning: cannot record the agent in {pidfile} (not root) nor ask the daemon to "
+              f"({directory / 'register.sock'}: {exc.strerror or exc}); the daemon will not recognise this job's "
+              f"ranks", file=sys.stderr)
+        return False
+    me, uid, ns = os.getpid(), os.getuid(), procs.pid_namespace()
+    _, start = procs.proc_stat(me)
+    end = time.monotonic() + wait_seconds
+    while time.monotonic() < end:
+        try:
+            data = json.loads(pidfile.read_text().splitlines()[1])
+            if (data.get("start_time") == start and data.get("uid") == uid
+                    and (data.get("pid") == me or data.get("pidns") != ns)):
+                print(f"sentinel: the daemon recorded this job's agent (launcher pid {data['pid']} on the host, "
+                      f"{directory / 'register.sock'})", file=sys.stderr)
+                return True
+        except (OSError, IndexError, ValueError, AttributeError):
+            pass
+        time.sleep(0.1)
+    print(f"sentinel: warning: the daemon did not record this agent within {wait_seconds:g} s (its log says why: "
+          f"\"agent registration ... refused\"); the daemon will not recognise this job's ranks", file=sys.stderr)
+    return False
 
 
 def admit(pidfile: Path) -> int:

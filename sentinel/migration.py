@@ -226,6 +226,8 @@ class Migrator:
         self._retry_at = 0.0  # monotonic: next retry of a failed scheduler cordon
         self._retry_delay = 0.0
         self.cordon_problem = ""
+        self._persisted = False  # the record reached the disk: its removal means `sentinel uncordon`
+        self.returned_to_service = 0
         self._restore()
 
     def reconfigure(self, actions: ActionsConfig) -> None:
@@ -264,6 +266,7 @@ class Migrator:
             data = json.loads(raw)
             self.record = MigrationRecord(**data)
             Phase(self.record.phase)
+            self._persisted = True
         except FileNotFoundError:
             return
         except (OSError, ValueError, TypeError, UnsafePath) as exc:
@@ -287,6 +290,7 @@ class Migrator:
             return
         try:
             write_json_atomic(self.record_path, asdict(self.record))
+            self._persisted = True
         except OSError as exc:  # a full or read-only disk never stops a migration
             self._count("state_write_failed")
             event(log, "cannot persist the migration record; continuing from memory", logging.ERROR,
@@ -342,6 +346,31 @@ class Migrator:
         job = self.workers.submit(fn)
         job.add_done_callback(lambda _f: self.wake())
         return job
+
+    def check_returned_to_service(self) -> bool:
+        """True once, when ``sentinel uncordon`` returned this node to service while the daemon
+        runs: the finished migration's record and the cordon marker are gone from the state
+        directory. Only root can remove them: the daemon refused to start unless the state
+        directory is root's and writable by nobody else (:func:`sentinel.daemon.check_directories`),
+        so no other user can fake an uncordon. The daemon then forgets the finished migration and
+        the in-memory cordon, and the next failure is handled like the first. A migration still
+        under way is not cut short (it writes its record again at its next step); a record that
+        never reached the disk (full or read-only disk) keeps the node cordoned until a restart."""
+        rec = self.record
+        if rec is None or self.active or not self._persisted or self._job is not None:
+            return False
+        if self.record_path.exists() or self.cordon_path.exists():
+            return False
+        event(log, "node returned to service (sentinel uncordon); the next failure migrates again",
+              request_id=rec.request_id, node=self.node)
+        self.record = None
+        self._persisted = False
+        self._cordoned_mem = False
+        self._retry_at = 0.0
+        self._retry_delay = 0.0
+        self.returned_to_service += 1
+        self._count("returned_to_service")
+        return True
 
     def _start_step(self, fn: Callable[[], Any]) -> None:
         self._job = self._submit(fn)

@@ -92,8 +92,10 @@ class Drill:
         self.own_workdir = args.workdir is None
         self.work = Path(args.workdir or tempfile.mkdtemp(prefix="sentinel-drill-"))
         self.work.mkdir(parents=True, exist_ok=True)
-        self.progress = self.work / "progress.jsonl"
-        self.snapshots = self.work / "snapshots"
+        self.job_dir = self.work  # where the job itself writes (its progress, snapshots, final parameters)
+        self.python = sys.executable  # the job's interpreter
+        self.progress = self.job_dir / "progress.jsonl"
+        self.snapshots = self.job_dir / "snapshots"
         self.pool = self.work / "spare-pool"
         self.procs: list[subprocess.Popen] = []
         self.nodes: list[Node] = []
@@ -149,23 +151,28 @@ class Drill:
         # etcd-v2 is torch's dynamic rendezvous (as c10d) with its state in etcd: the same settings
         rdzv_conf = ("protocol=http," if a.rdzv_backend == "etcd-v2" else "is_host=false,") + (
             f"keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2,join_timeout={int(a.timeout)}")
-        launch = [sys.executable, "-m", "sentinel", "launch", "--pidfile", str(node.pidfile), "--state-dir", str(node.state_dir)]
+        py = self.python
+        launch = [py, "-m", "sentinel", "launch", "--pidfile", str(node.pidfile), "--state-dir", str(node.state_dir)]
         if a.agent == "warm":
             launch += ["--warm"] if node.spare else []
-            agent = [sys.executable, "-m", "trainer.elastic", "--preload", "trainer.train",
-                     "--ready-file", str(node.runtime / "warm.json"), "--"]
+            agent = [py, "-m", "trainer.elastic", "--preload", "trainer.train",
+                     "--ready-file", str(self.ready_file(node)), "--"]
         else:
-            agent = [sys.executable, "-m", "torch.distributed.run", f"--start-method={a.start_method}"]
+            agent = [py, "-m", "torch.distributed.run", f"--start-method={a.start_method}"]
         return [
             *launch, "--", *agent, f"--nnodes={nnodes}", f"--nproc-per-node={a.procs_per_node}",
             f"--rdzv-backend={a.rdzv_backend}", f"--rdzv-endpoint=127.0.0.1:{self.store_port}", f"--rdzv-id={self.run_id}",
             f"--rdzv-conf={rdzv_conf}", f"--max-restarts={a.max_restarts}", "--monitor-interval=0.1",
             "-m", "trainer.train", "--steps", str(a.steps), "--snapshot-dir", str(self.snapshots),
             "--interval-steps", str(a.interval_steps), "--step-seconds", str(a.step_seconds),
-            "--progress", str(self.progress), "--final", str(self.work / "final.json"),
+            "--progress", str(self.progress), "--final", str(self.job_dir / "final.json"),
             "--migrate-hold-seconds", "30", "--pg-timeout", "30",
             "--memory-interval-steps", str(a.memory_interval_steps),
         ]
+
+    def ready_file(self, node: Node) -> Path:
+        """Where a warm agent says it is warm."""
+        return node.runtime / "warm.json"
 
     def node_env(self, node: Node) -> dict[str, str]:
         return {**self.env, "SENTINEL_RUNTIME_DIR": str(node.runtime), "SENTINEL_NODE": node.name,
@@ -294,7 +301,7 @@ class Drill:
                 self.start_agent(n)
         if a.agent == "warm":
             for n in (n for n in self.nodes if n.spare):
-                ready, agent = n.runtime / "warm.json", n.agent
+                ready, agent = self.ready_file(n), n.agent
                 wait(lambda: ready.exists() or agent.poll() is not None, max(1.0, t_start + a.timeout - time.time()),
                       f"{n.name}'s agent to be warm")
                 if agent.poll() is not None:
@@ -710,6 +717,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--scheduler slurm: use the running cluster of this slurm.conf (nodes node1..node4, idle) "
                         "instead of starting one; it is left running, with node4 drained by the admin check")
 
+    p.add_argument("--user", default="",
+                   help="with --scheduler slurm: submit the job as this ordinary user, as on a real cluster (the "
+                        "daemons stay root; the job's launchers register with them)")
+    p.add_argument("--job-python", default="",
+                   help="the interpreter the job runs (default: this one); --user needs one that user can run")
+
 
 def run_drill(args: argparse.Namespace) -> int:
     if args.rdzv_backend == "sentinel" and args.agent != "warm":
@@ -718,6 +731,9 @@ def run_drill(args: argparse.Namespace) -> int:
         return 2
     if args.slurm_conf is not None:
         print("sentinel drill: --slurm-conf needs --scheduler slurm", file=sys.stderr)
+        return 2
+    if getattr(args, "user", ""):
+        print("sentinel drill: --user needs --scheduler slurm (the local drill runs its agents as root)", file=sys.stderr)
         return 2
     if args.spares < 1 and not args.min_nodes:
         print("sentinel drill: --spares 0 needs --min-nodes < --nodes (continue on fewer nodes)", file=sys.stderr)

@@ -226,6 +226,22 @@ class SlurmDrill(drill.Drill):
         self.cluster = SlurmCluster.attach(Path(conf)) if self.attached else SlurmCluster(self.work / "slurm")
         self.job_id = ""
         self.checks: dict[str, object] = {}
+        self.python = getattr(args, "job_python", "") or sys.executable
+        self.account = None
+        if getattr(args, "user", ""):
+            import pwd
+
+            self.account = pwd.getpwnam(args.user)  # KeyError: run_slurm_drill checks first
+            # the daemons' directories stay root's; the job writes only into a directory of its user's
+            self.work.chmod(0o755)
+            self.job_dir = self.work / "job"
+            self.job_dir.mkdir()
+            os.chown(self.job_dir, self.account.pw_uid, self.account.pw_gid)
+            self.progress = self.job_dir / "progress.jsonl"
+            self.snapshots = self.job_dir / "snapshots"
+
+    def ready_file(self, node) -> Path:
+        return self.job_dir / f"{node.name}-warm.json" if self.account else super().ready_file(node)
 
     def node_config(self, name: str) -> Path:
         node_root = self.work / name
@@ -259,12 +275,16 @@ class SlurmDrill(drill.Drill):
         torchrun = self.agent_argv(self.nodes[0])
         torchrun = torchrun[torchrun.index("--") + 1:]
         env = {**self.env, "SLURM_CONF": str(self.cluster.conf), "TRAIN_NODES": str(a.nodes),
-               "SENTINEL": f"{sys.executable} -m sentinel",
+               "SENTINEL": f"{self.python} -m sentinel",
                "SENTINEL_RUNTIME_DIR": str(self.work / "%n" / "run"), "SENTINEL_STATE_DIR": str(self.work / "%n" / "state")}
         nodelist = ",".join(n.name for n in self.nodes)
+        as_user: dict = {}
+        if self.account is not None:  # submitted by the user, as on a cluster: the job runs as them
+            env.update(HOME=str(self.job_dir), USER=self.account.pw_name, LOGNAME=self.account.pw_name)
+            as_user = {"user": self.account.pw_uid, "group": self.account.pw_gid, "extra_groups": []}
         r = subprocess.run(["sbatch", "--parsable", f"--nodes={len(self.nodes)}", f"--nodelist={nodelist}",
-                            f"--output={self.work / 'job-%j.out'}", f"--chdir={drill.repo_root()}", str(SBATCH), *torchrun],
-                           env=env, capture_output=True, text=True, timeout=60)
+                            f"--output={self.job_dir / 'job-%j.out'}", f"--chdir={drill.repo_root()}", str(SBATCH), *torchrun],
+                           env=env, capture_output=True, text=True, timeout=60, **as_user)
         if r.returncode != 0:
             raise drill.DrillError(f"sbatch failed: {r.stderr.strip()}")
         self.job_id = r.stdout.strip().split(";")[0]
@@ -310,6 +330,15 @@ class SlurmDrill(drill.Drill):
     def slurm_checks(self, victim) -> dict:
         c = self.cluster
         out: dict[str, object] = {"job_id": self.job_id, "job_state": self.job_state()}
+        job = c.run("scontrol", "show", "job", self.job_id, "-o").stdout
+        m = re.search(r"UserId=(\S+)", job)
+        out["job_user"] = m.group(1) if m else ""
+        if self.account is not None:
+            out["ok_job_ran_as_user"] = out["job_user"].startswith(f"{self.account.pw_name}(")
+            # the victim's daemon recorded the user's launcher (it could not write the pidfile itself)
+            out["victim_registrations"] = _metric(victim, "sentinel_channel_messages_total",
+                                                  {"kind": "register", "outcome": "ok"})
+            out["ok_agent_registered"] = (out["victim_registrations"] or 0) >= 1
         reasons = c.run("sinfo", "-R", "-h", "-N", "-o", "%N|%T|%E").stdout.splitlines()
         mine = [r for r in reasons if r.startswith(victim.name + "|")]
         out["sinfo_R"] = mine
@@ -342,11 +371,47 @@ class SlurmDrill(drill.Drill):
         self.cluster.stop()
 
 
+def _metric(node, name: str, labels: dict[str, str]) -> float | None:
+    """One sample from a node daemon's /metrics (None when absent or unreachable)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return None
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return None
+
+
 def run_slurm_drill(args) -> int:
     why = missing()
     if why:
         print(f"sentinel drill --scheduler slurm: needs {why}", file=sys.stderr)
         return 2
+    if getattr(args, "user", ""):
+        import pwd
+
+        try:
+            pw = pwd.getpwnam(args.user)
+        except KeyError:
+            print(f"sentinel drill: --user {args.user}: no such user", file=sys.stderr)
+            return 2
+        python = getattr(args, "job_python", "") or sys.executable
+        try:
+            r = subprocess.run([python, "-c", "import torch"], capture_output=True, text=True, timeout=120, cwd="/",
+                               user=pw.pw_uid, group=pw.pw_gid, extra_groups=[], env={**os.environ, "HOME": "/"})
+        except OSError as exc:
+            r = subprocess.CompletedProcess([python], 127, "", str(exc))
+        if r.returncode != 0:
+            print(f"sentinel drill: --user {args.user} cannot run {python} with torch ({r.stderr.strip()[-300:]}); "
+                  f"pass --job-python with an interpreter that user can run", file=sys.stderr)
+            return 2
     if args.nodes + args.spares > len(NODES) - 1:
         print(f"sentinel drill --scheduler slurm: --nodes + --spares must leave one of the {len(NODES)} Slurm nodes free "
               f"(the new job and the admin's drain use it)", file=sys.stderr)

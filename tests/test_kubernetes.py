@@ -243,8 +243,17 @@ def test_the_manifests_pass_server_side_dry_run(kube, sa_kubeconfig):
             seen.add(doc["kind"])
             if doc["kind"] != "PodMonitor":
                 apply(kube, path.name, dry_run="All")
-    assert seen == {"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "ConfigMap", "DaemonSet",
-                    "Service", "PodMonitor"}
+    assert seen == {"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "ConfigMap",
+                    "DaemonSet", "Service", "PodMonitor", "Deployment", "Job"}
+    # the example training job: the DaemonSet's runtime directory, its own pid namespace, not root
+    job = next(d for d in docs("training-job.yaml") if d["kind"] == "Job")
+    spec = job["spec"]["template"]["spec"]
+    ds_run = next(v for v in docs("daemonset.yaml")[0]["spec"]["template"]["spec"]["volumes"] if v["name"] == "run")
+    assert any(v.get("hostPath", {}).get("path") == ds_run["hostPath"]["path"] for v in spec["volumes"])
+    assert spec["hostPID"] is False and spec["securityContext"]["runAsNonRoot"] is True
+    (agent,) = spec["containers"]
+    assert agent["command"][:2] == ["sentinel", "launch"] and "--rdzv-conf=is_host=false,keep_alive_interval=1," \
+        "keep_alive_max_attempt=3" in agent["command"]
     ds = docs("daemonset.yaml")[0]
     pod = ds["spec"]["template"]
     (pm,) = docs("podmonitor.yaml")
