@@ -438,6 +438,13 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
         goodput.add_arguments(gp)
         gp.set_defaults(func=goodput.main_args)
+    pl = simsub.add_parser("placement", help="what placement costs at scale: bytes per network tier and step time for "
+                           "FSDP with a near or far spare, ETTR, and replicas in the same or another rack")
+    if wanted("simulate"):
+        from sentinel_tools.sim import placement
+
+        placement.add_arguments(pl)
+        pl.set_defaults(func=placement.main_args)
 
     faults = ""
     if wanted("inject"):
