@@ -212,6 +212,30 @@ class KubernetesConfig:
 
 
 @dataclass(frozen=True)
+class TopologyConfig:
+    # A topology file read at each migration: Slurm topology.conf syntax, or TOML/JSON
+    # [nodes.<name>] nvlink/switches/rack/power (docs/topology.md). "" = none.
+    file: str = ""
+    # Also read the scheduler's own topology: `scontrol show topology` (slurm), the Node labels of
+    # Topograph, the GPU operator, GCP or AWS (kubernetes).
+    from_scheduler: bool = True
+    # Per-domain circuit breaker: refuse to drain (page instead) when, counting this node, more than
+    # this share of one NVLink domain / one leaf switch's nodes would be Sentinel-cordoned within
+    # breaker_window_seconds. 0 < x <= 1; 1 = off. Domains of one node are not limited.
+    breaker_max_nvlink_fraction: float = 0.5
+    breaker_max_leaf_fraction: float = 0.5
+    # backend = "kubernetes": the Nodes that are waiting spares (a label selector); the chosen one
+    # gets the label sentinel.dev/preferred-spare=true for the job's controller (docs/topology.md).
+    spare_selector: str = "sentinel.dev/spare=true"
+
+    def validate(self, prefix: str) -> None:
+        _path(prefix, "file", self.file, required=False)
+        _number(prefix, "breaker_max_nvlink_fraction", self.breaker_max_nvlink_fraction, 0, 1, low_open=True)
+        _number(prefix, "breaker_max_leaf_fraction", self.breaker_max_leaf_fraction, 0, 1, low_open=True)
+        _text(prefix, "spare_selector", self.spare_selector)
+
+
+@dataclass(frozen=True)
 class ActionsConfig:
     # Seconds to wait for the ranks' acknowledgement of a snapshot/migrate request.
     ack_timeout_seconds: float = 120.0
@@ -243,6 +267,7 @@ class ActionsConfig:
     snapshot_min_bytes_per_second: float = 50e6
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
 
     def validate(self, prefix: str) -> None:
         _number(prefix, "ack_timeout_seconds", self.ack_timeout_seconds, 0, HOUR, low_open=True)
@@ -261,6 +286,7 @@ class ActionsConfig:
         _path(prefix, "agent_pidfile", self.agent_pidfile, required=False)
         self.slurm.validate(f"{prefix}.slurm")
         self.kubernetes.validate(f"{prefix}.kubernetes")
+        self.topology.validate(f"{prefix}.topology")
 
 
 @dataclass(frozen=True)
@@ -302,7 +328,7 @@ LIVE_ON_RELOAD = frozenset({
 })
 # Keys inside a live section that still need a restart: the backend is built and checked
 # against the scheduler (node known, permissions) once, at start.
-RESTART_ONLY = frozenset({"actions.backend", "actions.slurm", "actions.kubernetes"})
+RESTART_ONLY = frozenset({"actions.backend", "actions.slurm", "actions.kubernetes", "actions.topology"})
 
 
 def _changed(old: Config, new: Config) -> list[tuple[str, bool]]:

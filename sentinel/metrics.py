@@ -74,6 +74,7 @@ COUNTER_HELP = {
     "sentinel_backend_up": "1 when the last call to the action backend's scheduler answered, 0 when it did not",
     "sentinel_migration_steps": "Migration steps and their failures, by step",
     "sentinel_migration_deadline_exceeded": "Migrations that moved on (fail-safe) because a phase's backend step passed its deadline, by phase",
+    "sentinel_spare_choices": "Spares chosen by topology, by distance to this node (nvlink, leaf, spine, ..., far, unknown)",
     "sentinel_node_cordoned": "1 while this node is cordoned by Sentinel",
 }
 

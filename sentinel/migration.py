@@ -124,6 +124,7 @@ class MigrationRecord:
     staged_bytes: int = 0
     reason_long: str = ""  # the text sent to the ranks: "<rule>: <message> (<where>)"
     scheduler_cordoned: bool | None = None  # None: not tried yet; False: the backend's cordon failed (retried)
+    spare: dict | None = None  # the spare chosen by distance: node, distance, rank, why (sentinel.topology)
 
 
 def leaving_reason(state_dir: Path) -> str:
@@ -195,6 +196,7 @@ class Migrator:
         self.backend_up: bool | None = None  # did the last backend call reach the scheduler?
         self.breaker_refusals = 0
         self.deadline_exceeded: dict[str, int] = {}  # phase -> migrations moved on past its deadline
+        self.spare_distances: dict[str, int] = {}  # spares chosen, by distance to this node
         self._job: concurrent.futures.Future | None = None
         self._job_deadline = 0.0  # monotonic: when the tick stops waiting for self._job
         self._requested_at = 0.0  # monotonic
@@ -213,7 +215,7 @@ class Migrator:
         changes only with a restart (:data:`sentinel.config.RESTART_ONLY`)."""
         self.cfg = actions
         self.backend.cfg = dataclasses.replace(actions, backend=self.backend.cfg.backend, slurm=self.backend.cfg.slurm,
-                                               kubernetes=self.backend.cfg.kubernetes)
+                                               kubernetes=self.backend.cfg.kubernetes, topology=self.backend.cfg.topology)
         self.backend.ctx.timeout = actions.command_timeout_seconds
         if actions.agent_pidfile:
             self.pidfile = Path(actions.agent_pidfile)
@@ -588,9 +590,18 @@ class Migrator:
             note = self._call("start_spare", self.backend.start_spare)
         except BackendError as exc:
             note = f"no spare started: {exc}"
+        choice = self.backend.spare_choice
+        if choice is not None:
+            self.spare_distances[choice.distance] = self.spare_distances.get(choice.distance, 0) + 1
         if self.record is not None:
             self.record.notes.append(note)
-        event(log, "spare", backend=self.backend.name, result=note)
+            self.record.notes.extend(self.backend.take_notes())
+            if choice is not None:
+                self.record.spare = choice.as_dict()
+                self.record.times["spare_chosen"] = self.wall()
+            self._save()
+        event(log, "spare", backend=self.backend.name, result=note,
+              **({"spare": choice.node, "distance": choice.distance} if choice is not None else {}))
 
     def metric_counters(self) -> dict:
         out = {("sentinel_migration_steps", (("step", k),)): float(v) for k, v in dict(self.counts).items()}
@@ -599,6 +610,8 @@ class Migrator:
         out[("sentinel_breaker_refusals", (("backend", self.backend.name),))] = float(self.breaker_refusals)
         for phase in sorted({Phase.ACKNOWLEDGED.value, Phase.CORDONED.value, *self.deadline_exceeded}):
             out[("sentinel_migration_deadline_exceeded", (("phase", phase),))] = float(self.deadline_exceeded.get(phase, 0))
+        for distance, n in dict(self.spare_distances).items():
+            out[("sentinel_spare_choices", (("distance", distance),))] = float(n)
         return out
 
     def gauges(self) -> dict:

@@ -22,6 +22,10 @@ Contract (each method may block; the daemon calls them on a worker thread, never
 * ``fleet(now)`` — for the circuit breaker: how many of the job's / partition's nodes there
   are and when Sentinel cordoned each of those it cordoned; ``None`` when the backend has no
   view of other nodes (file, command).
+* ``topology()`` — the :class:`sentinel.topology.Topology` from ``[actions.topology] file`` and
+  the scheduler's own (``scheduler_topology()``); raises :class:`sentinel.topology.TopologyError`
+  on a file it cannot read or a contradiction. ``start_spare()`` sets ``spare_choice`` (a
+  :class:`sentinel.topology.SpareChoice`) when it chose a spare by distance.
 
 Errors: :class:`Unreachable` (timeout, connection refused, 5xx: retried with backoff),
 :class:`PermissionDenied` and :class:`UnknownNode` (not retried: the message names the missing
@@ -163,6 +167,7 @@ class Backend:
         self.pidfile = Path(actions.agent_pidfile) if actions.agent_pidfile else ctx.runtime_dir / "agent.pid"
         self.read_agent = ctx.read_agent or (lambda p: procs.read_agent_record(p, owners=frozenset({0, os.geteuid()})))
         self.notes: list[str] = []  # what the last call did, for the migration record
+        self.spare_choice = None  # the last start_spare's SpareChoice, when it chose by distance
 
     @property
     def cordon_path(self) -> Path:
@@ -223,6 +228,20 @@ class Backend:
         the breaker does not apply and this is :meth:`cordon_scheduler`."""
         self.cordon_scheduler(reason)
         return Verdict(True, 0, 0, "no fleet view: the breaker does not apply")
+
+    def topology(self):
+        """The topology as the configured file and the scheduler describe it (merged; checked)."""
+        from sentinel import topology
+
+        tc = self.cfg.topology
+        readings = topology.read_file(tc.file) if tc.file else []
+        if tc.from_scheduler:
+            readings += self.scheduler_topology()
+        return topology.merge(readings)
+
+    def scheduler_topology(self) -> list:
+        """The scheduler's own topology readings (none here)."""
+        return []
 
     # -- the scheduler's side (subclasses) --------------------------------------------------------
     def cordon_scheduler(self, reason: CordonReason) -> None:
