@@ -599,7 +599,7 @@ class Migrator:
             if choice is not None:
                 self.record.spare = choice.as_dict()
                 self.record.times["spare_chosen"] = self.wall()
-            self._save()
+                self._save()
         event(log, "spare", backend=self.backend.name, result=note,
               **({"spare": choice.node, "distance": choice.distance} if choice is not None else {}))
 
