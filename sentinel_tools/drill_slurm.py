@@ -223,7 +223,10 @@ class SlurmDrill(drill.Drill):
 
     def __init__(self, args) -> None:
         super().__init__(args)
-        self.cluster = SlurmCluster(self.work / "slurm")
+        # --topology: a topology.conf (topology/tree) for the cluster; the slurm backend reads it back
+        # through `scontrol show topology` to pick the spare
+        topology = Path(args.topology).read_text() if getattr(args, "topology", None) else None
+        self.cluster = SlurmCluster(self.work / "slurm", topology=topology)
         self.job_id = ""
         self.checks: dict[str, object] = {}
 
