@@ -369,6 +369,41 @@ def cmd_uncordon(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_topology(args: argparse.Namespace) -> int:
+    """Print the topology the daemon would use (its file and its scheduler's, as configured, plus
+    --file), one line per node, and the spare it would choose for --for among --spares."""
+    import time
+
+    from sentinel import topology
+    from sentinel.backends import make_backend
+    from sentinel.backends.base import BackendContext, BackendError
+
+    try:
+        cfg = load_config(args.config)
+    except config_mod.ConfigError as exc:
+        return fail(str(exc))
+    node = args.node_name or cfg.daemon.node_name or socket.gethostname()
+    ctx = BackendContext(node=node, state_dir=Path(cfg.daemon.state_dir), runtime_dir=Path(cfg.daemon.runtime_dir),
+                         timeout=cfg.actions.command_timeout_seconds, wall=time.time)
+    try:
+        readings = []
+        for f in args.file:
+            readings += topology.read_file(f)
+        b = make_backend(cfg.actions, ctx)
+        tc = cfg.actions.topology
+        readings += topology.read_file(tc.file) if tc.file else []
+        readings += b.scheduler_topology() if tc.from_scheduler else []
+        topo = topology.merge(readings)
+    except (topology.TopologyError, BackendError) as exc:
+        return fail(f"topology: {exc}", 1)
+    print("\n".join(topo.describe()) or "no node is placed: every choice falls back to today's order")
+    if args.spares:
+        choice = topology.choose_spare(topo, args.departed or node, args.spares.split(","))
+        if choice is not None:
+            print(f"spare for {args.departed or node}: {choice.node} ({choice.distance}): {choice.why}")
+    return 0
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     """Run the torchrun agent under an identity record the daemon trusts (see sentinel.launch)."""
     from sentinel.launch import launch
@@ -498,6 +533,15 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         sc.set_defaults(func=scan.run)
         ex.set_defaults(func=scan.explain)
 
+    tp = sub.add_parser("topology", help="print the topology Sentinel reads (file, scheduler) and the spare it would "
+                        "choose; exit 1 naming the source and node of a contradiction (docs/topology.md)")
+    tp.add_argument("--config", help="TOML config: [actions.topology] and the backend whose topology is read")
+    tp.add_argument("--file", action="append", default=[], help="also read this topology file (repeatable)")
+    tp.add_argument("--node-name", help="this node (default: daemon.node_name, else the host name)")
+    tp.add_argument("--for", dest="departed", help="the departed node (default: this node)")
+    tp.add_argument("--spares", help="comma-separated waiting spares: print the one Sentinel would choose")
+    tp.set_defaults(func=cmd_topology)
+
     la = sub.add_parser("launch", help="run the torchrun agent under a pidfile the daemon drains (refuses on a cordoned node)")
     la.add_argument("--pidfile", default=os.path.join(os.environ.get("SENTINEL_RUNTIME_DIR", "/run/sentinel"), "agent.pid"))
     la.add_argument("--state-dir", default="/var/lib/sentinel")
@@ -521,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     if command is None and argv[:1] == ["--version"]:
         command = "--version"  # the light parser: nothing but the version is needed
     parser = build_parser(command if command in ("run", "check-config", "status", "uncordon", "launch", "admit", "install",
-                                                  "scan", "explain", "--version", *TOOLS) else None)
+                                                  "scan", "explain", "topology", "--version", *TOOLS) else None)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -65,3 +65,13 @@ def test_cli_prints_the_side_by_side_table():
     bad = subprocess.run([sys.executable, "-m", "sentinel", "simulate", "placement", "--spares-per-domain", "30"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "spares_per_domain" in bad.stderr
+
+
+def test_at_16384_gpus_nearest_spare_and_cross_rack_replicas_win():
+    c = Cluster(gpus=16384)
+    p = goodput.Params(gpus=16384, days=30)
+    near = placement.spare_monte_carlo(c, p, "nearest", runs=3, seed=0)
+    rand = placement.spare_monte_carlo(c, p, "random", runs=3, seed=0)
+    assert near.ettr_factor > rand.ettr_factor and near.share_by_tier["nvlink"] > rand.share_by_tier["nvlink"]
+    ring, plan = placement.same_rack_share_of_plans(c)
+    assert plan == 0.0 and ring > 0.9  # 4,096 nodes: Sentinel's plan keeps no replica in its holder's rack

@@ -71,3 +71,21 @@ def test_a_migration_records_the_choice_and_counts_it(tmp_path):
     finally:
         m.close()
         ep.close()
+
+
+def test_sentinel_topology_prints_the_model_and_the_choice_and_names_a_contradiction(tmp_path):
+    import subprocess
+
+    from conftest import REPO
+
+    good = tmp_path / "t.toml"
+    good.write_text('[nodes.n1]\nswitches = ["leafA"]\n[nodes.far]\nswitches = ["leafB"]\n[nodes.near]\nswitches = ["leafA"]\n')
+    r = subprocess.run([sys.executable, "-m", "sentinel", "topology", "--file", str(good), "--for", "n1",
+                        "--spares", "far,near"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert "n1: nvlink=? switches=leafA" in r.stdout and "spare for n1: near (leaf)" in r.stdout
+    bad = tmp_path / "topology.conf"
+    bad.write_text("SwitchName=a Nodes=n1\nSwitchName=b Nodes=n1\n")
+    r = subprocess.run([sys.executable, "-m", "sentinel", "topology", "--file", str(bad)], capture_output=True, text=True,
+                       timeout=60, cwd=REPO)
+    assert r.returncode == 1 and f"{bad}: node n1 is under two leaf switches" in r.stderr
