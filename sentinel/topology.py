@@ -85,11 +85,15 @@ class Place:
 
 @dataclass(frozen=True)
 class Reading:
-    """What one source says about one node. Every field is optional."""
+    """What one source says about one node. Every field is optional. Sources in the same
+    ``namespace`` name domains alike (a Slurm switch and a file's switch; Topograph's domain and
+    the GPU operator's clique), so a different value for one node is a contradiction; across
+    namespaces (AWS's ultraserver id vs Topograph's domain) only the grouping must agree."""
 
     node: str
     source: str
     place: Place
+    namespace: str = ""
 
 
 # -- the model ------------------------------------------------------------------------------------
@@ -164,11 +168,11 @@ def merge(readings: Iterable[Reading]) -> Topology:
     readings = list(readings)
     _check_partitions(readings)
     places: dict[str, Place] = {}
-    said: dict[str, dict[str, tuple[str, str]]] = {}  # node -> field -> (value, source)
+    said: dict[tuple[str, str], dict[str, tuple[str, str]]] = {}  # (node, namespace) -> field -> (value, source)
     sources: dict[str, list[str]] = {}
     for r in readings:
         cur = places.get(r.node, Place())
-        mine = said.setdefault(r.node, {})
+        mine = said.setdefault((r.node, r.namespace), {})
         fields = {"nvlink": r.place.nvlink, "nvlink_sub": r.place.nvlink_sub, "rack": r.place.rack, "power": r.place.power}
         fields.update({f"switch{i}": s for i, s in enumerate(r.place.switches)})
         for name, value in fields.items():
@@ -413,6 +417,11 @@ LABEL_CONVENTIONS: dict[str, tuple[tuple[str, str], ...]] = {
     "aws": (("topology.k8s.aws/ultraserver-id", "nvlink"),),  # the network layers: below
     "sentinel": (("sentinel.dev/rack", "rack"), ("sentinel.dev/power", "power"), ("sentinel.dev/nvlink-domain", "nvlink")),
 }
+#: conventions whose values name the same things alike (Topograph's domain is the GPU operator's
+#: clique, ``<cluster uuid>.<clique id>``, as NVML gives it); Sentinel's own labels share the
+#: files' and Slurm's namespace ("")
+LABEL_NAMESPACES = {"topograph": "nvidia", "topograph-legacy": "nvidia", "gpu-operator": "nvidia", "gcp": "gcp",
+                    "aws": "aws", "sentinel": ""}
 _TOPOGRAPH_TIER = re.compile(r"^fabric\.topograph\.run/tier-(\d+)$")
 _AWS_LAYER = re.compile(r"^topology\.k8s\.aws/network-node-layer-(\d+)$")
 
@@ -445,7 +454,7 @@ def from_labels(node: str, labels: Mapping[str, str], source: str = "kubernetes"
         depth = max(tiers) + 1 if tiers else 0
         place = Place(nvlink=values.get("nvlink"), nvlink_sub=values.get("nvlink_sub"),
                       switches=tuple(tiers.get(i) for i in range(depth)), rack=values.get("rack"), power=values.get("power"))
-        out.append(Reading(node, f"{source} labels ({convention})", place))
+        out.append(Reading(node, f"{source} labels ({convention})", place, LABEL_NAMESPACES.get(convention, "")))
     return out
 
 
@@ -459,7 +468,7 @@ def from_nvml_fabric(node: str, gpus: Sequence[tuple[str, int]], source: str = "
         return []
     if len(ids) > 1:
         raise TopologyConflict(f"node {node}: {source} puts its GPUs in {len(ids)} NVLink cliques: {', '.join(sorted(ids))}")
-    return [Reading(node, source, Place(nvlink=ids.pop()))]
+    return [Reading(node, source, Place(nvlink=ids.pop()), "nvidia")]
 
 
 def read_nvml_fabric(node: str) -> list[Reading]:  # pragma: no cover - needs NVML with a registered fabric

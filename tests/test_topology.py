@@ -123,6 +123,18 @@ def test_label_conventions_that_group_nodes_differently_are_a_conflict():
     assert "gpu-operator" in str(exc.value)
 
 
+def test_conventions_may_name_domains_differently_if_they_group_alike():
+    readings = []
+    for node, domain, ultra in (("a", "uuid.1", "us-1"), ("b", "uuid.1", "us-1"), ("c", "uuid.2", "us-2")):
+        readings += T.from_labels(node, {"accelerator.topograph.run/domain": domain, "topology.k8s.aws/ultraserver-id": ultra})
+    topo = T.merge(readings)
+    assert topo.groups("nvlink") == {frozenset({"a", "b"}), frozenset({"c"})}
+    assert topo.place("a").nvlink == "uuid.1"  # the first convention's name
+    # ... but within one namespace a different name is a contradiction (Topograph vs the GPU operator)
+    with pytest.raises(T.TopologyConflict, match="node a: .*topograph.* says NVLink domain 'uuid.1'"):
+        T.merge(T.from_labels("a", {"accelerator.topograph.run/domain": "uuid.1", "nvidia.com/gpu.clique": "uuid.9"}))
+
+
 def test_two_sources_naming_a_node_differently_is_a_conflict():
     a = T.parse_file('[nodes.n1]\nrack = "r1"\n', "/etc/sentinel/topology.toml")
     b = T.parse_file('[nodes.n1]\nrack = "r2"\n', "other.toml")
