@@ -541,7 +541,13 @@ def read_file(path: str) -> list[Reading]:
         raise TopologyError(f"{path}: cannot read the topology file: {exc.strerror or exc}") from None
     except UnicodeDecodeError:
         raise TopologyError(f"{path}: not a UTF-8 text file") from None
-    if "SwitchName=" in text or "BlockName=" in text or "switchname=" in text.lower():
+    return parse_text(text, path)
+
+
+def parse_text(text: str, path: str) -> list[Reading]:
+    """A topology file's text: Slurm topology.conf syntax, else TOML (JSON when ``path`` ends in .json)."""
+    lowered = text.lower()
+    if "switchname=" in lowered or "blockname=" in lowered:
         return parse_slurm_topology(text, path)
     return parse_file(text, path, json_format=path.endswith(".json"))
 
@@ -779,5 +785,5 @@ def _natural(s: str):
 __all__ = [
     "Distance", "DomainVerdict", "Place", "Reading", "ReplicaPlan", "SpareChoice", "Topology", "TopologyConflict",
     "TopologyError", "choose_spare", "distance", "domain_breaker", "expand_hostlist", "failure_domain", "from_labels",
-    "from_nvml_fabric", "merge", "parse_file", "parse_slurm_topology", "read_file", "replica_plan",
+    "from_nvml_fabric", "merge", "parse_file", "parse_slurm_topology", "parse_text", "read_file", "replica_plan",
 ]

@@ -463,7 +463,9 @@ class Drill:
             "fault_to_first_step_seconds": round(t_first - t_fault, 3) if t_first else None,
             "migration_notes": mig.get("notes", []),
             "spare_choice": mig.get("spare"),
-            "replica_placement": next((e.get("placement") for e in events if e["event"] == "replica_placement"), None),
+            # the memory tier's replica placement as rank 0 printed it: at the start, and after the fault
+            "replica_placement": [{"time": e["time"], "placement": e.get("placement")} for e in events
+                                  if e["event"] == "replica_placement"],
             # every snapshot the job finished (ok or failed), as rank 0 logged it
             "snapshots": [{k: e.get(k) for k in ("step", "ok", "kind", "time", "node")}
                           for e in events if e["event"] == "snapshot"],

@@ -1,9 +1,11 @@
 """`sentinel drill --topology FILE`: the near spare is admitted while a far one waits first in
-line, and the timeline says how far and why."""
+line, the timeline says how far and why, and the memory tier keeps every replica outside its
+holder's rack — before the fault and after the spare joined."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -44,3 +46,13 @@ def test_drill_admits_the_spare_under_the_failed_nodes_leaf(tmp_path):
     assert chosen["distance"] == "leaf" and "leafA" in chosen["why"] and "spare0 (spine)" in chosen["why"]
     admitted = next(e for e in result["timeline"] if e["stage"] == "spare admitted")
     assert admitted["node"] == "spare1" and admitted["distance"] == "leaf"
+
+    # the memory tier's placement, agreed by all ranks and printed by rank 0 at each (re)start
+    placements = result["replica_placement"]
+    assert len(placements) >= 2, placements
+    for p in (placements[0], placements[-1]):
+        for line in p["placement"]:
+            m = re.match(r"(\S+) \((rack=\S+),power=\?\) -> replica on (\S+) \((rack=\S+),power=\?, (\S+)\)", line)
+            assert m, line
+            assert m.group(2) != m.group(4) and m.group(5) == "leaf", line  # another rack, the same leaf
+    assert {re.match(r"(\S+)", line).group(1) for line in placements[-1]["placement"]} == {"node0", "spare1"}

@@ -176,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                 record("snapshot", step=rec.step, ok=rec.ok, kind=rec.kind, path=rec.path, error=rec.error[:200])
         reported = len(guard.records)
 
+    placed = False
     for step in range(start, args.steps):
         t0 = time.perf_counter()
         x, y = batch_for(step, args.seed, args.global_batch, args.seq, args.vocab, rank, world)
@@ -198,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.flush()
             os._exit(75)
         record_snapshots()
+        if not placed and rank == 0 and guard.memory is not None and guard.memory.placement:
+            # the memory tier agrees on its replica placement at its first snapshot (all ranks)
+            record("replica_placement", placement=guard.memory.placement)
+            placed = True
         pad = args.step_seconds - (time.perf_counter() - t0)
         if pad > 0:
             time.sleep(pad)
