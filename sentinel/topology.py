@@ -40,6 +40,7 @@ sources (or two label conventions on one node) that disagree about which nodes s
 from __future__ import annotations
 
 import json
+import math
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -770,7 +771,7 @@ def domain_breaker(topo: Topology, node: str, cordons: Iterable[tuple[str, float
         drained = len(recent & members) + 1
         share = drained / len(members)
         domain = _level_key(level)(topo.place(node)) or ""
-        if share > limit:
+        if drained > domain_slots(len(members), limit):
             return DomainVerdict(False, f"{drained} of the {len(members)} nodes of {level} domain {domain} would be drained "
                                         f"by Sentinel within {window_seconds:g} s ({share:.0%} > {limit:.0%}): a whole-domain "
                                         f"problem (switch, power) — page, do not drain", level, domain)
@@ -778,12 +779,53 @@ def domain_breaker(topo: Topology, node: str, cordons: Iterable[tuple[str, float
     return DomainVerdict(True, "; ".join(notes) or "no multi-node domain known for this node")
 
 
+def domain_slots(size: int, max_fraction: float) -> int:
+    """How many of a domain's ``size`` nodes may be under a recent Sentinel cordon at once."""
+    return int(math.floor(max_fraction * size + 1e-9))
+
+
+def domain_settle(topo: Topology, node: str, cordons: Iterable[tuple[str, float]], now: float, *,
+                  window_seconds: float, max_fraction: Mapping[str, float]) -> tuple[str, DomainVerdict]:
+    """The per-domain breaker for drain-then-recount (as :func:`sentinel.backends.breaker.settle`
+    for the fleet): called after this node's own Sentinel cordon is in place, on a fresh count.
+    ``"won"`` when, in every limited domain of ``node``, the recent Sentinel cordons (this one
+    included) fit in :func:`domain_slots`; ``"lost"`` when this node ranks past the slots of some
+    domain in the deterministic order (cordon time, then name: every node computes the same
+    order) and must undo its cordon; ``"wait"`` when it ranks within them but nodes ranked after
+    it have not undone theirs yet. A burst of trips inside one NVLink domain thus never keeps
+    more than the share, as the fleet breaker's argument shows."""
+    cordons = list(cordons)
+    outcome, verdict = "won", None
+    notes = []
+    for level, limit in max_fraction.items():
+        members = topo.members(level, node)
+        if len(members) < 2:
+            continue
+        recent = {n: t for n, t in cordons if n in members and now - window_seconds <= t <= now + 60}
+        recent.setdefault(node, now)
+        slots = domain_slots(len(members), limit)
+        domain = _level_key(level)(topo.place(node)) or ""
+        if len(recent) <= slots:
+            notes.append(f"{level} {domain}: {len(recent)}/{len(members)} <= {limit:.0%}")
+            continue
+        why = (f"{len(recent)} of the {len(members)} nodes of {level} domain {domain} would be drained by Sentinel "
+               f"within {window_seconds:g} s ({len(recent) / len(members):.0%} > {limit:.0%}): a whole-domain problem "
+               f"(switch, power) — page, do not drain")
+        order = sorted(recent, key=lambda n: (recent[n], _natural(n)))
+        mine = "lost" if order.index(node) >= slots else "wait"
+        if verdict is None or (mine == "lost" and outcome != "lost"):
+            outcome, verdict = mine, DomainVerdict(False, why, level, domain)
+    if verdict is not None:
+        return outcome, verdict
+    return "won", DomainVerdict(True, "; ".join(notes) or "no multi-node domain known for this node")
+
+
 def _natural(s: str):
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
 
 
 __all__ = [
-    "Distance", "DomainVerdict", "Place", "Reading", "ReplicaPlan", "SpareChoice", "Topology", "TopologyConflict",
+    "Distance", "DomainVerdict", "domain_settle", "domain_slots", "Place", "Reading", "ReplicaPlan", "SpareChoice", "Topology", "TopologyConflict",
     "TopologyError", "choose_spare", "distance", "domain_breaker", "expand_hostlist", "failure_domain", "from_labels",
     "from_nvml_fabric", "merge", "parse_file", "parse_slurm_topology", "parse_text", "read_file", "replica_plan",
 ]

@@ -313,3 +313,20 @@ def test_every_pair_distance_is_symmetric_on_the_tree():
     topo = tree()
     for a, b in itertools.combinations(sorted(topo.places), 2):
         assert T.distance(topo, a, b) == T.distance(topo, b, a)
+
+
+def test_domain_settle_keeps_a_burst_inside_one_domain_within_the_share():
+    """Three nodes of one 4-node NVLink domain drain at the same moment, then each recounts: the
+    deterministic order keeps two (50 %) and the third undoes its drain; after it has, the two
+    that waited win."""
+    topo = nvl_topology()
+    limits = {"nvlink": 0.5}
+    now = 100.0
+    burst = [("n0", now), ("n1", now), ("n2", now)]
+    outcomes = {n: T.domain_settle(topo, n, burst, now, window_seconds=60, max_fraction=limits) for n, _ in burst}
+    assert {n: o for n, (o, _) in outcomes.items()} == {"n0": "wait", "n1": "wait", "n2": "lost"}
+    assert outcomes["n2"][1].level == "nvlink" and "3 of the 4 nodes" in outcomes["n2"][1].why
+    kept = [c for c in burst if c[0] != "n2"]  # n2 resumed itself
+    assert all(T.domain_settle(topo, n, kept, now, window_seconds=60, max_fraction=limits)[0] == "won" for n, _ in kept)
+    # the one-shot check agrees with the settled state: a fourth node of the domain is refused
+    assert not T.domain_breaker(topo, "n3", kept, now, window_seconds=60, max_fraction=limits).allowed
