@@ -561,6 +561,8 @@ class Migrator:
             self._save()
             raise
         rec.notes.extend(self.backend.take_notes())
+        if isinstance(verdict, Verdict) and not verdict.allowed and self.backend.domain_refusal:
+            self._count(f"domain_breaker_{self.backend.domain_refusal}")  # one NVLink domain / leaf, not the fleet
         if isinstance(verdict, Verdict) and not verdict.allowed:
             if rec.phase == Phase.DRAINED.value:  # a later retry: the node stays drained locally; try again later
                 rec.scheduler_cordoned = False

@@ -64,8 +64,10 @@ def test_a_migration_records_the_choice_and_counts_it(tmp_path):
                  signal_agent=lambda rec, sig: None, workers=concurrent.futures.ThreadPoolExecutor(2))
     try:
         m.begin("r1", Trip(rule="xid", action="migrate", gpu=0, cause="xid:79", message="Xid 79", values={}))
-        wait_for(lambda: (m.tick([]), m.record.spare)[1] is not None, timeout=30, what="the spare choice")
-        saved = json.loads((tmp_path / "state" / "migration.json").read_text())
+        record = tmp_path / "state" / "migration.json"
+        wait_for(lambda: (m.tick([]), json.loads(record.read_text()).get("spare"))[1] is not None, timeout=30,
+                 what="the spare choice on disk")
+        saved = json.loads(record.read_text())
         assert saved["spare"] == choice and "spare_chosen" in saved["times"]
         assert m.metric_counters()[("sentinel_spare_choices", (("distance", "nvlink"),))] == 1
     finally:

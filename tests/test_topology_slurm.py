@@ -130,9 +130,10 @@ def test_the_per_domain_breaker_refuses_most_of_one_leaf(tree_cluster, tmp_path)
     m, ep = migrator(c, "node2", tmp_path)
     try:
         m.begin("r2", TRIP)
-        wait_for(lambda: (m.tick([]), m.record.phase)[1] != "tripped", timeout=30, what="the breaker's verdict")
+        done = ("refused", "cordoned", "drained")
+        wait_for(lambda: (m.tick([]), m.record.phase)[1] in done, timeout=60, what="the breaker's verdict")
         # the fleet: 2 of 5 nodes (40 %) is allowed; leaf A: 2 of 3 (67 %) is not
-        assert m.record.phase == "refused"
+        assert m.record.phase == "refused", m.record.notes
         assert any("2 of the 3 nodes of leaf domain leafA" in n and "page, do not drain" in n for n in m.record.notes)
         assert "DRAIN" not in c.node("node2")["State"]
         assert m.metric_counters()[("sentinel_migration_steps", (("step", "domain_breaker_leaf"),))] == 1
@@ -140,8 +141,9 @@ def test_the_per_domain_breaker_refuses_most_of_one_leaf(tree_cluster, tmp_path)
         m3, ep3 = migrator(c, "node3", tmp_path)
         try:
             m3.begin("r3", TRIP)
-            wait_for(lambda: (m3.tick([]), m3.record.phase)[1] != "tripped", timeout=30, what="the breaker's verdict")
-            assert m3.record.phase == "requested"
+            wait_for(lambda: (m3.tick([]), m3.record.phase)[1] in done, timeout=60, what="the breaker's verdict")
+            assert m3.record.phase in ("cordoned", "drained"), m3.record.notes
+            assert "DRAIN" in c.node("node3")["State"]
         finally:
             m3.close()
             ep3.close()

@@ -168,6 +168,7 @@ class Backend:
         self.read_agent = ctx.read_agent or (lambda p: procs.read_agent_record(p, owners=frozenset({0, os.geteuid()})))
         self.notes: list[str] = []  # what the last call did, for the migration record
         self.spare_choice = None  # the last start_spare's SpareChoice, when it chose by distance
+        self.domain_refusal = ""  # the level ("nvlink", "leaf") of the last claim's per-domain refusal
 
     @property
     def cordon_path(self) -> Path:
@@ -242,6 +243,26 @@ class Backend:
     def scheduler_topology(self) -> list:
         """The scheduler's own topology readings (none here)."""
         return []
+
+    def breaker_topology(self):
+        """The topology for the per-domain breaker (:func:`sentinel.topology.domain_settle`), or
+        None: no limit below 1, or a topology that cannot be read (noted; the fleet-wide breaker
+        still holds, and a failing node is never kept from draining by a topology file)."""
+        from sentinel import topology
+
+        tc = self.cfg.topology
+        self.domain_refusal = ""
+        if tc.breaker_max_nvlink_fraction >= 1 and tc.breaker_max_leaf_fraction >= 1:
+            return None
+        try:
+            return self.topology()
+        except (topology.TopologyError, BackendError) as exc:
+            self.notes.append(f"topology not used by the breaker: {exc}")
+            return None
+
+    def domain_limits(self) -> dict[str, float]:
+        tc = self.cfg.topology
+        return {"nvlink": tc.breaker_max_nvlink_fraction, "leaf": tc.breaker_max_leaf_fraction}
 
     # -- the scheduler's side (subclasses) --------------------------------------------------------
     def cordon_scheduler(self, reason: CordonReason) -> None:

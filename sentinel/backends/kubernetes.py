@@ -408,6 +408,7 @@ class KubernetesBackend(Backend):
         already in the Lease within the window keeps its place (a retry, a restart)."""
         window, fraction = self.cfg.breaker_window_seconds, self.cfg.breaker_max_fraction
         verdict = None
+        topo = self.breaker_topology()
         for _ in range(LEASE_ATTEMPTS):
             fleet = self.fleet(self.ctx.wall())
             lease, entries = self._read_lease()
@@ -423,6 +424,14 @@ class KubernetesBackend(Backend):
                     return Verdict(False, others, fleet.nodes,
                                    f"{others} of {fleet.nodes} nodes were cordoned by Sentinel in the last {window:g} s; "
                                    f"cordoning this one would make {(others + 1) / max(fleet.nodes, 1):.0%} > {fraction:.0%}")
+                if topo is not None:  # and no more than a share of its NVLink domain / leaf (same Lease, same count)
+                    from sentinel.topology import domain_breaker
+
+                    d = domain_breaker(topo, self.node, recent.items(), now, window_seconds=window,
+                                       max_fraction=self.domain_limits())
+                    if not d.allowed:
+                        self.domain_refusal = d.level
+                        return Verdict(False, others, fleet.nodes, d.why)
                 kept = {n: t for n, t in entries.items() if now - window <= t <= now + 60}
                 kept[self.node] = now
                 try:

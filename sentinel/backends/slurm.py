@@ -32,6 +32,7 @@ from sentinel import procs
 from sentinel.backends.base import (REASON_PREFIX, Backend, BackendError, CordonReason, CordonState, Fleet,
                                     PermissionDenied, Unreachable, UnknownNode, Verdict)
 from sentinel.backends.breaker import settle
+from sentinel.topology import domain_settle
 
 PRIVILEGE = ("draining or resuming a node needs root, the SlurmUser, or an AdminLevel of Operator or Admin "
              "(sacctmgr modify user <user> set adminlevel=Operator)")
@@ -273,10 +274,21 @@ class SlurmBackend(Backend):
             self._slurm("scontrol update", self.s.scontrol, "update", f"nodename={self.node}", "state=drain",
                         f"reason={reason.short()}")
         verdict = None
+        topo = self.breaker_topology()
         for _ in range(SETTLE_ROUNDS):
-            outcome, verdict = settle(self.fleet(self.ctx.wall()), self.node, self.ctx.wall(),
-                                      max_fraction=self.cfg.breaker_max_fraction,
+            fleet, now = self.fleet(self.ctx.wall()), self.ctx.wall()
+            outcome, verdict = settle(fleet, self.node, now, max_fraction=self.cfg.breaker_max_fraction,
                                       window_seconds=self.cfg.breaker_window_seconds)
+            if topo is not None and outcome != "lost":  # and no more than a share of its NVLink domain / leaf
+                d_outcome, d = domain_settle(topo, self.node, fleet.sentinel_cordons, now,
+                                             window_seconds=self.cfg.breaker_window_seconds,
+                                             max_fraction=self.domain_limits())
+                if d_outcome != "won":
+                    outcome = "lost" if d_outcome == "lost" else "wait"
+                    verdict = Verdict(False, verdict.recent, verdict.nodes, d.why)
+                    self.domain_refusal = d.level
+                else:
+                    self.domain_refusal = ""
             if outcome == "won":
                 self.notes.append(f"slurm: drained {self.node} (reason {reason.short()!r}); breaker: {verdict.why}")
                 return verdict
