@@ -105,3 +105,29 @@ def test_labels_that_contradict_each_other_are_reported_not_used(labelled, sa_ku
     finally:
         for n in ("tg-b-n1", "tg-b-n2"):
             core.patch_node(n, {"metadata": {"labels": {"nvidia.com/gpu.clique": None}}})
+
+
+def test_the_lease_claim_refuses_most_of_one_nvlink_domain(labelled, sa_kubeconfig, tmp_path):  # noqa: F811
+    """NVLink domain nvl-1 holds four Nodes here (b-n1, b-n2 of both label sets): with two of
+    them claimed, a third (75 %) is refused under the same Lease while the fleet (3 of 14) would
+    allow it; a node of another domain and leaf is not limited by it."""
+    from sentinel.backends.base import CordonReason
+
+    reason = CordonReason("xid", 0, "Xid 79 on GPU 0", "r")
+    claimed = []
+    try:
+        for n in ("tg-b-n1", "aws-b-n1"):
+            b = backend(sa_kubeconfig, n, tmp_path / n, "tg")
+            assert b.claim_cordon(reason).allowed, b.take_notes()
+            claimed.append(b)
+        b = backend(sa_kubeconfig, "aws-b-n2", tmp_path / "aws-b-n2", "aws")
+        verdict = b.claim_cordon(reason)
+        assert not verdict.allowed and b.domain_refusal == "nvlink"
+        assert "3 of the 4 nodes of nvlink domain nvl-1" in verdict.why and "page, do not drain" in verdict.why
+        assert not labelled.core().read_node("aws-b-n2").spec.unschedulable  # nothing of Sentinel's on it
+        other = backend(sa_kubeconfig, "tg-d-other", tmp_path / "other", "tg")
+        assert other.claim_cordon(reason).allowed
+        claimed.append(other)
+    finally:
+        for c in claimed:
+            c.uncordon()
