@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Callable
 
 from sentinel import procs
+from sentinel.families import counter
 
 log = logging.getLogger("sentinel.channel")
 
@@ -296,6 +297,11 @@ class RequestState:
     acks: dict[int, Ack] = field(default_factory=dict)  # pid -> "committed" ack
 
 
+CHANNEL_MESSAGES = counter("sentinel_channel_messages", "Control-channel messages by kind and outcome", "kind", "outcome")
+CHANNEL_REJECTED = counter("sentinel_channel_rejected",
+                           "Control-channel datagrams refused (wrong sender, malformed, over a limit), by reason", "reason")
+
+
 class DaemonEndpoint:
     """The daemon's end: sends requests to the node's verified ranks, collects their acknowledgements.
 
@@ -461,10 +467,12 @@ class DaemonEndpoint:
         state = self.requests.get(request_id)
         return bool(state and state.sent_to and set(state.sent_to) <= set(state.acks))
 
+    FAMILIES = (CHANNEL_MESSAGES, CHANNEL_REJECTED)
+
     def metric_counters(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        out = {("sentinel_channel_messages", (("kind", k), ("outcome", o))): float(n) for (k, o), n in self.counts.items()}
+        out = {CHANNEL_MESSAGES.key(kind=k, outcome=o): float(n) for (k, o), n in self.counts.items()}
         for reason, n in self.rejected.items():
-            out[("sentinel_channel_rejected", (("reason", reason),))] = float(n)
+            out[CHANNEL_REJECTED.key(reason=reason)] = float(n)
         return out
 
     def close(self) -> None:

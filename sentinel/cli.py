@@ -171,12 +171,44 @@ def _ignore_in_handler(signum: int, frame: object) -> None:
     """Installed for the relayed signals: the work happens in SignalRelay's thread."""
 
 
+def _reloader(daemon, args: argparse.Namespace, reload_flag: threading.Event) -> Callable[[], config_mod.Config | None]:
+    """The loop's reload hook: after SIGHUP (``reload_flag``), the configuration to apply, or None."""
+    from sentinel.log import event
+
+    def reload() -> config_mod.Config | None:
+        """Called by the loop between polls: the configuration to apply now, or None."""
+        if not reload_flag.is_set():
+            return None
+        reload_flag.clear()
+        daemon.notifier.reloading()
+        try:
+            new = with_overrides(load_config(args.config), args)
+        except config_mod.ConfigError as exc:
+            daemon.reloads["rejected"] += 1
+            event(log, "config reload rejected, keeping the old config", logging.ERROR, reload_outcome="rejected",
+                  config=args.config, error=str(exc))
+            daemon.notifier.ready(daemon.summary())
+            return None
+        applied, restart = config_mod.reload_plan(daemon.config, new)
+        # Exclusive outcomes: "ok" (everything applied), "partial" (some changes wait for a
+        # restart), "rejected" (invalid file; the old config stays).
+        daemon.reloads["partial" if restart else "ok"] += 1
+        logging.getLogger("sentinel").setLevel(new.daemon.log_level.upper())
+        event(log, "config reload", logging.WARNING if restart else logging.INFO,
+              reload_outcome="partial" if restart else "ok", config=args.config, applied=applied,
+              needs_restart=restart)
+        daemon.notifier.ready(daemon.summary())
+        # what the daemon runs with: a later reload reports the pending restart again
+        return config_mod.live_part(daemon.config, new)
+
+    return reload
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from sentinel import log as logsetup
     from sentinel.builder import build_daemon
     from sentinel.daemon import StartupError
     from sentinel.fsutil import UnsafePath, ensure_private_dir
-    from sentinel.log import event
     from sentinel.sources.nvml import NvmlUnavailable
 
     try:
@@ -214,31 +246,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     relay = SignalRelay({signal.SIGTERM: daemon.stop, signal.SIGINT: daemon.stop, signal.SIGHUP: reload_flag.set})
     relay.install()
 
-    def reload() -> config_mod.Config | None:
-        """Called by the loop between polls: the configuration to apply now, or None."""
-        if not reload_flag.is_set():
-            return None
-        reload_flag.clear()
-        daemon.notifier.reloading()
-        try:
-            new = with_overrides(load_config(args.config), args)
-        except config_mod.ConfigError as exc:
-            daemon.reloads["rejected"] += 1
-            event(log, "config reload rejected, keeping the old config", logging.ERROR, reload_outcome="rejected",
-                  config=args.config, error=str(exc))
-            daemon.notifier.ready(daemon.summary())
-            return None
-        applied, restart = config_mod.reload_plan(daemon.config, new)
-        # Exclusive outcomes: "ok" (everything applied), "partial" (some changes wait for a
-        # restart), "rejected" (invalid file; the old config stays).
-        daemon.reloads["partial" if restart else "ok"] += 1
-        logging.getLogger("sentinel").setLevel(new.daemon.log_level.upper())
-        event(log, "config reload", logging.WARNING if restart else logging.INFO,
-              reload_outcome="partial" if restart else "ok", config=args.config, applied=applied,
-              needs_restart=restart)
-        daemon.notifier.ready(daemon.summary())
-        # what the daemon runs with: a later reload reports the pending restart again
-        return config_mod.live_part(daemon.config, new)
+    reload = _reloader(daemon, args, reload_flag)
 
     try:
         try:
@@ -432,19 +440,8 @@ def cmd_install(args: argparse.Namespace) -> int:
 TOOLS = ("simulate", "inject", "drill")  # their modules (simulator, goodput Monte Carlo, drill harness) load lazily
 
 
-def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The whole parser, or (``only`` = the command being run) one that imports nothing the
-    other commands need: ``sentinel run`` never loads the drill harness or the simulators."""
-
-    def wanted(name: str) -> bool:
-        return only is None or only == name
-
-    from sentinel import __version__
-
-    p = argparse.ArgumentParser(prog="sentinel", description="GPU failure prediction, snapshot and spare migration daemon")
-    p.add_argument("--version", action="version", version=f"sentinel {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
-
+def _add_daemon_commands(sub: argparse._SubParsersAction) -> None:
+    """run, check-config."""
     run = sub.add_parser("run", help="run the daemon")
     run.add_argument("--config", help="TOML config (default: built-in defaults, as in systemd/sentinel.toml)")
     run.add_argument("--simulate", metavar="STATE", help="use simulated GPUs from this state file instead of NVML")
@@ -460,6 +457,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     cc.add_argument("file")
     cc.set_defaults(func=cmd_check_config)
 
+
+def _add_tool_commands(sub: argparse._SubParsersAction, wanted: Callable[[str], bool]) -> None:
+    """simulate, inject, status, drill: a tool's module is imported only when ``wanted``."""
     sim = sub.add_parser("simulate", help="simulated GPUs and fleet simulations")
     simsub = sim.add_subparsers(dest="simulate_command", required=True)
     init = simsub.add_parser("init", help="write a healthy simulated GPU state file")
@@ -507,6 +507,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     else:
         sub.add_parser("drill", help=dr_help)
 
+
+def _add_operator_commands(sub: argparse._SubParsersAction) -> None:
+    """uncordon, install."""
     un = sub.add_parser("uncordon", help="operator: undo Sentinel's cordon of this node (its drain/taint/condition and "
                         "marker; never an admin's)")
     un.add_argument("--config", help="TOML config naming the backend (default: built-in defaults, backend = file)")
@@ -521,6 +524,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     ins.add_argument("--no-reload", action="store_true", help="do not run systemctl daemon-reload")
     ins.set_defaults(func=cmd_install)
 
+
+def _add_node_commands(sub: argparse._SubParsersAction, wanted: Callable[[str], bool]) -> None:
+    """scan, explain, launch, admit."""
     sc = sub.add_parser("scan", help="one-shot check of this node: NVML and the kernel log; Nagios exit codes "
                         "(0 ok, 1 warning, 2 critical, 3 unknown)")
     ex = sub.add_parser("explain", help="what an Xid means and what Sentinel does about it")
@@ -556,6 +562,25 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     ad = sub.add_parser("admit", help="let a warm spare's agent (sentinel launch --warm) join the rendezvous")
     ad.add_argument("--pidfile", default=os.path.join(os.environ.get("SENTINEL_RUNTIME_DIR", "/run/sentinel"), "agent.pid"))
     ad.set_defaults(func=cmd_admit)
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser, or (``only`` = the command being run) one that imports nothing the
+    other commands need: ``sentinel run`` never loads the drill harness or the simulators."""
+
+    def wanted(name: str) -> bool:
+        return only is None or only == name
+
+    from sentinel import __version__
+
+    p = argparse.ArgumentParser(prog="sentinel", description="GPU failure prediction, snapshot and spare migration daemon")
+    p.add_argument("--version", action="version", version=f"sentinel {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    _add_daemon_commands(sub)
+    _add_tool_commands(sub, wanted)
+    _add_operator_commands(sub)
+    _add_node_commands(sub, wanted)
     return p
 
 

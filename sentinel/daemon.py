@@ -16,8 +16,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from sentinel.actions import Executor
+from sentinel.actions import ACTIONS, Executor
 from sentinel.config import Config
+from sentinel.families import Family, counter
 from sentinel.fsutil import UnsafePath, ensure_private_dir, probe_writable, write_json_atomic
 from sentinel.log import event
 from sentinel.metrics import View, build_registry
@@ -29,6 +30,12 @@ from sentinel.sources.nvml import NvmlSource
 from sentinel.systemd import Notifier
 
 log = logging.getLogger("sentinel.daemon")
+
+
+CONFIG_RELOADS = counter("sentinel_config_reloads", "Config reloads by outcome", "outcome")
+LOOP_ERRORS = counter("sentinel_loop_errors",
+                      "Exceptions the daemon's loop caught and survived, by component (source, policy, actions, ...)",
+                      "component")
 
 
 class StartupError(RuntimeError):
@@ -73,10 +80,20 @@ class Daemon:
         *,
         event_sources: list[EventSource] | None = None,
         executor: Executor | None = None,
+        endpoint: Any = None,
+        migrator: Any = None,
         notifier: Notifier | None = None,
+        wake: threading.Event | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
+        """Everything the daemon runs is passed in (:func:`sentinel.builder.build_daemon` wires it
+        from config): the NVML source, the kernel-event sources, the executor of the policy's
+        trips, the control channel to the ranks (``endpoint``, a
+        :class:`sentinel.channel.DaemonEndpoint`), the migration sequence (``migrator``, a
+        :class:`sentinel.migration.Migrator`), and ``wake``, the event that ends the wait between
+        polls (set by a kernel event or a finished backend call; the builder gives the same one
+        to the migrator). Without an endpoint and a migrator, trips are only counted and logged."""
         self.config = config
         self.nvml = nvml_source
         self.event_sources = list(event_sources or [])
@@ -95,12 +112,10 @@ class Daemon:
         self.runtime_dir = Path(config.daemon.runtime_dir)
         self.httpd: Any = None
         self.metrics_port: int | None = None
-        self.extra_counters: list[Callable[[], dict]] = []
-        self.extra_gauges: list[Callable[[], dict]] = []
-        self.endpoint: Any = None  # sentinel.channel.DaemonEndpoint
-        self.migrator: Any = None  # sentinel.migration.Migrator
+        self.endpoint = endpoint
+        self.migrator = migrator
         self._stop = threading.Event()
-        self._wake = threading.Event()
+        self._wake = wake or threading.Event()
         self.last_gpus: tuple = ()
 
     # -- start/stop ---------------------------------------------------------------------------
@@ -109,7 +124,7 @@ class Daemon:
         check_directories(self.runtime_dir, Path(self.config.daemon.state_dir))
         from sentinel.exporter import MetricsServer
 
-        self.httpd = MetricsServer.from_config(build_registry(lambda: self.view), self.config.metrics)
+        self.httpd = MetricsServer.from_config(build_registry(lambda: self.view, self.metric_families()), self.config.metrics)
         try:
             self.httpd.start()
         except OSError as exc:  # strerror is one sentence: "cannot listen for metrics on ...", or the unusable file
@@ -129,6 +144,13 @@ class Daemon:
         self.notifier.ready(summary)
         event(log, "sentinel started", node=self.node, gpus=len(self.nvml.gpus), metrics_port=self.metrics_port,
               sources=[self.nvml.name] + [s.name for s in self.event_sources])
+
+    def metric_families(self) -> list[Family]:
+        """The families of the counters and gauges this daemon publishes: its own and those its
+        components declare (``FAMILIES``); the collector renders those and no other name."""
+        components = [self.executor, *self.event_sources, self.endpoint, self.migrator]
+        return [ACTIONS, CONFIG_RELOADS, LOOP_ERRORS,
+                *(f for c in components if c is not None for f in getattr(c, "FAMILIES", ()))]
 
     def stop(self) -> None:
         self._stop.set()
@@ -242,16 +264,17 @@ class Daemon:
         for g in readings.gpus:
             rule_active.update(self.policy.rule_active(g))
         for kind_outcome, n in self.executor.counts.items():
-            counters[("sentinel_actions", (("action", kind_outcome[0]), ("outcome", kind_outcome[1])))] = float(n)
+            counters[ACTIONS.key(action=kind_outcome[0], outcome=kind_outcome[1])] = float(n)
         for outcome, n in self.reloads.items():
-            counters[("sentinel_config_reloads", (("outcome", outcome),))] = float(n)
-        for extra in self.extra_counters:
-            counters.update(self._guard("metrics", extra, default={}))
+            counters[CONFIG_RELOADS.key(outcome=outcome)] = float(n)
+        for component in (self.endpoint, self.migrator):
+            if component is not None:
+                counters.update(self._guard("metrics", component.metric_counters, default={}))
         for component, n in self.errors.items():
-            counters[("sentinel_loop_errors", (("component", component),))] = float(n)
+            counters[LOOP_ERRORS.key(component=component)] = float(n)
         gauges: dict = {}
-        for extra in self.extra_gauges:
-            gauges.update(self._guard("metrics", extra, default={}))
+        if self.migrator is not None:
+            gauges.update(self._guard("metrics", self.migrator.gauges, default={}))
         self.view = View(readings, health, forecasts, dict(self.trips), rule_active, counters, gauges, self.node,
                          detail=self.config.metrics.detail)
         if self.httpd is not None:

@@ -43,17 +43,10 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
-def launch(command: list[str], pidfile: Path, state_dir: Path, user: str = "", *, warm: bool = False) -> int:
+def _refusal(command: list[str], pidfile: Path, state_dir: Path) -> int | None:
+    """The exit code (after saying why) when the agent must not start: the node is cordoned (or
+    its marker cannot be read), no command, no pidfile directory. None: go ahead."""
     from sentinel.migration import read_cordon
-
-    account = None
-    if user:
-        try:
-            account = pwd.getpwnam(user)
-        except KeyError:
-            return _fail(f"--user {user}: no such user", 2)
-        if os.geteuid() != 0 and account.pw_uid != os.geteuid():
-            return _fail(f"--user {user} needs the launcher to run as root", 2)
 
     marker, problem = read_cordon(state_dir / "cordon.json")
     if marker is not None:
@@ -67,6 +60,44 @@ def launch(command: list[str], pidfile: Path, state_dir: Path, user: str = "", *
         pidfile.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         return _fail(f"cannot create {pidfile.parent}: {exc.strerror}", 2)
+    return None
+
+
+def _wait(pid: int, pidfile: Path, record: AgentRecord | None) -> int:
+    """Wait for the agent; remove its pidfile if still ours; its exit status as a shell reports it."""
+    status = 0
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            break
+        except ChildProcessError:
+            break
+        except InterruptedError:
+            continue
+    if record is not None:  # remove the pidfile if it is still ours (a newer launch may own it)
+        try:
+            if pidfile.read_text().splitlines()[1:2] == record.encode().splitlines()[1:2]:
+                pidfile.unlink()
+        except (OSError, IndexError):
+            pass
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1
+
+
+def launch(command: list[str], pidfile: Path, state_dir: Path, user: str = "", *, warm: bool = False) -> int:
+    account = None
+    if user:
+        try:
+            account = pwd.getpwnam(user)
+        except KeyError:
+            return _fail(f"--user {user}: no such user", 2)
+        if os.geteuid() != 0 and account.pw_uid != os.geteuid():
+            return _fail(f"--user {user} needs the launcher to run as root", 2)
+
+    refused = _refusal(command, pidfile, state_dir)
+    if refused is not None:
+        return refused
 
     env = {**os.environ, "SENTINEL_STATE_DIR": str(state_dir)}
     if warm:
@@ -110,24 +141,7 @@ def launch(command: list[str], pidfile: Path, state_dir: Path, user: str = "", *
     except (OSError, ProcessLookupError) as exc:
         print(f"sentinel: warning: cannot record the agent in {pidfile}: {exc}; the daemon will not "
               f"recognise this job's ranks", file=sys.stderr)
-    status = 0
-    while True:
-        try:
-            _, status = os.waitpid(pid, 0)
-            break
-        except ChildProcessError:
-            break
-        except InterruptedError:
-            continue
-    if record is not None:  # remove the pidfile if it is still ours (a newer launch may own it)
-        try:
-            if pidfile.read_text().splitlines()[1:2] == record.encode().splitlines()[1:2]:
-                pidfile.unlink()
-        except (OSError, IndexError):
-            pass
-    if os.WIFSIGNALED(status):
-        return 128 + os.WTERMSIG(status)
-    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1
+    return _wait(pid, pidfile, record)
 
 
 def admit(pidfile: Path) -> int:

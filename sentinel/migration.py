@@ -73,10 +73,12 @@ from typing import Any, Callable
 from sentinel import procs
 from sentinel.channel import DaemonEndpoint
 from sentinel.config import ActionsConfig
+from sentinel.backends import SETTINGS as backend_settings
 from sentinel.backends import make_backend
 from sentinel.backends.base import (Backend, BackendContext, BackendError, CordonReason, Verdict,
                                     read_cordon)
 from sentinel.fsutil import UnsafePath, read_trusted, write_json_atomic
+from sentinel.families import counter, gauge
 from sentinel.log import event
 
 log = logging.getLogger("sentinel.migration")
@@ -157,6 +159,23 @@ def leaving_reason(state_dir: Path) -> str:
     return f"migration {record.get('request_id', '?')} is {phase.value}: {record.get('rule', '')}: {record.get('reason', '')}"
 
 
+MIGRATION_STEPS = counter("sentinel_migration_steps", "Migration steps and their failures, by step", "step")
+BACKEND_CALLS = counter("sentinel_backend_calls",
+                        "Calls to the action backend (scheduler), by backend, operation and outcome (ok, retried, failed)",
+                        "backend", "op", "outcome")
+BREAKER_REFUSALS = counter("sentinel_breaker_refusals",
+                           "Cordons the circuit breaker refused (too many nodes cordoned by Sentinel in the window)", "backend")
+NODE_CORDONED = gauge("sentinel_node_cordoned", "1 while this node is cordoned by Sentinel")
+BACKEND_UP = gauge("sentinel_backend_up",
+                   "1 when the last call to the action backend's scheduler answered, 0 when it did not", "backend")
+SPARE_CHOICES = counter("sentinel_spare_choices",
+                        "Spares chosen by topology, by distance to this node (nvlink, leaf, spine, ..., far, unknown)",
+                        "distance")
+DEADLINE_EXCEEDED = counter("sentinel_migration_deadline_exceeded",
+                            "Migrations that moved on (fail-safe) because a phase's backend step passed its deadline, by phase",
+                            "phase")
+
+
 class Migrator:
     def __init__(
         self,
@@ -175,6 +194,7 @@ class Migrator:
         backend: Backend | None = None,
         sleep: Callable[[float], None] = time.sleep,
         wake: Callable[[], None] | None = None,
+        backend_up: bool | None = None,
     ) -> None:
         self.cfg = actions
         self.endpoint = endpoint
@@ -193,7 +213,7 @@ class Migrator:
         self.record: MigrationRecord | None = None
         self.counts: dict[str, int] = {}
         self.calls: dict[tuple[str, str], int] = {}  # (op, outcome) -> backend calls
-        self.backend_up: bool | None = None  # did the last backend call reach the scheduler?
+        self.backend_up = backend_up  # did the last backend call reach the scheduler? (None: no scheduler, or not asked yet)
         self.breaker_refusals = 0
         self.deadline_exceeded: dict[str, int] = {}  # phase -> migrations moved on past its deadline
         self.spare_distances: dict[str, int] = {}  # spares chosen, by distance to this node
@@ -211,11 +231,11 @@ class Migrator:
 
     def reconfigure(self, actions: ActionsConfig) -> None:
         """SIGHUP: new timeouts and commands apply from now on (a running step keeps its own).
-        The backend itself (``actions.backend``, ``[actions.slurm]``, ``[actions.kubernetes]``)
+        The backend itself (``actions.backend`` and each backend's ``[actions.<name>]`` table)
         changes only with a restart (:data:`sentinel.config.RESTART_ONLY`)."""
         self.cfg = actions
-        self.backend.cfg = dataclasses.replace(actions, backend=self.backend.cfg.backend, slurm=self.backend.cfg.slurm,
-                                               kubernetes=self.backend.cfg.kubernetes, topology=self.backend.cfg.topology)
+        kept = {name: getattr(self.backend.cfg, name) for name in backend_settings}
+        self.backend.cfg = dataclasses.replace(actions, backend=self.backend.cfg.backend, **kept)
         self.backend.ctx.timeout = actions.command_timeout_seconds
         if actions.agent_pidfile:
             self.pidfile = Path(actions.agent_pidfile)
@@ -605,21 +625,24 @@ class Migrator:
         event(log, "spare", backend=self.backend.name, result=note,
               **({"spare": choice.node, "distance": choice.distance} if choice is not None else {}))
 
+    FAMILIES = (MIGRATION_STEPS, BACKEND_CALLS, BREAKER_REFUSALS, NODE_CORDONED, BACKEND_UP, DEADLINE_EXCEEDED,
+                SPARE_CHOICES)
+
     def metric_counters(self) -> dict:
-        out = {("sentinel_migration_steps", (("step", k),)): float(v) for k, v in dict(self.counts).items()}
+        out = {MIGRATION_STEPS.key(step=k): float(v) for k, v in dict(self.counts).items()}
         for (op, outcome), n in dict(self.calls).items():
-            out[("sentinel_backend_calls", (("backend", self.backend.name), ("op", op), ("outcome", outcome)))] = float(n)
-        out[("sentinel_breaker_refusals", (("backend", self.backend.name),))] = float(self.breaker_refusals)
+            out[BACKEND_CALLS.key(backend=self.backend.name, op=op, outcome=outcome)] = float(n)
+        out[BREAKER_REFUSALS.key(backend=self.backend.name)] = float(self.breaker_refusals)
         for phase in sorted({Phase.ACKNOWLEDGED.value, Phase.CORDONED.value, *self.deadline_exceeded}):
-            out[("sentinel_migration_deadline_exceeded", (("phase", phase),))] = float(self.deadline_exceeded.get(phase, 0))
+            out[DEADLINE_EXCEEDED.key(phase=phase)] = float(self.deadline_exceeded.get(phase, 0))
         for distance, n in dict(self.spare_distances).items():
-            out[("sentinel_spare_choices", (("distance", distance),))] = float(n)
+            out[SPARE_CHOICES.key(distance=distance)] = float(n)
         return out
 
     def gauges(self) -> dict:
-        out = {("sentinel_node_cordoned", ()): float(self.cordoned)}
+        out = {NODE_CORDONED.key(): float(self.cordoned)}
         if self.backend_up is not None:
-            out[("sentinel_backend_up", (("backend", self.backend.name),))] = float(self.backend_up)
+            out[BACKEND_UP.key(backend=self.backend.name)] = float(self.backend_up)
         return out
 
     def close(self) -> None:

@@ -313,6 +313,9 @@ def test_the_breaker_trips_at_the_threshold(clean, sa_kubeconfig, tmp_path):
         wait_for(lambda: (m.tick([]), m.record.phase)[1] in ("refused", "drained"), timeout=30, what="breaker verdict")
         assert m.record.phase == "drained" and m.record.scheduler_cordoned is True
         assert node(clean, "node3").spec.unschedulable is True
+        # uncordon gives the node's place in the breaker's Lease back
+        said = backend(clean, sa_kubeconfig, "node3", tmp_path / "node3").uncordon()
+        assert "breaker lease entry removed" in said, said
     finally:
         m.close()
         ep.close()

@@ -43,8 +43,10 @@ import math
 import re
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
+from sentinel import settings
 from sentinel.backends.base import (REASON_PREFIX, Backend, BackendError, CordonReason, CordonState, Fleet,
                                     PermissionDenied, Unreachable, UnknownNode, Verdict, with_deadline)
 from sentinel.backends.breaker import slots
@@ -107,6 +109,44 @@ def _now() -> str:
 
 def _escape(key: str) -> str:  # a JSON pointer path segment
     return key.replace("~", "~0").replace("/", "~1")
+
+
+K8S_NAME = r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+
+
+@dataclass(frozen=True)
+class KubernetesSettings:
+    """``[actions.kubernetes]``: how the daemon reaches the API server (read when ``actions.backend = \"kubernetes\"``)."""
+
+    # "" = in-cluster config (the DaemonSet's ServiceAccount token); a kubeconfig path otherwise.
+    kubeconfig: str = ""
+    # The taint Sentinel adds (value = the rule, effect NoSchedule) and the only one it removes.
+    taint_key: str = "sentinel.dev/gpu-failure"
+    # The Node condition Sentinel sets (status False while cordoned, True once uncordoned).
+    condition_type: str = "GPUHealthy"
+    # The circuit breaker's scope: nodes matching this label selector ("" = every node).
+    node_selector: str = ""
+    # The Lease the daemons take a place in, resourceVersion-checked, before they cordon (the breaker's atomic count).
+    breaker_namespace: str = "sentinel"
+    breaker_lease: str = "sentinel-breaker"
+
+    def validate(self, prefix: str) -> None:
+        settings.path(prefix, "kubeconfig", self.kubeconfig, required=False)
+        if not re.match(K8S_NAME, self.taint_key) or len(self.taint_key) > 316:
+            raise settings.ConfigError(f"{prefix}.taint_key: not a Kubernetes label key (prefix/name): "
+                                       f"{settings.printable(self.taint_key)!r}")
+        if not re.match(r"^[A-Za-z][A-Za-z0-9]{0,62}$", self.condition_type):
+            raise settings.ConfigError(f"{prefix}.condition_type: must be a CamelCase word "
+                                       f"(got {settings.printable(self.condition_type)!r})")
+        settings.text(prefix, "node_selector", self.node_selector)
+        for key in ("breaker_namespace", "breaker_lease"):
+            value = getattr(self, key)
+            if not re.match(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$", value):
+                raise settings.ConfigError(f"{prefix}.{key}: not a Kubernetes name (lowercase letters, digits, '-'): "
+                                           f"{settings.printable(value)!r}")
+
+
+SETTINGS = KubernetesSettings
 
 
 class KubernetesBackend(Backend):
@@ -296,7 +336,7 @@ class KubernetesBackend(Backend):
             done.append(f"{self.k.condition_type}=True")
         try:
             if self._release_claim():
-                done.append(f"breaker lease entry removed")
+                done.append("breaker lease entry removed")
         except BackendError as exc:
             done.append(f"breaker lease entry left (it expires with the window): {exc}")
         return f"kubernetes: {self.node}: " + (", ".join(done) if done else "nothing of Sentinel's to remove")
@@ -365,13 +405,15 @@ class KubernetesBackend(Backend):
         return Fleet(len(nodes), tuple(sorted(cordons)))
 
     # -- the breaker's Lease ------------------------------------------------------------------
-    def _read_lease(self) -> tuple[Any, dict[str, float]]:
-        """The breaker's Lease (created when missing) and its entries; entries that are not
-        ``node: finite time`` are dropped (a Lease is bounded: 65,536 entries at most)."""
+    def _read_lease(self, create: bool = True) -> tuple[Any, dict[str, float]]:
+        """The breaker's Lease (created when missing, if ``create``; else :class:`NotFound`) and its
+        entries; entries that are not ``node: finite time`` are dropped (65,536 entries at most)."""
         ns, name = self.k.breaker_namespace, self.k.breaker_lease
         try:
             lease = self._do("get", "leases", self.coordination.read_namespaced_lease, name, ns)
         except NotFound:
+            if not create:
+                raise
             body = self._client.V1Lease(metadata=self._client.V1ObjectMeta(name=name, namespace=ns, annotations={
                 BREAKER_ANNOTATION: "{}"}), spec=self._client.V1LeaseSpec(holder_identity="sentinel-breaker"))
             try:
@@ -450,7 +492,10 @@ class KubernetesBackend(Backend):
 
     def _release_claim(self) -> bool:
         for _ in range(LEASE_ATTEMPTS):
-            lease, entries = self._read_lease()
+            try:
+                lease, entries = self._read_lease(create=False)
+            except NotFound:
+                return False
             if self.node not in entries:
                 return False
             entries.pop(self.node)

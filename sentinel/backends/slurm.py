@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from sentinel import procs
+from sentinel import procs, settings
 from sentinel.backends.base import (REASON_PREFIX, Backend, BackendError, CordonReason, CordonState, Fleet,
                                     PermissionDenied, Unreachable, UnknownNode, Verdict)
 from sentinel.backends.breaker import settle
@@ -89,6 +90,35 @@ def environ_value(pid: int, key: str, proc: Path = procs.PROC, limit: int = 1 <<
 
 def drained(node: dict[str, str]) -> bool:
     return "DRAIN" in node.get("State", "").upper().split("+")
+
+
+@dataclass(frozen=True)
+class SlurmSettings:
+    """``[actions.slurm]``: how the daemon reaches Slurm (read when ``actions.backend = \"slurm\"``)."""
+
+    # The Slurm client programs (PATH is searched); SLURM_CONF in the daemon's environment picks the cluster.
+    scontrol: str = "scontrol"
+    squeue: str = "squeue"
+    scancel: str = "scancel"
+    sinfo: str = "sinfo"
+    # The circuit breaker's scope: this partition's nodes ("" = every partition this node is in).
+    partition: str = ""
+    # How a spare is started: this signal goes to the batch script of the job running on the node
+    # (deploy/slurm/train.sbatch traps it and starts an agent on an idle node of its allocation).
+    spare_signal: str = "USR1"
+
+    def validate(self, prefix: str) -> None:
+        for key in ("scontrol", "squeue", "scancel", "sinfo"):
+            settings.text(prefix, key, getattr(self, key))
+            if not getattr(self, key):
+                raise settings.ConfigError(f"{prefix}.{key}: must name the program, not be empty")
+        settings.text(prefix, "partition", self.partition)
+        if self.spare_signal not in ("USR1", "USR2", "URG", "CONT"):
+            raise settings.ConfigError(f"{prefix}.spare_signal: must be one of USR1, USR2, URG, CONT "
+                                       f"(got {settings.printable(self.spare_signal)!r})")
+
+
+SETTINGS = SlurmSettings
 
 
 class SlurmBackend(Backend):

@@ -31,7 +31,8 @@ from typing import Callable, Iterable
 from sentinel.channel import parse_rank_name
 from sentinel.readings import KernelEvent
 from sentinel.sources.ebpf import RingProbe
-from sentinel.sources.kernel import KernelSource, run_alone
+from sentinel.families import Family, counter
+from sentinel.sources.kernel import KERNEL_EVENTS, KernelSource, run_alone
 
 log = logging.getLogger("sentinel.rank_signals")
 SIGNALS = {7: "SIGBUS", 11: "SIGSEGV", 9: "SIGKILL", 6: "SIGABRT"}
@@ -48,8 +49,16 @@ def rank_pid(name: str) -> int | None:
     return pid if pid is not None and pid < PID_MAX_LIMIT else None
 
 
+EBPF_MAP_ERRORS = counter("sentinel_ebpf_map_errors",
+                          "Failures to keep an eBPF map in step with user space other than a full map, by probe and reason",
+                          "probe", "reason")
+EBPF_MAP_FULL = counter("sentinel_ebpf_map_full",
+                        "Map syncs that could not watch every rank offered (more than the map holds), by probe", "probe")
+
+
 class RankSignalSource(KernelSource):
     name = "rank_signals"
+    FAMILIES = KernelSource.FAMILIES + (KERNEL_EVENTS, EBPF_MAP_ERRORS, EBPF_MAP_FULL)
 
     def __init__(self, ranks_dir: Path | None = None, *, max_ranks: int = 1024,
                  ranks_provider: Callable[[], Iterable[int]] | None = None, pids: Iterable[int] = ()) -> None:
@@ -67,8 +76,8 @@ class RankSignalSource(KernelSource):
             cflags={"MAX_RANKS": self.max_ranks, "RINGBUF_PAGES": 16}, on_event=self._on_event))
         self.sync()
 
-    def _count(self, name: str, **labels: str) -> None:
-        self.counts[(name, (("probe", "rank_signals"), *sorted(labels.items())))] += 1
+    def _count(self, family: Family, **labels: str) -> None:
+        self.counts[family.key(probe="rank_signals", **labels)] += 1
 
     def _offered(self) -> tuple[list[int], bool] | None:
         """``(pids, more)``: the pids offered for watching, in order, at most ``max_ranks + 1`` of
@@ -80,7 +89,7 @@ class RankSignalSource(KernelSource):
                 offered = list(itertools.islice(iter(self.ranks_provider()), limit))
             except Exception as exc:  # noqa: BLE001 - a failing provider must not stop the probe
                 log.warning("the rank provider failed: %s", exc)
-                self._count("sentinel_ebpf_map_errors", reason="provider")
+                self._count(EBPF_MAP_ERRORS, reason="provider")
                 return None
             return [p for p in offered if isinstance(p, int) and 1 < p < PID_MAX_LIMIT], len(offered) >= limit
         if self.ranks_dir is None:
@@ -95,7 +104,7 @@ class RankSignalSource(KernelSource):
             return [], False
         except OSError as exc:
             log.warning("cannot list %s: %s", self.ranks_dir, exc)
-            self._count("sentinel_ebpf_map_errors", reason="list")
+            self._count(EBPF_MAP_ERRORS, reason="list")
             return None
         for name in names[:self.max_ranks]:
             pid = rank_pid(name)
@@ -136,7 +145,7 @@ class RankSignalSource(KernelSource):
             table = self.probe.table("ranks")
         except Exception as exc:  # noqa: BLE001 - bcc raises bare Exception; the probe goes on
             log.warning("rank map sync failed: %s", exc)
-            self._count("sentinel_ebpf_map_errors", reason="sync")
+            self._count(EBPF_MAP_ERRORS, reason="sync")
             return
         for pid in self.watched - want:
             try:
@@ -152,11 +161,11 @@ class RankSignalSource(KernelSource):
                     overflow = True
                 else:
                     log.warning("adding pid %d to the rank map failed: %s", pid, exc)
-                    self._count("sentinel_ebpf_map_errors", reason="update")
+                    self._count(EBPF_MAP_ERRORS, reason="update")
                 continue
             self.watched.add(pid)
         if overflow:
-            self._count("sentinel_ebpf_map_full")
+            self._count(EBPF_MAP_FULL)
 
     def _on_event(self, e) -> None:
         sig = SIGNALS.get(e.sig, str(e.sig))
@@ -166,7 +175,7 @@ class RankSignalSource(KernelSource):
             kind = "SIGBUS_memory_failure" if memory_failure else "SIGBUS_not_memory"
         else:
             kind = sig
-        self.counts[("sentinel_kernel_events", (("source", "ebpf_rank_signals"), ("kind", kind)))] += 1
+        self.counts[KERNEL_EVENTS.key(source="ebpf_rank_signals", kind=kind)] += 1
         self.push(event=KernelEvent(kind="rank_signal", source="ebpf_rank_signals",
                                     detail={"pid": e.pid, "signal": sig, "code": code, "sender_pid": e.sender_pid,
                                             "comm": bytes(e.comm).split(b"\0", 1)[0].decode("utf-8", "replace"),
@@ -178,7 +187,7 @@ class RankSignalSource(KernelSource):
             self.sync()
         except Exception:  # noqa: BLE001 - sync already counts its failures; this is the backstop
             log.exception("rank map sync failed")
-            self._count("sentinel_ebpf_map_errors", reason="sync")
+            self._count(EBPF_MAP_ERRORS, reason="sync")
         return super().drain()
 
 
