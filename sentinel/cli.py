@@ -378,38 +378,14 @@ def cmd_uncordon(args: argparse.Namespace) -> int:
 
 
 def cmd_topology(args: argparse.Namespace) -> int:
-    """Print the topology the daemon would use (its file and its scheduler's, as configured, plus
-    --file), one line per node, and the spare it would choose for --for among --spares."""
-    import time
-
-    from sentinel import topology
-    from sentinel.backends import make_backend
-    from sentinel.backends.base import BackendContext, BackendError
+    """Print the topology the daemon would use and the spare it would choose (sentinel.topology.show)."""
+    from sentinel.topology.show import run
 
     try:
         cfg = load_config(args.config)
     except config_mod.ConfigError as exc:
         return fail(str(exc))
-    node = args.node_name or cfg.daemon.node_name or socket.gethostname()
-    ctx = BackendContext(node=node, state_dir=Path(cfg.daemon.state_dir), runtime_dir=Path(cfg.daemon.runtime_dir),
-                         timeout=cfg.actions.command_timeout_seconds, wall=time.time)
-    try:
-        readings = []
-        for f in args.file:
-            readings += topology.read_file(f)
-        b = make_backend(cfg.actions, ctx)
-        tc = cfg.actions.topology
-        readings += topology.read_file(tc.file) if tc.file else []
-        readings += b.scheduler_topology() if tc.from_scheduler else []
-        topo = topology.merge(readings)
-    except (topology.TopologyError, BackendError) as exc:
-        return fail(f"topology: {exc}", 1)
-    print("\n".join(topo.describe()) or "no node is placed: every choice falls back to today's order")
-    if args.spares:
-        choice = topology.choose_spare(topo, args.departed or node, args.spares.split(","))
-        if choice is not None:
-            print(f"spare for {args.departed or node}: {choice.node} ({choice.distance}): {choice.why}")
-    return 0
+    return run(args, cfg, node=args.node_name or cfg.daemon.node_name or socket.gethostname(), fail=fail)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
