@@ -421,6 +421,8 @@ class Drill:
         victims = self.victim_names or {victim.name}
         left = [e for e in events if e["event"] == "drained" and e["time"] >= t_fault and e["node"] not in victims]
         tl.add("survivors left the hold", min((e["time"] for e in left), default=None))
+        # each worker's own time.time() at its start (trainer.train stamps it before importing torch):
+        # the same clock as every other event, never /proc's start time (whole-second boot time)
         started = [e.get("process_started") for e in admitted if e.get("process_started")]
         tl.add("spare workers started", min(started, default=None), warm=self.args.agent == "warm")
         t_admit = min((e["time"] for e in admitted), default=None)
@@ -726,8 +728,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agent", choices=["warm", "torchrun"], default="warm",
                    help="warm: python -m trainer.elastic, preloaded forkserver, warm spares, graceful leave;"
                         " torchrun: plain torchrun and cold spares (the before)")
-    p.add_argument("--rdzv-backend", choices=["c10d", "etcd-v2"], default="c10d",
-                   help="c10d: a standalone TCPStore; etcd-v2: a local etcd (Debian etcd-server) on loopback")
+    p.add_argument("--rdzv-backend", choices=["c10d", "etcd-v2", "sentinel"], default="c10d",
+                   help="c10d: a standalone TCPStore; etcd-v2: a local etcd (Debian etcd-server) on loopback; "
+                        "sentinel: rank-preserving slots on the standalone TCPStore (--agent warm only)")
     p.add_argument("--start-method", choices=["spawn", "fork", "forkserver"], default="spawn",
                    help="torchrun worker start method (--agent torchrun; a -m module ignores it)")
     p.add_argument("--timeout", type=float, default=180.0)
@@ -742,9 +745,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduler", choices=["local", "slurm"], default="local",
                    help="slurm: run the job through a real Slurm cluster started here (root; slurm-wlm, munge): "
                         "the failed node is drained in Slurm, the spare comes from the job's allocation")
+    p.add_argument("--slurm-conf", type=Path, metavar="PATH",
+                   help="--scheduler slurm: use the running cluster of this slurm.conf (nodes node1..node4, idle) "
+                        "instead of starting one; it is left running, with node4 drained by the admin check")
 
 
 def run_drill(args: argparse.Namespace) -> int:
+    if args.rdzv_backend == "sentinel" and args.agent != "warm":
+        print("sentinel drill: --rdzv-backend sentinel needs --agent warm (plain torchrun does not register it)",
+              file=sys.stderr)
+        return 2
+    if args.slurm_conf is not None:
+        print("sentinel drill: --slurm-conf needs --scheduler slurm", file=sys.stderr)
+        return 2
     if args.spares < 1 and not args.min_nodes:
         print("sentinel drill: --spares 0 needs --min-nodes < --nodes (continue on fewer nodes)", file=sys.stderr)
     drill = Drill(args)

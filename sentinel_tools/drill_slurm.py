@@ -104,11 +104,12 @@ def ensure_munge() -> None:
 
 class SlurmCluster:
     """``nodes``: the slurmd names; ``topology``: a topology.conf for ``TopologyPlugin=topology/tree``
-    (None: no topology plugin)."""
+    (None: no topology plugin); ``conf``: an existing cluster's slurm.conf (:meth:`attach`)."""
 
-    def __init__(self, root: Path, nodes: tuple[str, ...] = NODES, topology: str | None = None) -> None:
+    def __init__(self, root: Path, conf: Path | None = None, nodes: tuple[str, ...] = NODES,
+                 topology: str | None = None) -> None:
         self.root = root
-        self.conf = root / "slurm.conf"
+        self.conf = conf or root / "slurm.conf"
         self.nodes = tuple(nodes)
         self.topology = topology
         self.procs: dict[str, subprocess.Popen] = {}
@@ -211,7 +212,14 @@ PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE St
                   "nodes idle again")
 
     def stop(self) -> None:
-        stop_groups(self.procs.values(), grace=10)
+        stop_groups(self.procs.values(), grace=10)  # nothing when attached to a running cluster
+
+    @classmethod
+    def attach(cls, conf: Path) -> "SlurmCluster":
+        """A cluster already running with ``conf`` (its nodes node1..node4): used, never started or stopped."""
+        if not conf.is_file():
+            raise SlurmUnavailable(f"--slurm-conf {conf}: no such file")
+        return cls(conf.parent, conf)
 
 
 # -- the drill ------------------------------------------------------------------------------------
@@ -223,10 +231,13 @@ class SlurmDrill(drill.Drill):
 
     def __init__(self, args) -> None:
         super().__init__(args)
-        # --topology: a topology.conf (topology/tree) for the cluster; the slurm backend reads it back
-        # through `scontrol show topology` to pick the spare
+        conf = args.slurm_conf
+        self.attached = conf is not None
+        # --topology: a topology.conf (topology/tree) for the cluster started here; the slurm backend
+        # reads it back through `scontrol show topology` to pick the spare
         topology = Path(args.topology).read_text() if getattr(args, "topology", None) else None
-        self.cluster = SlurmCluster(self.work / "slurm", topology=topology)
+        self.cluster = SlurmCluster.attach(Path(conf)) if self.attached else SlurmCluster(self.work / "slurm",
+                                                                                          topology=topology)
         self.job_id = ""
         self.checks: dict[str, object] = {}
 
@@ -282,7 +293,11 @@ class SlurmDrill(drill.Drill):
 
         a = self.args
         t_start = time.time()
-        self.cluster.start()
+        if self.attached:
+            self.cluster.wait(lambda: self.cluster.run("sinfo", "-h", "-o", "%t %D").stdout.split() == ["idle", str(len(NODES))],
+                              30, f"the 4 nodes of {self.cluster.conf} idle")
+        else:
+            self.cluster.start()
         self.start_store()
         self.nodes = [self.make_slurm_node(f"node{i + 1}", False) for i in range(a.nodes)]
         self.nodes += [self.make_slurm_node(f"node{a.nodes + i + 1}", True) for i in range(a.spares)]
@@ -349,6 +364,9 @@ def run_slurm_drill(args) -> int:
     if args.nodes + args.spares > len(NODES) - 1:
         print(f"sentinel drill --scheduler slurm: --nodes + --spares must leave one of the {len(NODES)} Slurm nodes free "
               f"(the new job and the admin's drain use it)", file=sys.stderr)
+        return 2
+    if args.slurm_conf is not None and not Path(args.slurm_conf).is_file():
+        print(f"sentinel drill --scheduler slurm: --slurm-conf {args.slurm_conf}: no such file", file=sys.stderr)
         return 2
     d = SlurmDrill(args)
     try:

@@ -10,15 +10,12 @@ import concurrent.futures
 import os
 import subprocess
 import sys
-import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import pytest
 
 from conftest import REPO, register_agent, wait_for
-from kube_cluster import KubeCluster, missing
 from sentinel.backends import make_backend
 from sentinel.backends.base import BackendContext, CordonReason, PermissionDenied, Unreachable, UnknownNode
 from sentinel.channel import DaemonEndpoint, RankEndpoint
@@ -38,22 +35,6 @@ LEASE_NOT_NEEDED = {("delete", "sentinel-breaker"), ("list", None), ("watch", No
 NOT_NEEDED = {("update", "nodes"), ("delete", "nodes"), ("create", "nodes"), ("watch", "nodes"), ("update", "nodes/status"),
               ("list", "pods"), ("delete", "pods"), ("create", "pods/eviction"), ("get", "secrets"), ("list", "secrets"),
               ("patch", "daemonsets"), ("get", "configmaps"), ("create", "serviceaccounts/token")}
-
-
-@pytest.fixture(scope="module")
-def kube():
-    why = missing()
-    if why:
-        pytest.skip(f"a kube-apiserver needs {why}")
-    warnings.filterwarnings("ignore", message="Unverified HTTPS request")
-    root = Path(tempfile.mkdtemp(prefix="sentinel-kube-", dir="/tmp"))
-    cluster = KubeCluster(root)
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.stop()
-        subprocess.run(["rm", "-rf", str(root)], check=False)
 
 
 @pytest.fixture

@@ -333,19 +333,6 @@ def test_stale_memory_from_an_older_run_is_rejected(tmp_path, reference):
     assert rows[0]["params"] == reference["params"]
 
 
-@pytest.mark.slow
-def test_a_slow_partner_makes_memory_snapshots_late_not_the_step(tmp_path):
-    rows, r = job(tmp_path, "--steps", "30", "--slow-rank", "2", "--slow-bytes-per-second", "2e6",
-                  "--step-seconds", "0.02", run_id="slow")
-    assert len(rows) == 4, r.stderr[-3000:]
-    mem = rows[0]["memory"]
-    # each copy of rank 2's shard (~0.3 MB) takes ~0.15 s at 2 MB/s: most steps find it busy
-    assert mem["late"] >= 10 and mem["snapshots"] + mem["late"] == 30 and mem["replica_errors"] == 0
-    # the step never waits for the copy (generous: this VM is shared)
-    assert max(row["max_step_seconds"] for row in rows) < 2.0
-    assert mem["agreed_step"] >= 0
-
-
 def _holder_ids(d: str, barrier, q) -> None:
     from trainer.memory import holder_id
     barrier.wait(30)  # all at once, as the ranks of a node starting together
@@ -391,17 +378,24 @@ def resume_from_disk_only(tmp_path: Path, run_id: str) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_a_disk_snapshot_due_while_a_replica_copy_runs_is_written_at_its_step(tmp_path, reference):
-    """Disk every 3 steps (due at 2, 5, 8, 11) with a partner whose copies take ~10 steps: the
-    disk snapshots are no longer put off until a copy ends (it used to be never for the one due at
-    the end); each is staged for the disk tier on its own. The last one restores bitwise."""
-    rows, r = job(tmp_path, "--steps", "12", "--interval-steps", "3", "--slow-rank", "2",
+def test_a_partner_that_never_keeps_up_makes_memory_snapshots_late_not_the_step_nor_the_disk(tmp_path, reference):
+    """Rank 2's replica copies are held until training ends (--hold-copies): from step 0 on, a copy
+    is always running. Every later memory snapshot is late, and training goes on to its last step
+    regardless (it would block forever if a step waited for the copy). The disk snapshots (due at
+    2, 5, 8, 11) are no longer put off until a copy ends (it used to be never for the one due at
+    the end): each is staged for the disk tier on its own, the one due at 11 is written at 11, and
+    it restores bitwise. Merged (#29): test_a_slow_partner_makes_memory_snapshots_late_not_the_step
+    and test_a_disk_snapshot_due_while_a_replica_copy_runs_is_written_at_its_step, whose counts
+    depended on how fast this host ran the steps against a throttled copy."""
+    rows, r = job(tmp_path, "--steps", "12", "--interval-steps", "3", "--slow-rank", "2", "--hold-copies",
                   "--slow-bytes-per-second", "2e6", "--step-seconds", "0.02", run_id="due-busy")
     assert len(rows) == 4, r.stderr[-3000:]
-    mem = rows[0]["memory"]
-    assert mem["late"] >= 4 and mem["disk_only"] >= 1, mem  # due while a copy ran: staged on its own
+    for row in rows:
+        mem = row["memory"]
+        assert (mem["snapshots"], mem["late"]) == (1, 11), mem  # step 0's copy ran through every later step
+        assert mem["disk_only"] >= 2 and mem["replica_errors"] == 0 and mem["agreed_step"] == 0, mem
     disk = [rec["step"] for rec in rows[0]["records"] if rec["tier"] == "disk" and rec["ok"]]
-    assert 11 in disk and len(disk) >= 3, rows[0]["records"]
+    assert disk[0] == 2 and disk[-1] == 11 and disk == sorted(set(disk)), rows[0]["records"]
     assert committed_steps(tmp_path / "snaps")[-1] == 11
     again = resume_from_disk_only(tmp_path, "due-busy-2")
     assert again[0]["restore"]["tier"] == "disk" and again[0]["start"] == 12

@@ -43,6 +43,7 @@ def test_the_wheel_ships_the_bpf_programs_the_units_and_complete_metadata(built_
     assert re.search(r"^Project-URL: Source, https://", meta, re.M)
     assert re.search(r"^Requires-Dist: prometheus-client>=\d", meta, re.M)
     assert "sentinel = sentinel.cli:main" in entry_points
+    assert "[torchrun.handlers]" in entry_points and "sentinel = trainer.slot_rendezvous:torchrun_entry_point" in entry_points
 
 
 @pytest.fixture(scope="module")

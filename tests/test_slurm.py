@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, metric_value, register_agent, wait_for
-from slurm_cluster import slurm  # noqa: F401 - the fixture
 from sentinel.backends import make_backend
 from sentinel.backends.base import BackendContext, CordonReason, PermissionDenied, Unreachable, UnknownNode
 from sentinel.channel import DaemonEndpoint, RankEndpoint

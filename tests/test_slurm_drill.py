@@ -11,17 +11,21 @@ import sys
 import pytest
 
 from conftest import REPO
-from sentinel_tools.drill_slurm import missing
 
 pytestmark = [pytest.mark.needs_slurm, pytest.mark.slow]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 
-def test_drill_through_slurm_drains_the_failed_node_and_finishes_on_the_spare():
-    why = missing()
-    if why:
-        pytest.skip(f"needs {why}")
-    r = subprocess.run([sys.executable, "-m", "sentinel", "drill", "--scheduler", "slurm", "--json", "--timeout", "300"],
+@pytest.fixture
+def slurm_reset(slurm):
+    yield slurm
+    slurm.reset_nodes()  # the drill leaves node4 drained by its "admin"
+
+
+def test_drill_through_slurm_drains_the_failed_node_and_finishes_on_the_spare(slurm_reset):
+    """On the session's cluster (--slurm-conf), as `sentinel drill --scheduler slurm` runs on one it starts."""
+    r = subprocess.run([sys.executable, "-m", "sentinel", "drill", "--scheduler", "slurm", "--json", "--timeout", "300",
+                        "--slurm-conf", str(slurm_reset.conf)],
                        capture_output=True, text=True, timeout=420, env=ENV, cwd=str(REPO))
     assert r.stdout.lstrip().startswith("{"), r.stderr[-3000:]
     result = json.loads(r.stdout)
@@ -40,6 +44,15 @@ def test_drill_through_slurm_drains_the_failed_node_and_finishes_on_the_spare():
     assert "node4 is drained by someone else ('admin: replacing a fan'); left alone" in s["uncordon_admin"]
     assert s["ok_uncordon_returns_node"] and s["ok_admin_drain_left_alone"]
     assert result["ok"] and r.returncode == 0
+
+
+def test_the_slurm_drill_refuses_a_cluster_it_cannot_find_and_a_conf_without_slurm(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "sentinel", "drill", "--scheduler", "slurm", "--slurm-conf",
+                        str(tmp_path / "nope.conf")], capture_output=True, text=True, timeout=60, env=ENV, cwd=str(REPO))
+    assert r.returncode == 2 and f"--slurm-conf {tmp_path / 'nope.conf'}: no such file" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "sentinel", "drill", "--slurm-conf", str(tmp_path / "nope.conf")],
+                       capture_output=True, text=True, timeout=60, env=ENV, cwd=str(REPO))
+    assert r.returncode == 2 and "--slurm-conf needs --scheduler slurm" in r.stderr, r.stderr
 
 
 HEALTHCHECK = REPO / "deploy" / "slurm" / "sentinel-healthcheck"

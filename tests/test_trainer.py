@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -141,22 +142,22 @@ def test_resume_reshards_across_world_sizes(tmp_path, saved, loaded):
     assert got["params"] == want["params"] and got["optim"] == want["optim"]
 
 
-def test_kill_9_mid_async_save_never_loads_the_half_written_snapshot(tmp_path):
-    s = tmp_path / "s"
-    r = torchrun(2, "--steps", "30", "--interval-steps", "5", "--snapshot-dir", str(s),
-                 script="slow_save_then_kill.py", env={"KILL_AT_STEP": "9"}, timeout=120)
-    assert r.returncode != 0
-    assert (s / "step-000000009").is_dir() and not (s / "step-000000009" / MARKER).exists()
-    assert [n for n, _ in complete_snapshots(s)] == [4]
-    r = torchrun(2, "--steps", "12", "--snapshot-dir", str(s), "--final", str(tmp_path / "f.json"))
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert final(tmp_path / "f.json")["resumed_at"] == 5
-
-
-def test_corrupt_newest_snapshot_is_skipped_for_the_previous_and_moved_aside(tmp_path):
-    s = tmp_path / "s"
+@pytest.fixture(scope="module")
+def ten_steps(tmp_path_factory) -> Path:
+    """Snapshots of steps 4 and 9 from 10 steps on 2 ranks, made once: each test takes a copy."""
+    s = tmp_path_factory.mktemp("ten-steps") / "s"
     r = torchrun(2, "--steps", "10", "--interval-steps", "5", "--snapshot-dir", str(s))
     assert r.returncode == 0, r.stderr[-3000:]
+    assert [n for n, _ in complete_snapshots(s)] == [9, 4]
+    return s
+
+
+def test_corrupt_newest_snapshot_is_skipped_for_the_previous_and_moved_aside(tmp_path, ten_steps):
+    """Merged (#29): also test_kill_9_mid_async_save_never_loads_the_half_written_snapshot: the
+    second run here is killed (SIGKILL on rank 1) while its asynchronous save of step 9 is being
+    written, and the half-written snapshot is never loaded."""
+    s = tmp_path / "s"
+    shutil.copytree(ten_steps, s)
     newest = s / "step-000000009"
     for shard in newest.glob("*.distcp"):
         shard.write_bytes(shard.read_bytes()[:100])  # truncated, marker still present
@@ -199,10 +200,9 @@ RANKS_DISAGREE = textwrap.dedent("""
 """)
 
 
-def test_resume_is_rank0s_choice_and_a_fallback_is_agreed(tmp_path):
+def test_resume_is_rank0s_choice_and_a_fallback_is_agreed(tmp_path, ten_steps):
     s = tmp_path / "s"
-    r = torchrun(2, "--steps", "10", "--interval-steps", "5", "--snapshot-dir", str(s))
-    assert r.returncode == 0, r.stderr[-3000:]
+    shutil.copytree(ten_steps, s)
     script = tmp_path / "ranks_disagree.py"
     script.write_text(RANKS_DISAGREE)
     r = torchrun(2, "--steps", "10", "--snapshot-dir", str(s), "--progress", str(tmp_path / "p.jsonl"),
