@@ -379,6 +379,17 @@ def cmd_uncordon(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_topology(args: argparse.Namespace) -> int:
+    """Print the topology the daemon would use and the spare it would choose (sentinel.topology.show)."""
+    from sentinel.topology.show import run
+
+    try:
+        cfg = load_config(args.config)
+    except config_mod.ConfigError as exc:
+        return fail(str(exc))
+    return run(args, cfg, node=args.node_name or cfg.daemon.node_name or socket.gethostname(), fail=fail)
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     """Run the torchrun agent under an identity record the daemon trusts (see sentinel.launch)."""
     from sentinel.launch import launch
@@ -440,6 +451,13 @@ def _add_tool_commands(sub: argparse._SubParsersAction, wanted: Callable[[str], 
 
         goodput.add_arguments(gp)
         gp.set_defaults(func=goodput.main_args)
+    pl = simsub.add_parser("placement", help="what placement costs at scale: bytes per network tier and step time for "
+                           "FSDP with a near or far spare, ETTR, and replicas in the same or another rack")
+    if wanted("simulate"):
+        from sentinel_tools.sim import placement
+
+        placement.add_arguments(pl)
+        pl.set_defaults(func=placement.main_args)
 
     faults = ""
     if wanted("inject"):
@@ -499,6 +517,15 @@ def _add_node_commands(sub: argparse._SubParsersAction, wanted: Callable[[str], 
         sc.set_defaults(func=scan.run)
         ex.set_defaults(func=scan.explain)
 
+    tp = sub.add_parser("topology", help="print the topology Sentinel reads (file, scheduler) and the spare it would "
+                        "choose; exit 1 naming the source and node of a contradiction (docs/topology.md)")
+    tp.add_argument("--config", help="TOML config: [actions.topology] and the backend whose topology is read")
+    tp.add_argument("--file", action="append", default=[], help="also read this topology file (repeatable)")
+    tp.add_argument("--node-name", help="this node (default: daemon.node_name, else the host name)")
+    tp.add_argument("--for", dest="departed", help="the departed node (default: this node)")
+    tp.add_argument("--spares", help="comma-separated waiting spares: print the one Sentinel would choose")
+    tp.set_defaults(func=cmd_topology)
+
     la = sub.add_parser("launch", help="run the torchrun agent under a pidfile the daemon drains (refuses on a cordoned node)")
     la.add_argument("--pidfile", default=os.path.join(os.environ.get("SENTINEL_RUNTIME_DIR", "/run/sentinel"), "agent.pid"))
     la.add_argument("--state-dir", default="/var/lib/sentinel")
@@ -541,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
     if command is None and argv[:1] == ["--version"]:
         command = "--version"  # the light parser: nothing but the version is needed
     parser = build_parser(command if command in ("run", "check-config", "status", "uncordon", "launch", "admit", "install",
-                                                  "scan", "explain", "--version", *TOOLS) else None)
+                                                  "scan", "explain", "topology", "--version", *TOOLS) else None)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

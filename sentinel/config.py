@@ -149,6 +149,30 @@ KubernetesConfig = backends.SETTINGS["kubernetes"]
 
 
 @dataclass(frozen=True)
+class TopologyConfig:
+    # A topology file read at each migration: Slurm topology.conf syntax, or TOML/JSON
+    # [nodes.<name>] nvlink/switches/rack/power (docs/topology.md). "" = none.
+    file: str = ""
+    # Also read the scheduler's own topology: `scontrol show topology` (slurm), the Node labels of
+    # Topograph, the GPU operator, GCP or AWS (kubernetes).
+    from_scheduler: bool = True
+    # Per-domain circuit breaker: refuse to drain (page instead) when, counting this node, more than
+    # this share of one NVLink domain / one leaf switch's nodes would be Sentinel-cordoned within
+    # breaker_window_seconds. 0 < x <= 1; 1 = off. Domains of one node are not limited.
+    breaker_max_nvlink_fraction: float = 0.5
+    breaker_max_leaf_fraction: float = 0.5
+    # backend = "kubernetes": the Nodes that are waiting spares (a label selector); the chosen one
+    # gets the label sentinel.dev/preferred-spare=true for the job's controller (docs/topology.md).
+    spare_selector: str = "sentinel.dev/spare=true"
+
+    def validate(self, prefix: str) -> None:
+        _path(prefix, "file", self.file, required=False)
+        _number(prefix, "breaker_max_nvlink_fraction", self.breaker_max_nvlink_fraction, 0, 1, low_open=True)
+        _number(prefix, "breaker_max_leaf_fraction", self.breaker_max_leaf_fraction, 0, 1, low_open=True)
+        _text(prefix, "spare_selector", self.spare_selector)
+
+
+@dataclass(frozen=True)
 class _ActionsCore:
     """``[actions]`` without the backends' own tables (:data:`ActionsConfig` adds them)."""
 
@@ -185,6 +209,9 @@ class _ActionsCore:
     # Once every rank has staged its snapshot, the ack deadline grows by staged bytes / this rate
     # (the slowest per-node write bandwidth worth waiting for; 50 MB/s is a loaded shared filesystem).
     snapshot_min_bytes_per_second: float = 50e6
+    # Where nodes sit: the nearest spare, cross-rack replicas, the per-domain breaker (docs/topology.md).
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+
     def validate(self, prefix: str) -> None:
         _number(prefix, "ack_timeout_seconds", self.ack_timeout_seconds, 0, HOUR, low_open=True)
         if self.backend not in BACKENDS:
@@ -206,6 +233,7 @@ class _ActionsCore:
                                   f"(got {_printable(kind)!r})")
         for name in backends.SETTINGS:
             getattr(self, name).validate(f"{prefix}.{name}")
+        self.topology.validate(f"{prefix}.topology")
 
 
 def _with_backend_tables(core: type, tables: Mapping[str, type]) -> type:

@@ -130,6 +130,7 @@ class MigrationRecord:
     staged_bytes: int = 0
     reason_long: str = ""  # the text sent to the ranks: "<rule>: <message> (<where>)"
     scheduler_cordoned: bool | None = None  # None: not tried yet; False: the backend's cordon failed (retried)
+    spare: dict | None = None  # the spare chosen by distance: node, distance, rank, why (sentinel.topology)
 
 
 def leaving_reason(state_dir: Path) -> str:
@@ -171,6 +172,9 @@ BREAKER_REFUSALS = counter("sentinel_breaker_refusals",
 NODE_CORDONED = gauge("sentinel_node_cordoned", "1 while this node is cordoned by Sentinel")
 BACKEND_UP = gauge("sentinel_backend_up",
                    "1 when the last call to the action backend's scheduler answered, 0 when it did not", "backend")
+SPARE_CHOICES = counter("sentinel_spare_choices",
+                        "Spares chosen by topology, by distance to this node (nvlink, leaf, spine, ..., far, unknown)",
+                        "distance")
 DEADLINE_EXCEEDED = counter("sentinel_migration_deadline_exceeded",
                             "Migrations that moved on (fail-safe) because a phase's backend step passed its deadline, by phase",
                             "phase")
@@ -216,6 +220,7 @@ class Migrator:
         self.backend_up = backend_up  # did the last backend call reach the scheduler? (None: no scheduler, or not asked yet)
         self.breaker_refusals = 0
         self.deadline_exceeded: dict[str, int] = {}  # phase -> migrations moved on past its deadline
+        self.spare_distances: dict[str, int] = {}  # spares chosen, by distance to this node
         self._job: concurrent.futures.Future | None = None
         self._job_deadline = 0.0  # monotonic: when the tick stops waiting for self._job
         self._requested_at = 0.0  # monotonic
@@ -611,6 +616,8 @@ class Migrator:
             self._save()
             raise
         rec.notes.extend(self.backend.take_notes())
+        if isinstance(verdict, Verdict) and not verdict.allowed and self.backend.domain_refusal:
+            self._count(f"domain_breaker_{self.backend.domain_refusal}")  # one NVLink domain / leaf, not the fleet
         if isinstance(verdict, Verdict) and not verdict.allowed:
             if rec.phase == Phase.DRAINED.value:  # a later retry: the node stays drained locally; try again later
                 rec.scheduler_cordoned = False
@@ -640,11 +647,21 @@ class Migrator:
             note = self._call("start_spare", self.backend.start_spare)
         except BackendError as exc:
             note = f"no spare started: {exc}"
+        choice = self.backend.spare_choice
+        if choice is not None:
+            self.spare_distances[choice.distance] = self.spare_distances.get(choice.distance, 0) + 1
         if self.record is not None:
             self.record.notes.append(note)
-        event(log, "spare", backend=self.backend.name, result=note)
+            self.record.notes.extend(self.backend.take_notes())
+            if choice is not None:
+                self.record.spare = choice.as_dict()
+                self.record.times["spare_chosen"] = self.wall()
+                self._save()
+        event(log, "spare", backend=self.backend.name, result=note,
+              **({"spare": choice.node, "distance": choice.distance} if choice is not None else {}))
 
-    FAMILIES = (MIGRATION_STEPS, BACKEND_CALLS, BREAKER_REFUSALS, NODE_CORDONED, BACKEND_UP, DEADLINE_EXCEEDED)
+    FAMILIES = (MIGRATION_STEPS, BACKEND_CALLS, BREAKER_REFUSALS, NODE_CORDONED, BACKEND_UP, DEADLINE_EXCEEDED,
+                SPARE_CHOICES)
 
     def metric_counters(self) -> dict:
         out = {MIGRATION_STEPS.key(step=k): float(v) for k, v in dict(self.counts).items()}
@@ -653,6 +670,8 @@ class Migrator:
         out[BREAKER_REFUSALS.key(backend=self.backend.name)] = float(self.breaker_refusals)
         for phase in sorted({Phase.ACKNOWLEDGED.value, Phase.CORDONED.value, *self.deadline_exceeded}):
             out[DEADLINE_EXCEEDED.key(phase=phase)] = float(self.deadline_exceeded.get(phase, 0))
+        for distance, n in dict(self.spare_distances).items():
+            out[SPARE_CHOICES.key(distance=distance)] = float(n)
         return out
 
     def gauges(self) -> dict:

@@ -103,11 +103,17 @@ def ensure_munge() -> None:
 
 
 class SlurmCluster:
-    def __init__(self, root: Path, conf: Path | None = None) -> None:
+    """``nodes``: the slurmd names; ``topology``: a topology.conf for ``TopologyPlugin=topology/tree``
+    (None: no topology plugin); ``conf``: an existing cluster's slurm.conf (:meth:`attach`)."""
+
+    def __init__(self, root: Path, conf: Path | None = None, nodes: tuple[str, ...] = NODES,
+                 topology: str | None = None) -> None:
         self.root = root
         self.conf = conf or root / "slurm.conf"
+        self.nodes = tuple(nodes)
+        self.topology = topology
         self.procs: dict[str, subprocess.Popen] = {}
-        self.ctld_port, *self.node_ports = free_ports(1 + len(NODES))
+        self.ctld_port, *self.node_ports = free_ports(1 + len(self.nodes))
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
 
     def write_conf(self) -> None:
@@ -115,7 +121,11 @@ class SlurmCluster:
         for sub in ("state", "log", "spool"):
             (d / sub).mkdir(parents=True, exist_ok=True)
         nodes = "\n".join(f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={p} CPUs=2 RealMemory=2000 State=UNKNOWN"
-                          for n, p in zip(NODES, self.node_ports))
+                          for n, p in zip(self.nodes, self.node_ports))
+        topology = ""
+        if self.topology is not None:
+            (d / "topology.conf").write_text(self.topology)
+            topology = "TopologyPlugin=topology/tree\n"
         self.conf.write_text(f"""ClusterName=sentinel
 SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={self.ctld_port}
@@ -143,8 +153,8 @@ SwitchType=switch/none
 SlurmdTimeout=30
 KillWait=5
 MessageTimeout=10
-{nodes}
-PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP
+{topology}{nodes}
+PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP
 """)
 
     def start(self) -> None:
@@ -154,12 +164,12 @@ PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=U
             ["slurmctld", "-D", "-i", "-f", str(self.conf)], env=self.env, start_new_session=True,
             stdout=open(self.root / "log" / "slurmctld.out", "ab"), stderr=subprocess.STDOUT)
         self.wait(lambda: self.run("scontrol", "ping").returncode == 0, 30, "slurmctld")
-        for n in NODES:
+        for n in self.nodes:
             self.procs[n] = subprocess.Popen(
                 ["slurmd", "-D", "-N", n, "-f", str(self.conf)], env=self.env, start_new_session=True,
                 stdout=open(self.root / "log" / f"slurmd-{n}.out", "ab"), stderr=subprocess.STDOUT)
-        self.wait(lambda: self.run("sinfo", "-h", "-o", "%t %D").stdout.split() == ["idle", str(len(NODES))], 60,
-                  "4 idle slurmd nodes")
+        self.wait(lambda: self.run("sinfo", "-h", "-o", "%t %D").stdout.split() == ["idle", str(len(self.nodes))], 60,
+                  f"{len(self.nodes)} idle slurmd nodes")
 
     def run(self, *argv: str, timeout: float = 30, **kw) -> subprocess.CompletedProcess:
         return subprocess.run(list(argv), env=self.env, capture_output=True, text=True, timeout=timeout, **kw)
@@ -195,10 +205,10 @@ PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=U
 
     def reset_nodes(self) -> None:
         """Every node back to idle (tests leave drains behind on purpose)."""
-        for n in NODES:
+        for n in self.nodes:
             self.run("scontrol", "update", f"nodename={n}", "state=resume")
         self.run("scancel", "--full", "-u", "root")
-        self.wait(lambda: self.run("sinfo", "-h", "-o", "%t %D").stdout.split() == ["idle", str(len(NODES))], 60,
+        self.wait(lambda: self.run("sinfo", "-h", "-o", "%t %D").stdout.split() == ["idle", str(len(self.nodes))], 60,
                   "nodes idle again")
 
     def stop(self) -> None:
@@ -223,7 +233,11 @@ class SlurmDrill(drill.Drill):
         super().__init__(args)
         conf = args.slurm_conf
         self.attached = conf is not None
-        self.cluster = SlurmCluster.attach(Path(conf)) if self.attached else SlurmCluster(self.work / "slurm")
+        # --topology: a topology.conf (topology/tree) for the cluster started here; the slurm backend
+        # reads it back through `scontrol show topology` to pick the spare
+        topology = Path(args.topology).read_text() if getattr(args, "topology", None) else None
+        self.cluster = SlurmCluster.attach(Path(conf)) if self.attached else SlurmCluster(self.work / "slurm",
+                                                                                          topology=topology)
         self.job_id = ""
         self.checks: dict[str, object] = {}
         self.python = getattr(args, "job_python", "") or sys.executable

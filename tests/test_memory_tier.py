@@ -529,3 +529,14 @@ def test_migrate_ack_mode_is_checked(tmp_path):
     from trainer.guard import SnapshotGuard
     with pytest.raises(ValueError, match="migrate_ack must be 'durable' or 'memory'"):
         SnapshotGuard(tmp_path, {}, memory_interval_steps=1, migrate_ack="fast")
+
+
+def test_placed_partners_follow_the_node_plan_and_default_to_the_ring():
+    from trainer.memory.plan import placed_partners
+
+    # node n's replicas on holder[n]: node 0 -> 2, 1 -> 0, 2 -> 3, 3 -> 1 (two ranks per node)
+    holder = [2, 0, 3, 1]
+    assert [placed_partners(r, 8, 2, holder) for r in range(8)] == [
+        (4, 2), (5, 3), (0, 6), (1, 7), (6, 0), (7, 1), (2, 4), (3, 5)]
+    ring = [(n + 1) % 4 for n in range(4)]
+    assert [placed_partners(r, 8, 2, ring) for r in range(8)] == [ring_partners(r, 8, 2) for r in range(8)]

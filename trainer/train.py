@@ -141,6 +141,26 @@ def train_step(model: nn.Module, optim: torch.optim.Optimizer, loss_fn: nn.Modul
     return loss
 
 
+class _GuardLog:
+    """Called after every step: one progress line per snapshot the guard finished, and the memory
+    tier's replica placement once it is agreed (at its first snapshot); rank 0 writes them."""
+
+    def __init__(self, guard: SnapshotGuard, rank: int, record) -> None:
+        self.guard, self.rank, self.record = guard, rank, record
+        self.reported = 0
+        self.placed = False
+
+    def __call__(self) -> None:
+        g = self.guard
+        for rec in g.records[self.reported:]:
+            if self.rank == 0:
+                self.record("snapshot", step=rec.step, ok=rec.ok, kind=rec.kind, path=rec.path, error=rec.error[:200])
+        self.reported = len(g.records)
+        if not self.placed and self.rank == 0 and g.memory is not None and g.memory.placement:
+            self.record("replica_placement", placement=g.memory.placement)
+            self.placed = True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     t_started = time.time()
@@ -181,16 +201,7 @@ def main(argv: list[str] | None = None) -> int:
            channel_error=guard.channel_error, skipped=[str(p) for p in guard.skipped_on_resume],
            restore=guard.restore_summary())
     loss_fn = nn.CrossEntropyLoss()
-    reported = 0
-
-    def record_snapshots() -> None:
-        """One progress line per snapshot this guard finished (rank 0: it writes the markers)."""
-        nonlocal reported
-        for rec in guard.records[reported:]:
-            if rank == 0:
-                record("snapshot", step=rec.step, ok=rec.ok, kind=rec.kind, path=rec.path, error=rec.error[:200])
-        reported = len(guard.records)
-
+    record_snapshots = _GuardLog(guard, rank, record)
     for step in range(start, args.steps):
         t0 = time.perf_counter()
         loss = train_step(model, optim, loss_fn, args, step, device)

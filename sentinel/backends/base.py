@@ -22,6 +22,10 @@ Contract (each method may block; the daemon calls them on a worker thread, never
 * ``fleet(now)`` — for the circuit breaker: how many of the job's / partition's nodes there
   are and when Sentinel cordoned each of those it cordoned; ``None`` when the backend has no
   view of other nodes (file, command).
+* ``topology()`` — the :class:`sentinel.topology.Topology` from ``[actions.topology] file`` and
+  the scheduler's own (``scheduler_topology()``); raises :class:`sentinel.topology.TopologyError`
+  on a file it cannot read or a contradiction. ``start_spare()`` sets ``spare_choice`` (a
+  :class:`sentinel.topology.SpareChoice`) when it chose a spare by distance.
 
 Errors: :class:`Unreachable` (timeout, connection refused, 5xx: retried with backoff),
 :class:`PermissionDenied` and :class:`UnknownNode` (not retried: the message names the missing
@@ -163,6 +167,8 @@ class Backend:
         self.pidfile = Path(actions.agent_pidfile) if actions.agent_pidfile else ctx.runtime_dir / "agent.pid"
         self.read_agent = ctx.read_agent or (lambda p: procs.read_agent_record(p, owners=frozenset({0, os.geteuid()})))
         self.notes: list[str] = []  # what the last call did, for the migration record
+        self.spare_choice = None  # the last start_spare's SpareChoice, when it chose by distance
+        self.domain_refusal = ""  # the level ("nvlink", "leaf") of the last claim's per-domain refusal
 
     @property
     def cordon_path(self) -> Path:
@@ -223,6 +229,40 @@ class Backend:
         the breaker does not apply and this is :meth:`cordon_scheduler`."""
         self.cordon_scheduler(reason)
         return Verdict(True, 0, 0, "no fleet view: the breaker does not apply")
+
+    def topology(self):
+        """The topology as the configured file and the scheduler describe it (merged; checked)."""
+        from sentinel import topology
+
+        tc = self.cfg.topology
+        readings = topology.read_file(tc.file) if tc.file else []
+        if tc.from_scheduler:
+            readings += self.scheduler_topology()
+        return topology.merge(readings)
+
+    def scheduler_topology(self) -> list:
+        """The scheduler's own topology readings (none here)."""
+        return []
+
+    def breaker_topology(self):
+        """The topology for the per-domain breaker (:func:`sentinel.topology.domain_settle`), or
+        None: no limit below 1, or a topology that cannot be read (noted; the fleet-wide breaker
+        still holds, and a failing node is never kept from draining by a topology file)."""
+        from sentinel import topology
+
+        tc = self.cfg.topology
+        self.domain_refusal = ""
+        if tc.breaker_max_nvlink_fraction >= 1 and tc.breaker_max_leaf_fraction >= 1:
+            return None
+        try:
+            return self.topology()
+        except (topology.TopologyError, BackendError) as exc:
+            self.notes.append(f"topology not used by the breaker: {exc}")
+            return None
+
+    def domain_limits(self) -> dict[str, float]:
+        tc = self.cfg.topology
+        return {"nvlink": tc.breaker_max_nvlink_fraction, "leaf": tc.breaker_max_leaf_fraction}
 
     # -- the scheduler's side (subclasses) --------------------------------------------------------
     def cordon_scheduler(self, reason: CordonReason) -> None:

@@ -8,8 +8,10 @@ the Node object says the node is bad, as NVSentinel does.
   through the ``status`` subresource.
 * **uncordon** — removes Sentinel's taint, its annotations and, if the cordon was Sentinel's,
   the cordon; sets ``GPUHealthy=True``. An admin's cordon and every other taint stay.
-* **spare** — nothing to start here: the job's controller (JobSet, PyTorchJob, a StatefulSet)
-  reschedules the drained agent's pod onto an untainted node.
+* **spare** — the job's controller (JobSet, PyTorchJob, a StatefulSet) reschedules the drained
+  agent's pod; Sentinel labels the waiting spare nearest the failing node (``[actions.topology]
+  spare_selector``; same NVLink domain, else leaf, else spine, from the Node labels)
+  ``sentinel.dev/preferred-spare=true``, which the pod template prefers (docs/topology.md).
 * **fleet** (circuit breaker) — the nodes matching ``node_selector`` and, for each carrying
   Sentinel's taint, the taint's ``timeAdded``.
 * **claim** (the breaker, atomically) — before its cordon, a node adds itself to the Lease
@@ -50,6 +52,9 @@ from sentinel.backends.base import (REASON_PREFIX, Backend, BackendError, Cordon
 from sentinel.backends.breaker import slots
 
 ANNOTATION = "sentinel.dev/cordoned"  # "true": spec.unschedulable was set by Sentinel
+PREFERRED_SPARE_LABEL = "sentinel.dev/preferred-spare"  # "true" on the spare chosen for the departed node
+PREFERRED_SPARE_FOR = "sentinel.dev/preferred-spare-for"  # annotation: the node it replaces
+PREFERRED_SPARE_WHY = "sentinel.dev/preferred-spare-why"  # annotation: the distance and why
 REASON_ANNOTATION = "sentinel.dev/reason"
 BREAKER_ANNOTATION = "sentinel.dev/breaker-cordons"  # on the breaker's Lease: {"node": unix time, ...}
 #: what the backend needs, as (verb, resource): checked at start with SelfSubjectAccessReview
@@ -347,7 +352,45 @@ class KubernetesBackend(Backend):
         return CordonState(cordoned, by_sentinel, str(annotations.get(REASON_ANNOTATION, ""))[:512])
 
     def start_spare(self) -> str:
-        return "kubernetes: the job's controller reschedules the agent's pod onto an untainted node"
+        """Label the waiting spare (``[actions.topology] spare_selector``) nearest this node
+        ``sentinel.dev/preferred-spare=true`` (and annotate whom it replaces): the job's pod
+        template prefers such Nodes (a preferred node affinity, docs/topology.md), so the
+        controller's replacement pod lands there. No spare matches, or the topology cannot be
+        read: the controller places the pod as before."""
+        from sentinel import topology
+
+        self.spare_choice = None
+        base = "kubernetes: the job's controller reschedules the agent's pod onto an untainted node"
+        selector = self.cfg.topology.spare_selector
+        if not selector:
+            return base
+        spares = self._do("list", "nodes", self.core.list_node, label_selector=selector).items
+        waiting = [n.metadata.name for n in spares if not n.spec.unschedulable and n.metadata.name != self.node
+                   and not any(t.key == self.k.taint_key or t.effect in ("NoSchedule", "NoExecute")
+                               for t in n.spec.taints or [])]
+        if not waiting:
+            return f"{base}; no waiting spare matches {selector!r}"
+        try:
+            topo = self.topology()
+        except topology.TopologyError as exc:
+            self.notes.append(f"kubernetes: spare not chosen by topology: {exc}")
+            return base
+        choice = topology.choose_spare(topo, self.node, waiting)  # the API server lists by name
+        assert choice is not None  # waiting is not empty
+        self._do("patch", "nodes", self.core.patch_node, choice.node, {"metadata": {
+            "labels": {PREFERRED_SPARE_LABEL: "true"},
+            "annotations": {PREFERRED_SPARE_FOR: self.node, PREFERRED_SPARE_WHY: _printable(choice.why)[:1024]}}})
+        self.spare_choice = choice
+        return f"kubernetes: labelled {choice.node} {PREFERRED_SPARE_LABEL}=true ({choice.distance}: {choice.why})"
+
+    def scheduler_topology(self) -> list:
+        """Every Node's topology labels (Topograph, GPU operator, GCP, AWS, Sentinel's own)."""
+        from sentinel import topology
+
+        out = []
+        for n in self._do("list", "nodes", self.core.list_node).items:
+            out += topology.from_labels(n.metadata.name, n.metadata.labels or {}, "kubernetes")
+        return out
 
     def fleet(self, now: float) -> Fleet:
         kw = {"label_selector": self.k.node_selector} if self.k.node_selector else {}
@@ -407,6 +450,7 @@ class KubernetesBackend(Backend):
         already in the Lease within the window keeps its place (a retry, a restart)."""
         window, fraction = self.cfg.breaker_window_seconds, self.cfg.breaker_max_fraction
         verdict = None
+        topo = self.breaker_topology()
         for _ in range(LEASE_ATTEMPTS):
             fleet = self.fleet(self.ctx.wall())
             lease, entries = self._read_lease()
@@ -422,6 +466,14 @@ class KubernetesBackend(Backend):
                     return Verdict(False, others, fleet.nodes,
                                    f"{others} of {fleet.nodes} nodes were cordoned by Sentinel in the last {window:g} s; "
                                    f"cordoning this one would make {(others + 1) / max(fleet.nodes, 1):.0%} > {fraction:.0%}")
+                if topo is not None:  # and no more than a share of its NVLink domain / leaf (same Lease, same count)
+                    from sentinel.topology import domain_breaker
+
+                    d = domain_breaker(topo, self.node, recent.items(), now, window_seconds=window,
+                                       max_fraction=self.domain_limits())
+                    if not d.allowed:
+                        self.domain_refusal = d.level
+                        return Verdict(False, others, fleet.nodes, d.why)
                 kept = {n: t for n, t in entries.items() if now - window <= t <= now + 60}
                 kept[self.node] = now
                 try:

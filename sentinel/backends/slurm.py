@@ -5,8 +5,11 @@
   ``sinfo -R`` says why. A node someone else already drained keeps that drain and its reason.
 * **uncordon** — ``state=resume``, only when the drain reason is Sentinel's (starts
   ``sentinel:``); an admin's drain is left alone and said so.
-* **spare** — a node of the job's own allocation that runs no ranks: the daemon signals the
-  batch script of the job this node's agent runs in (the running job on this node of the
+* **spare** — a node of the job's own allocation that runs no ranks, the nearest to this one in
+  the topology (``scontrol show topology`` and ``[actions.topology] file``: same NVLink block,
+  else same leaf switch, else same spine): the daemon names it in the job's Comment
+  (``sentinel-spare=<node> for=<this node> distance=<leaf>``) and signals the batch
+  script of the job this node's agent runs in (the running job on this node of the
   agent's user, from the verified pidfile; ``scancel --batch --signal=USR1``), and
   ``deploy/slurm/train.sbatch`` starts an agent on an idle, undrained node of its allocation,
   as the job's user. Nothing outside the allocation is touched.
@@ -30,6 +33,7 @@ from sentinel import procs, settings
 from sentinel.backends.base import (REASON_PREFIX, Backend, BackendError, CordonReason, CordonState, Fleet,
                                     PermissionDenied, Unreachable, UnknownNode, Verdict)
 from sentinel.backends.breaker import settle
+from sentinel.topology import domain_settle
 
 PRIVILEGE = ("draining or resuming a node needs root, the SlurmUser, or an AdminLevel of Operator or Admin "
              "(sacctmgr modify user <user> set adminlevel=Operator)")
@@ -213,9 +217,55 @@ class SlurmBackend(Backend):
                                f"cannot tell which one to give a spare")
         if job_id(jobs[0]) is None:  # a claim from the environment is re-checked: it never becomes an option
             raise BackendError(f"slurm: {jobs[0][:40]!r} is not a Slurm job id; no spare asked for")
+        choice = self._choose_spare(jobs[0])
         self._slurm("scancel --signal", self.s.scancel, "--batch", f"--signal={self.s.spare_signal}", "--", jobs[0])
-        return (f"slurm: asked job {jobs[0]}'s batch script (SIG{self.s.spare_signal}) to start an agent on an idle "
-                f"node of its allocation")
+        if choice is None:
+            return (f"slurm: asked job {jobs[0]}'s batch script (SIG{self.s.spare_signal}) to start an agent on an idle "
+                    f"node of its allocation")
+        return (f"slurm: asked job {jobs[0]}'s batch script (SIG{self.s.spare_signal}) to start an agent on {choice.node} "
+                f"({choice.distance}: {choice.why})")
+
+    def _choose_spare(self, job: str):
+        """The idle node of ``job``'s allocation nearest this one, named in the job's Comment
+        (``sentinel-spare=<node> for=<this node>``) for train.sbatch; None (the script picks the
+        first idle node, as before) when the allocation has no idle node or the topology cannot be
+        read — a spare is never held up by the topology."""
+        from sentinel import topology
+
+        self.spare_choice = None
+        try:
+            alloc = topology.expand_hostlist(self._slurm("squeue", self.s.squeue, "-h", "-j", job, "-o", "%N").strip())
+            busy: set[str] = set()
+            for line in self._slurm("squeue -s", self.s.squeue, "-h", "-s", "-j", job, "-o", "%i %N").splitlines():
+                step, _, nodes = line.strip().partition(" ")
+                if step.endswith((".batch", ".extern")) or not nodes:
+                    continue
+                busy.update(topology.expand_hostlist(nodes))
+            bad = set(self._slurm("sinfo", self.s.sinfo, "-h", "-N", "-n", ",".join(alloc) or self.node,
+                                  "-t", "drain,drng,down,fail,maint", "-o", "%N").split())
+            candidates = [n for n in alloc if n not in busy and n not in bad and n != self.node]
+            if not candidates:
+                return None
+            topo = self.topology()
+        except (BackendError, topology.TopologyError) as exc:
+            self.notes.append(f"slurm: spare chosen by the batch script (first idle node): {exc}")
+            return None
+        choice = topology.choose_spare(topo, self.node, candidates)
+        if choice is None:
+            return None
+        self._slurm("scontrol update job", self.s.scontrol, "update", f"jobid={job}",
+                    f"comment=sentinel-spare={choice.node} for={self.node} distance={choice.distance}")
+        self.spare_choice = choice
+        return choice
+
+    def scheduler_topology(self) -> list:
+        """``scontrol show topology``: empty (not an error) when no topology plugin is configured."""
+        from sentinel import topology
+
+        r = self.command([self.s.scontrol, "show", "topology"], "scontrol show topology")
+        if r.returncode != 0 or ("SwitchName=" not in r.stdout and "BlockName=" not in r.stdout):
+            return []
+        return topology.parse_slurm_topology(r.stdout, "scontrol show topology")
 
     def fleet(self, now: float) -> Fleet:
         partitions = self.s.partition or self.show().get("Partitions", "")
@@ -254,10 +304,21 @@ class SlurmBackend(Backend):
             self._slurm("scontrol update", self.s.scontrol, "update", f"nodename={self.node}", "state=drain",
                         f"reason={reason.short()}")
         verdict = None
+        topo = self.breaker_topology()
         for _ in range(SETTLE_ROUNDS):
-            outcome, verdict = settle(self.fleet(self.ctx.wall()), self.node, self.ctx.wall(),
-                                      max_fraction=self.cfg.breaker_max_fraction,
+            fleet, now = self.fleet(self.ctx.wall()), self.ctx.wall()
+            outcome, verdict = settle(fleet, self.node, now, max_fraction=self.cfg.breaker_max_fraction,
                                       window_seconds=self.cfg.breaker_window_seconds)
+            if topo is not None and outcome != "lost":  # and no more than a share of its NVLink domain / leaf
+                d_outcome, d = domain_settle(topo, self.node, fleet.sentinel_cordons, now,
+                                             window_seconds=self.cfg.breaker_window_seconds,
+                                             max_fraction=self.domain_limits())
+                if d_outcome != "won":
+                    outcome = "lost" if d_outcome == "lost" else "wait"
+                    verdict = Verdict(False, verdict.recent, verdict.nodes, d.why)
+                    self.domain_refusal = d.level
+                else:
+                    self.domain_refusal = ""
             if outcome == "won":
                 self.notes.append(f"slurm: drained {self.node} (reason {reason.short()!r}); breaker: {verdict.why}")
                 return verdict

@@ -920,6 +920,9 @@ def main_args(args: argparse.Namespace) -> int:
     print(f"closed-form periodic ETTR: {closed_form_ettr(p):.4f} (at {p.interval_hours * 60:.0f} min); "
           f"Young/Daly interval: {young_daly(p) * 60:.1f} min; P(both replica holders lost | sudden node loss, "
           f"{p.placement}): {double_failure_probability(p):.2e}")
+    from sentinel_tools.sim import placement  # what a far spare and a same-rack replica cost (docs/topology.md)
+
+    print("\n".join(placement.summary_lines(p, runs=min(args.runs, 5), seed=args.seed)))
     if args.size_spares:
         for s in strategies:
             print(f"spares for P(pool dry) < 1 % ({s}): {min_spares(p, runs=args.runs, seed=args.seed, strategy=s)}")

@@ -35,7 +35,7 @@ _EXPORTS = {
     "slot": ("MAGIC", "VERSION", "EMPTY", "WRITING", "COMPLETE", "FIXED_LEN", "ALIGN", "OWN_SLOTS", "REPLICA_SLOTS",
              "META_ROOM", "OWN", "REPLICA", "MemoryTierError", "MemoryBudgetError", "SlotInfo", "slot_name",
              "parse_name", "data_offset"),
-    "plan": ("DISK", "RestorePlan", "plan_restore", "ring_partners"),
+    "plan": ("DISK", "RestorePlan", "placed_partners", "plan_restore", "ring_partners"),
     "layout": ("Leaf", "Layout"),
     "place": ("default_holder_dir", "ensure_holder", "holder_id"),
     "holder": ("MADV_POPULATE_WRITE", "Slot", "inventory"),
