@@ -68,8 +68,8 @@ _INDEX = (b"<html><head><title>Sentinel</title></head><body><h1>Sentinel GPU hea
 
 
 # The server's own families, rendered after the registry's.
-RENDER_FAILURES = counter("sentinel_exporter_render_failures", "Metric renders that raised; scrapes kept the previous samples")
-RENDER_DURATION = gauge("sentinel_exporter_render_duration_seconds", "Duration of the previous collect and render of the exposition")
+RENDER_FAILURES = counter("sentinel_exporter_render_failures", "Renders that raised (scrapes kept the last)")
+RENDER_DURATION = gauge("sentinel_exporter_render_duration_seconds", "Duration of the last render")
 REJECTED_CONNECTIONS = counter("sentinel_exporter_rejected_connections", "Scrape connections refused or cut, by reason", "reason")
 FAMILIES = (RENDER_FAILURES, RENDER_DURATION, REJECTED_CONNECTIONS)
 

@@ -80,10 +80,10 @@ GPU_XID_ERRORS = counter("sentinel_gpu_xid_errors", "Xid errors per Xid code sin
 GPU_HEALTH = gauge("sentinel_gpu_health", "0 healthy, 1 watch, 2 predicted failure, 3 failed", "gpu", "uuid")
 GPU_PREDICTED_FAILURE = gauge("sentinel_gpu_predicted_failure_seconds",
                               "Forecast seconds until a counter crosses its failure threshold", "gpu", "uuid")
-GPU_NVLINK_ERRORS = counter("sentinel_gpu_nvlink_errors", "NVLink data-link errors, summed over the GPU's links",
+GPU_NVLINK_ERRORS = counter("sentinel_gpu_nvlink_errors", "NVLink errors summed over the GPU's links",
                             "gpu", "uuid", "kind")
 GPU_NVLINK_LINK_ERRORS = counter(
-    "sentinel_gpu_nvlink_link_errors", "NVLink data-link error counters per link (links with errors; every link with detail full)",
+    "sentinel_gpu_nvlink_link_errors", "NVLink errors per link (links with errors)",
     "gpu", "uuid", "link", "kind")
 SOURCE_UP = gauge("sentinel_source_up", "1: the node sees this signal through via; 0: blind to it", "source", "via")
 SOURCE_POLL_DURATION = gauge("sentinel_source_poll_duration_seconds", "Duration of the source's last poll", "source")

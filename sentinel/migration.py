@@ -168,7 +168,7 @@ BACKEND_CALLS = counter("sentinel_backend_calls",
                         "Calls to the action backend (scheduler), by backend, operation and outcome (ok, retried, failed)",
                         "backend", "op", "outcome")
 BREAKER_REFUSALS = counter("sentinel_breaker_refusals",
-                           "Cordons the circuit breaker refused (too many nodes cordoned by Sentinel in the window)", "backend")
+                           "Cordons the circuit breaker refused", "backend")
 NODE_CORDONED = gauge("sentinel_node_cordoned", "1 while this node is cordoned by Sentinel")
 BACKEND_UP = gauge("sentinel_backend_up",
                    "1 when the last call to the action backend's scheduler answered, 0 when it did not", "backend")
@@ -176,7 +176,7 @@ SPARE_CHOICES = counter("sentinel_spare_choices",
                         "Spares chosen by topology, by distance to this node (nvlink, leaf, spine, ..., far, unknown)",
                         "distance")
 DEADLINE_EXCEEDED = counter("sentinel_migration_deadline_exceeded",
-                            "Migrations that moved on (fail-safe) because a phase's backend step passed its deadline, by phase",
+                            "Migrations moved on (fail-safe) past a phase's deadline",
                             "phase")
 
 

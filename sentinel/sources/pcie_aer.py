@@ -38,7 +38,7 @@ def read_sysfs_aer(root: Path, bus_id: str) -> dict[str, int]:
 
 
 PCIE_AER_ERRORS = counter("sentinel_pcie_aer_errors",
-                          "PCIe Advanced Error Reporting errors, by device (PCI address) and severity", "device", "severity")
+                          "PCIe AER errors by device and severity", "device", "severity")
 
 
 class PcieAerSource(KernelSource):
