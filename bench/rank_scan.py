@@ -29,7 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._report import add_json_argument, write  # noqa: E402
-from sentinel.channel import DaemonEndpoint, RankEndpoint  # noqa: E402
+from sentinel.channel import RankEndpoint  # noqa: E402
+from sentinel.daemon_endpoint import DaemonEndpoint  # noqa: E402
 from sentinel.procs import AgentRecord, write_agent_record  # noqa: E402
 
 PLANTED = 4200

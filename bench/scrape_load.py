@@ -55,7 +55,7 @@ def serve(path: str, gpus: int, poll_interval: float, state: str) -> None:
     policy = Policy(PolicyConfig())
     current = View()
     from sentinel.actions import ACTIONS
-    from sentinel.channel import CHANNEL_MESSAGES
+    from sentinel.daemon_endpoint import CHANNEL_MESSAGES
     from sentinel.sources.kernel import KERNEL_EVENTS
 
     counters = {

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 from sentinel.actions import Executor
 from sentinel.backends import make_backend
 from sentinel.backends.base import Backend, BackendContext, BackendError, Unreachable
-from sentinel.channel import DaemonEndpoint
+from sentinel.daemon_endpoint import DaemonEndpoint
 from sentinel.config import Config
 from sentinel.daemon import Daemon, EventSource, StartupError, check_directories
 from sentinel.log import event

@@ -92,7 +92,7 @@ class Daemon:
         """Everything the daemon runs is passed in (:func:`sentinel.builder.build_daemon` wires it
         from config): the NVML source, the kernel-event sources, the executor of the policy's
         trips, the control channel to the ranks (``endpoint``, a
-        :class:`sentinel.channel.DaemonEndpoint`), the migration sequence (``migrator``, a
+        :class:`sentinel.daemon_endpoint.DaemonEndpoint`), the migration sequence (``migrator``, a
         :class:`sentinel.migration.Migrator`), and ``wake``, the event that ends the wait between
         polls (set by a kernel event or a finished backend call; the builder gives the same one
         to the migrator). Without an endpoint and a migrator, trips are only counted and logged."""

@@ -21,13 +21,7 @@ counted (``sentinel_backend_calls_total{backend,op,outcome}``) and ``sentinel_ba
 whether the last one reached the scheduler. Every deadline is on the monotonic clock; wall-clock
 times are only recorded.
 
-Phases (:class:`Phase`), the only transitions allowed::
-
-    TRIPPED      --the migrate request leaves at once, before any scheduler call------------> REQUESTED
-    REQUESTED    --every rank committed / the ranks exited / the deadline passed / no rank--> ACKNOWLEDGED
-    ACKNOWLEDGED --marker written and the backend's cordon claimed under the breaker--------> CORDONED
-    ACKNOWLEDGED --the breaker refuses: the marker is removed, nothing is cordoned-----------> REFUSED
-    CORDONED     --agent stopped (or drain disabled)----------------------------------------> DRAINED
+Phases and their only transitions: :class:`sentinel.migration_record.Phase`.
 
 A migration's first act is the snapshot request to the node's verified ranks: nothing runs
 before it (no scheduler call, no breaker count). The circuit breaker (:mod:`sentinel.backends.breaker`)
@@ -61,123 +55,32 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import enum
 import json
 import logging
 import os
 import subprocess
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
 from sentinel import procs
-from sentinel.channel import DaemonEndpoint
+from sentinel.daemon_endpoint import DaemonEndpoint
 from sentinel.config import ActionsConfig
 from sentinel.backends import SETTINGS as backend_settings
 from sentinel.backends import make_backend
 from sentinel.backends.base import (Backend, BackendContext, BackendError, CordonReason, Verdict,
                                     read_cordon)
 from sentinel.fsutil import UnsafePath, read_trusted, write_json_atomic
-from sentinel.families import counter, gauge
 from sentinel.log import event
+from sentinel.migration_record import (ALLOWED, BACKEND_CALLS, BACKEND_UP, BREAKER_REFUSALS,  # noqa: F401 (re-exported)
+                                       DEADLINE_EXCEEDED, MIGRATION_STEPS, NODE_CORDONED, SPARE_CHOICES, BadTransition,
+                                       MigrationRecord, Phase, _alive, leaving_reason, uncordon)
 
 log = logging.getLogger("sentinel.migration")
 # The most the staged acks can add to the ack deadline, whatever sizes the ranks claim: a rank's
 # ack is the job's word, and the job must not be able to hold a failing node for days.
 MAX_EXTENSION_SECONDS = 3600.0
-
-
-class Phase(str, enum.Enum):
-    """A migration's phase; see the module docstring for the transitions."""
-
-    TRIPPED = "tripped"
-    REFUSED = "refused"
-    REQUESTED = "requested"
-    ACKNOWLEDGED = "acknowledged"
-    CORDONED = "cordoned"
-    DRAINED = "drained"
-
-
-ALLOWED: dict[Phase, frozenset[Phase]] = {
-    Phase.TRIPPED: frozenset({Phase.REQUESTED}),
-    Phase.REFUSED: frozenset(),
-    Phase.REQUESTED: frozenset({Phase.ACKNOWLEDGED}),
-    Phase.ACKNOWLEDGED: frozenset({Phase.CORDONED, Phase.REFUSED}),
-    Phase.CORDONED: frozenset({Phase.DRAINED}),
-    Phase.DRAINED: frozenset(),
-}
-
-
-class BadTransition(RuntimeError):
-    pass
-
-
-@dataclass
-class MigrationRecord:
-    request_id: str
-    node: str
-    gpu: int
-    rule: str
-    reason: str
-    phase: str = Phase.REQUESTED.value
-    times: dict[str, float] = field(default_factory=dict)  # wall-clock, for humans and benchmarks
-    ranks: int = 0
-    acks: list[dict] = field(default_factory=list)
-    snapshot_step: int | None = None
-    snapshot_ok: bool | None = None
-    notes: list[str] = field(default_factory=list)
-    staged_bytes: int = 0
-    reason_long: str = ""  # the text sent to the ranks: "<rule>: <message> (<where>)"
-    scheduler_cordoned: bool | None = None  # None: not tried yet; False: the backend's cordon failed (retried)
-    spare: dict | None = None  # the spare chosen by distance: node, distance, rank, why (sentinel.topology)
-
-
-def leaving_reason(state_dir: Path) -> str:
-    """Why this node is leaving the job, or "" when it is not: a cordon marker (or one that cannot
-    be trusted: fail safe, as ``sentinel launch`` does), or a migration record in any phase (from
-    the trip on, every path of a migration ends with the node drained). The agent asks this
-    before it re-joins the rendezvous after its workers failed: a node being drained must not
-    come back as a participant for the seconds until its own drain signal arrives."""
-    if not os.access(state_dir, os.X_OK):
-        return ""  # the job's user (sentinel launch --user) may not look: torch's own behaviour
-    cordon = state_dir / "cordon.json"
-    if cordon.exists() and not os.access(cordon, os.R_OK):
-        return "node is cordoned (its cordon marker exists but this user cannot read it)"
-    marker, problem = read_cordon(cordon)
-    if marker is not None:
-        return f"node is cordoned: {marker['reason']}"
-    if problem:
-        return f"node is cordoned ({problem})"
-    try:
-        raw = read_trusted(state_dir / "migration.json", owners=frozenset({0, os.geteuid()}), max_bytes=1 << 20)
-    except (FileNotFoundError, PermissionError):
-        return ""  # none, or not this user's to read: torch's own behaviour
-    except (UnsafePath, OSError) as exc:
-        return f"untrusted migration record: {exc}"
-    try:
-        record = json.loads(raw)
-        phase = Phase(record["phase"])
-    except (ValueError, KeyError, TypeError):
-        return "unreadable migration record"
-    return f"migration {record.get('request_id', '?')} is {phase.value}: {record.get('rule', '')}: {record.get('reason', '')}"
-
-
-MIGRATION_STEPS = counter("sentinel_migration_steps", "Migration steps and their failures, by step", "step")
-BACKEND_CALLS = counter("sentinel_backend_calls",
-                        "Calls to the action backend (scheduler), by backend, operation and outcome (ok, retried, failed)",
-                        "backend", "op", "outcome")
-BREAKER_REFUSALS = counter("sentinel_breaker_refusals",
-                           "Cordons the circuit breaker refused", "backend")
-NODE_CORDONED = gauge("sentinel_node_cordoned", "1 while this node is cordoned by Sentinel")
-BACKEND_UP = gauge("sentinel_backend_up",
-                   "1 when the last call to the action backend's scheduler answered, 0 when it did not", "backend")
-SPARE_CHOICES = counter("sentinel_spare_choices",
-                        "Spares chosen by topology, by distance to this node (nvlink, leaf, spine, ..., far, unknown)",
-                        "distance")
-DEADLINE_EXCEEDED = counter("sentinel_migration_deadline_exceeded",
-                            "Migrations moved on (fail-safe) past a phase's deadline",
-                            "phase")
 
 
 class Migrator:
@@ -682,26 +585,3 @@ class Migrator:
 
     def close(self) -> None:
         self.workers.shutdown(wait=False, cancel_futures=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def uncordon(state_dir: Path) -> bool:
-    """Operator action (file backend): clear the cordon marker and the finished migration record.
-    ``sentinel uncordon`` goes through the configured backend (:meth:`Backend.uncordon`)."""
-    removed = False
-    for name in ("cordon.json", "migration.json"):
-        try:
-            (state_dir / name).unlink()
-            removed = True
-        except FileNotFoundError:
-            pass
-    return removed

@@ -14,7 +14,8 @@ from sentinel.backends import NAMES, make_backend
 from sentinel.backends.base import (Backend, BackendContext, BackendError, CordonReason, Fleet, Unreachable,
                                     UnknownNode)
 from sentinel.backends.breaker import decide
-from sentinel.channel import DaemonEndpoint, RankEndpoint
+from sentinel.channel import RankEndpoint
+from sentinel.daemon_endpoint import DaemonEndpoint
 from sentinel.config import BACKENDS, ActionsConfig
 from sentinel.migration import Migrator
 from sentinel.policy import Trip

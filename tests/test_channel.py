@@ -10,7 +10,8 @@ import pytest
 
 from sentinel import channel
 from conftest import register_agent, wait_for
-from sentinel.channel import Ack, DaemonEndpoint, RankEndpoint, Request, decode
+from sentinel.channel import Ack, RankEndpoint, Request, decode
+from sentinel.daemon_endpoint import DaemonEndpoint
 
 
 def test_round_trip_and_ack(tmp_path):

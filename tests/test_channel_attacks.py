@@ -19,7 +19,8 @@ import pytest
 
 from conftest import REPO, SYSTEM_PYTHON, register_agent, wait_for
 from sentinel import channel
-from sentinel.channel import Ack, DaemonEndpoint, RankEndpoint
+from sentinel.channel import Ack, RankEndpoint
+from sentinel.daemon_endpoint import DaemonEndpoint
 from test_migration import TRIP, Clock, advance, make
 
 pytestmark = pytest.mark.needs_root
@@ -145,7 +146,7 @@ def acl(path: Path) -> dict:
 DAEMON = textwrap.dedent("""
     import json, sys, time
     from pathlib import Path
-    from sentinel.channel import DaemonEndpoint
+    from sentinel.daemon_endpoint import DaemonEndpoint
     ep = DaemonEndpoint(Path(sys.argv[1]))
     asked = ep.request("migrate", "m1", "test", retry_seconds=30)
     print("asked", asked, flush=True)

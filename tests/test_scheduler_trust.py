@@ -24,7 +24,8 @@ from sentinel.backends import make_backend
 from sentinel.backends.base import Backend, BackendContext, CordonReason, Unreachable, Verdict
 from sentinel.backends.slurm import job_id
 from sentinel.builder import check_backend
-from sentinel.channel import DaemonEndpoint, RankEndpoint
+from sentinel.channel import RankEndpoint
+from sentinel.daemon_endpoint import DaemonEndpoint
 from sentinel.config import ActionsConfig, KubernetesConfig
 from sentinel.migration import Migrator
 from sentinel.policy import Trip

@@ -20,7 +20,8 @@ import pytest
 
 from conftest import metric_value, register_agent, require_ebpf, wait_for
 from sentinel import procs
-from sentinel.channel import Ack, DaemonEndpoint, RankEndpoint
+from sentinel.channel import Ack, RankEndpoint
+from sentinel.daemon_endpoint import DaemonEndpoint
 
 pytestmark = pytest.mark.needs_root
 

@@ -18,7 +18,8 @@ import pytest
 from conftest import REPO, metric_value, register_agent, wait_for
 from sentinel.backends import make_backend
 from sentinel.backends.base import BackendContext, CordonReason, PermissionDenied, Unreachable, UnknownNode
-from sentinel.channel import DaemonEndpoint, RankEndpoint
+from sentinel.channel import RankEndpoint
+from sentinel.daemon_endpoint import DaemonEndpoint
 from sentinel.config import ActionsConfig, SlurmConfig
 from sentinel.migration import Migrator
 from sentinel.policy import Trip

@@ -14,7 +14,7 @@ from conftest import register_agent, wait_for
 from sentinel import config
 from sentinel.backends import make_backend
 from sentinel.backends.base import BackendContext
-from sentinel.channel import DaemonEndpoint
+from sentinel.daemon_endpoint import DaemonEndpoint
 from sentinel.config import ActionsConfig, ConfigError
 from sentinel.migration import Migrator
 from sentinel.policy import Trip

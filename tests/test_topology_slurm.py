@@ -21,7 +21,7 @@ import pytest
 from conftest import REPO, wait_for
 from sentinel.backends import make_backend
 from sentinel.backends.base import BackendContext, CordonReason
-from sentinel.channel import DaemonEndpoint
+from sentinel.daemon_endpoint import DaemonEndpoint
 from sentinel.config import ActionsConfig
 from sentinel.migration import Migrator
 from sentinel.policy import Trip

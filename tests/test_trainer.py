@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, register_agent, wait_for
-from sentinel.channel import DaemonEndpoint, NullEndpoint
+from sentinel.channel import NullEndpoint
+from sentinel.daemon_endpoint import DaemonEndpoint
 
 pytestmark = [pytest.mark.needs_torch, pytest.mark.slow]
 torch = pytest.importorskip("torch")
