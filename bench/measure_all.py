@@ -1,6 +1,6 @@
 """Regenerates docs/measured.json: runs every benchmark whose figures the goodput simulator takes
 (each with ``--json``, each bounded in time), bundles their reports, records which simulator input
-came from which figure and which are still assumptions, then prints the README's goodput tables
+came from which figure and which are still assumptions, then prints the goodput tables of docs/benchmarks.md
 (ETTR at 16,384 GPUs per strategy; what must hold for 0.97 / 0.95) and redraws
 docs/ettr_vs_gpus.png from it.
 

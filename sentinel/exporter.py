@@ -16,7 +16,7 @@ Failure contract:
   drains) is cut off after ``timeout_seconds`` in total; connections beyond ``max_connections``
   are closed at once and counted. Neither can hold the poll loop or the other scrapers.
 
-Security (see README, "Security model"): the listener binds ``metrics.listen_address`` (0.0.0.0
+Security (see docs/security.md): the listener binds ``metrics.listen_address`` (0.0.0.0
 by default). With ``tls_cert_file``/``tls_key_file`` it serves HTTPS only (TLS 1.2 or newer);
 with ``tls_client_ca_file`` it also requires a client certificate signed by that CA (mTLS). With
 ``basic_auth_users_file`` every path needs HTTP basic auth (the file and its hashes:

@@ -158,7 +158,7 @@ def test_plain_torchrun_with_a_cold_spare_still_migrates():
 
 def test_no_spare_continues_on_fewer_nodes_when_nnodes_allows():
     # disk only: a world-size change cannot use the memory tier, and with it on the drain can beat
-    # the disk copy of the memory-committed migrate snapshot (README, "Memory tier")
+    # the disk copy of the memory-committed migrate snapshot (docs/memory-tier.md)
     r = drill("--spares", "0", "--min-nodes", "1", "--memory-interval-steps", "0")
     assert r["ok"], r
     assert r["final_nodes"] == ["node0"] and r["world_after"] == 1 and r["recomputed_steps"] == []
