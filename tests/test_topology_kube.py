@@ -13,7 +13,7 @@ from sentinel import topology
 from sentinel.backends import make_backend
 from sentinel.backends.base import BackendContext
 from sentinel.config import ActionsConfig, KubernetesConfig, TopologyConfig
-from test_kubernetes import kube, sa_kubeconfig  # noqa: F401 - the fixtures
+from test_kubernetes import sa_kubeconfig  # noqa: F401 - the fixture (kube is session-wide, in conftest)
 
 pytestmark = pytest.mark.needs_kube
 
