@@ -245,3 +245,16 @@ def test_settle_drain_then_recount():
     assert settle(Fleet(4, (("z", now - 301), ("y", now - 400), ("a", now))), "a", now, max_fraction=0.5,
                   window_seconds=300)[0] == "won"
     assert settle(Fleet(0, ()), "a", now, max_fraction=0.5, window_seconds=300)[0] == "won"
+
+
+def test_a_clock_skew_never_opens_the_breaker():
+    """The drains' stamps come from another clock (slurmctld's, another node's Lease entry): a
+    burst stamped 2 minutes ahead of this node's clock is counted, never left out."""
+    from sentinel.backends.breaker import settle
+
+    now = 10_000.0
+    burst = Fleet(4, (("a", now + 120), ("b", now + 120), ("c", now + 120)))
+    assert [settle(burst, n, now, max_fraction=0.5, window_seconds=300)[0] for n in "abc"] == ["wait", "wait", "lost"]
+    ahead = Fleet(4, (("x", now + 120), ("y", now + 3600)))
+    v = decide(ahead, "me", now, max_fraction=0.5, window_seconds=300)
+    assert not v.allowed and v.recent == 2

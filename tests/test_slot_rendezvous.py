@@ -229,3 +229,9 @@ def test_registry_gives_the_slot_handler_and_falls_back_to_torch_for_a_range_or_
         get_rendezvous_handler(params(endpoint=endpoint, slots="maybe"))
     with pytest.raises(ValueError, match="keep_alive_interval"):
         get_rendezvous_handler(params(endpoint=endpoint, keep_alive_interval="soon"))
+    # a value that is a number to float() but no usable setting is refused naming its key, never
+    # a rendezvous whose deadlines never pass (nan) or that declares every node dead (0 attempts)
+    for key, bad in (("join_timeout", "nan"), ("keep_alive_interval", "inf"), ("admission_timeout", "nan"),
+                     ("admission_timeout", "soon"), ("keep_alive_max_attempt", "0.5"), ("keep_alive_max_attempt", "0")):
+        with pytest.raises(ValueError, match=f"--rdzv-conf {key}="):
+            get_rendezvous_handler(params(endpoint=endpoint, **{key: bad}))

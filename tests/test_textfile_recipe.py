@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, SYSTEM_PYTHON
 
 pytestmark = pytest.mark.needs_root
 
@@ -73,3 +73,45 @@ def test_the_recipe_exports_only_holders_their_users_own(attacker, shared_tmp):
     assert promtool, "promtool is needed to check the exposition (apt-get install prometheus)"
     check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_a_file_swapped_for_a_link_after_the_checks_is_read_with_the_users_rights(attacker, shared_tmp):
+    """The user owns its holder, so it can swap a checked file for a link between the recipe's
+    checks and its read. Root then read the link's target: here a root-only file whose line
+    would be exported (a /dev/zero or FIFO there would have grown or stalled root's job). The
+    file is read as its owner, at most 4 KiB, with a time limit."""
+    shm = shared_tmp / "shm"
+    shm.mkdir()
+    shm.chmod(0o1777)
+    out = shared_tmp / "textfile"
+    out.mkdir()
+    secret_dir = shared_tmp / "root-only"
+    secret_dir.mkdir(mode=0o700)
+    secret = secret_dir / "x.prom"
+    secret.write_text(LINE % (9, 424242))
+    holder = shm / f"sentinel-{attacker.uid}"
+    stop = shared_tmp / "stop"
+    swapper = attacker.popen([SYSTEM_PYTHON, "-c", f"""
+import os, time
+d, f = {str(holder)!r}, {str(holder / 'metrics-rank0.prom')!r}
+os.mkdir(d, 0o700)
+end = time.monotonic() + 60
+while time.monotonic() < end and not os.path.exists({str(stop)!r}):
+    with open(d + "/tmp", "w") as t:
+        t.write({LINE % (0, 1)!r})
+    os.replace(d + "/tmp", f)
+    os.symlink({str(secret)!r}, d + "/lnk")
+    os.replace(d + "/lnk", f)
+"""])
+    try:
+        leaked = 0
+        for _ in range(40):
+            r = subprocess.run([str(SCRIPT), str(out)], capture_output=True, text=True, timeout=60,
+                               env={"PATH": "/usr/bin:/bin", "SENTINEL_SHM": str(shm),
+                                    "SENTINEL_RUN_USER": str(shared_tmp / "none")})
+            assert r.returncode == 0, r.stderr
+            leaked += "424242" in (out / "sentinel_memory.prom").read_text()
+        assert leaked == 0, f"root exported a root-only file's line through a swapped link in {leaked} of 40 runs"
+    finally:
+        stop.touch()
+        swapper.wait(timeout=90)

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -500,9 +501,17 @@ def _seconds(params: RendezvousParameters, key: str, default: float) -> float:
         value = float(raw)
     except (TypeError, ValueError):
         raise ValueError(f"--rdzv-conf {key}={raw!r}: not a number of seconds") from None
-    if value <= 0:
-        raise ValueError(f"--rdzv-conf {key}={raw!r}: must be > 0")
+    if not math.isfinite(value) or value <= 0:  # nan would make every deadline never pass
+        raise ValueError(f"--rdzv-conf {key}={raw!r}: must be a finite number > 0")
     return value
+
+
+def _count(params: RendezvousParameters, key: str, default: int) -> int:
+    raw = params.get(key, default)
+    text = str(raw).strip()
+    if isinstance(raw, bool) or not text.isdigit() or len(text) > 6 or int(text) < 1:
+        raise ValueError(f"--rdzv-conf {key}={raw!r}: must be a whole number >= 1")
+    return int(text)
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
@@ -533,8 +542,8 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         store, params.run_id, params.max_nodes, local_addr=params.local_addr,
         join_timeout=_seconds(params, "join_timeout", 600.0),
         keep_alive_interval=_seconds(params, "keep_alive_interval", 5.0),
-        keep_alive_max_attempt=int(_seconds(params, "keep_alive_max_attempt", 3)),
-        admission_timeout=float(params.get("admission_timeout")) if params.get("admission_timeout") else None)
+        keep_alive_max_attempt=_count(params, "keep_alive_max_attempt", 3),
+        admission_timeout=_seconds(params, "admission_timeout", 0.0) if params.get("admission_timeout") else None)
 
 
 def register() -> None:

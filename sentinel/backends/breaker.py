@@ -14,7 +14,14 @@ import math
 
 from sentinel.backends.base import Fleet, Verdict
 
-__all__ = ["Verdict", "decide", "slots", "settle"]
+__all__ = ["Verdict", "decide", "in_window", "slots", "settle"]
+
+
+def in_window(t: float, now: float, window_seconds: float) -> bool:
+    """Whether a Sentinel cordon stamped ``t`` counts as recent at ``now``. A stamp ahead of this
+    node's clock counts, however far: it comes from another clock (slurmctld's, another node's),
+    and leaving it out would let a clock skew open the breaker under a burst (fail-safe: refuse)."""
+    return t >= now - window_seconds
 
 
 def slots(nodes: int, max_fraction: float) -> int:
@@ -37,7 +44,7 @@ def settle(fleet: Fleet, node: str, now: float, *, max_fraction: float, window_s
     kept ones are at most the slots."""
     if fleet.nodes <= 0:
         return "won", Verdict(True, 0, 0, "no nodes in scope: the breaker does not apply")
-    recent = {n: t for n, t in fleet.sentinel_cordons if now - window_seconds <= t <= now + 60}
+    recent = {n: t for n, t in fleet.sentinel_cordons if in_window(t, now, window_seconds)}
     recent.setdefault(node, now)
     n_slots = slots(fleet.nodes, max_fraction)
     others = len(recent) - 1
@@ -59,7 +66,7 @@ def decide(fleet: Fleet | None, node: str, now: float, *, max_fraction: float, w
     empty one: allowed (there is nothing to count)."""
     if fleet is None or fleet.nodes <= 0:
         return Verdict(True, 0, 0, "no fleet view: the breaker does not apply")
-    recent = {n for n, t in fleet.sentinel_cordons if n != node and now - window_seconds <= t <= now + 60}
+    recent = {n for n, t in fleet.sentinel_cordons if n != node and in_window(t, now, window_seconds)}
     after = (len(recent) + 1) / fleet.nodes
     if after > max_fraction:
         return Verdict(False, len(recent), fleet.nodes,

@@ -49,7 +49,7 @@ from typing import Any
 from sentinel import settings
 from sentinel.backends.base import (REASON_PREFIX, Backend, BackendError, CordonReason, CordonState, Fleet,
                                     PermissionDenied, Unreachable, UnknownNode, Verdict, with_deadline)
-from sentinel.backends.breaker import slots
+from sentinel.backends.breaker import in_window, slots
 
 ANNOTATION = "sentinel.dev/cordoned"  # "true": spec.unschedulable was set by Sentinel
 PREFERRED_SPARE_LABEL = "sentinel.dev/preferred-spare"  # "true" on the spare chosen for the departed node
@@ -455,13 +455,13 @@ class KubernetesBackend(Backend):
             fleet = self.fleet(self.ctx.wall())
             lease, entries = self._read_lease()
             now = self.ctx.wall()
-            recent = {n: t for n, t in entries.items() if now - window <= t <= now + 60}
+            recent = {n: t for n, t in entries.items() if in_window(t, now, window)}
             for n, t in fleet.sentinel_cordons:  # taints from before the Lease: counted too
-                if now - window <= t <= now + 60:
+                if in_window(t, now, window):
                     recent.setdefault(n, t)
             others = len(set(recent) - {self.node})
             n_slots = slots(fleet.nodes, fraction)
-            if self.node not in entries or not now - window <= entries[self.node] <= now + 60:
+            if self.node not in entries or not in_window(entries[self.node], now, window):
                 if fleet.nodes > 0 and others + 1 > n_slots:  # no nodes in scope: the breaker does not apply
                     return Verdict(False, others, fleet.nodes,
                                    f"{others} of {fleet.nodes} nodes were cordoned by Sentinel in the last {window:g} s; "
@@ -474,7 +474,7 @@ class KubernetesBackend(Backend):
                     if not d.allowed:
                         self.domain_refusal = d.level
                         return Verdict(False, others, fleet.nodes, d.why)
-                kept = {n: t for n, t in entries.items() if now - window <= t <= now + 60}
+                kept = {n: t for n, t in entries.items() if in_window(t, now, window)}
                 kept[self.node] = now
                 try:
                     self._write_lease(lease, kept)
