@@ -295,6 +295,16 @@ def test_domain_breaker_refuses_most_of_one_nvlink_domain():
     assert v.allowed
 
 
+def test_a_clock_skew_never_opens_the_domain_breaker():
+    """Cordons stamped by a clock ahead of this node's (slurmctld's, another node's) still count."""
+    topo = nvl_topology()
+    limits = {"nvlink": 0.5}
+    now = 1000.0
+    ahead = [("n0", now + 120), ("n1", now + 3600)]
+    v = T.domain_breaker(topo, "n2", ahead, now, window_seconds=300, max_fraction=limits)
+    assert not v.allowed and v.level == "nvlink"
+
+
 def test_domain_breaker_leaf_limit_across_domains():
     topo = nvl_topology()
     now = 0.0

@@ -218,7 +218,8 @@ def domain_breaker(topo: Topology, node: str, cordons: Iterable[tuple[str, float
     last ``window_seconds``: trouble across a whole domain is a switch or power problem — page,
     do not drain. A domain of one node, or one the topology does not know, is not limited here
     (the fleet-wide breaker still is)."""
-    recent = {n for n, t in cordons if n != node and now - window_seconds <= t <= now + 60}
+    # a stamp ahead of this clock counts (as sentinel.backends.breaker.in_window): a clock skew must not open it
+    recent = {n for n, t in cordons if n != node and t >= now - window_seconds}
     notes = []
     for level, limit in max_fraction.items():
         members = topo.members(level, node)
@@ -257,7 +258,7 @@ def domain_settle(topo: Topology, node: str, cordons: Iterable[tuple[str, float]
         members = topo.members(level, node)
         if len(members) < 2:
             continue
-        recent = {n: t for n, t in cordons if n in members and now - window_seconds <= t <= now + 60}
+        recent = {n: t for n, t in cordons if n in members and t >= now - window_seconds}
         recent.setdefault(node, now)
         slots = domain_slots(len(members), limit)
         domain = _level_key(level)(topo.place(node)) or ""
