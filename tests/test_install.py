@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import stat
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -137,6 +138,19 @@ def opt_dir():
     shutil.rmtree(d, ignore_errors=True)
 
 
+def venv_with_sentinel(venv):
+    """A venv of the system Python in a root-owned directory, holding a `sentinel` package the unit
+    can see (a copy of the package's __init__: the install checks find it, nothing runs it). Not a
+    .pth to this checkout: a checkout under /tmp (CI's clones) is hidden from the unit itself."""
+    r = subprocess.run(["/usr/bin/python3", "-m", "venv", "--without-pip", str(venv)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    (site,) = (venv / "lib").glob("python3*/site-packages")
+    (site / "sentinel").mkdir()
+    shutil.copy(REPO / "sentinel" / "__init__.py", site / "sentinel" / "__init__.py")
+    return site
+
+
 def install_bin(root, script):
     return subprocess.run([sys.executable, "-m", "sentinel", "install", "--root", str(root), "--bin", str(script),
                            "--no-reload"], capture_output=True, text=True, timeout=120,
@@ -163,11 +177,7 @@ def test_an_installation_the_unit_hides_is_refused_with_the_fix(shared_tmp, opt_
 
 def test_an_installation_the_unit_sees_or_binds_in_is_installed(opt_dir, tmp_path):
     # a venv in /opt from the system Python, whose sentinel package is this checkout: visible
-    r = subprocess.run(["/usr/bin/python3", "-m", "venv", "--without-pip", str(opt_dir / "venv")],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    (site,) = (opt_dir / "venv" / "lib").glob("python3*/site-packages")
-    (site / "checkout.pth").write_text(str(REPO) + "\n")
+    venv_with_sentinel(opt_dir / "venv")
     script = console_script(opt_dir / "venv" / "bin" / "sentinel", str(opt_dir / "venv" / "bin" / "python3"))
     r = install_bin(tmp_path / "node", script)
     assert r.returncode == 0, r.stderr
@@ -223,11 +233,7 @@ def test_a_root_script_whose_interpreter_another_user_can_change_is_refused(atta
     # the same script run by root's own Python, where the unit can see it: installed, and the agent
     # unit's launcher is that Python, isolated
     # (a venv of the system Python whose sentinel package is this checkout, as in the test above)
-    r = subprocess.run(["/usr/bin/python3", "-m", "venv", "--without-pip", str(opt_dir / "venv")],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    (site,) = (opt_dir / "venv" / "lib").glob("python3*/site-packages")
-    (site / "checkout.pth").write_text(str(REPO) + "\n")
+    venv_with_sentinel(opt_dir / "venv")
     python = opt_dir / "venv" / "bin" / "python3"
     script = _root_script(opt_dir / "bin", f"#!{python}\nfrom sentinel.cli import main\n")
     r = _install_bin(root, script)
