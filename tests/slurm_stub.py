@@ -38,6 +38,10 @@ with open(os.path.join(d, "lock"), "w") as lock:
         out.write(line.encode() + bytes.fromhex(n.get("raw", "")) + b"\n")
     elif prog == "scontrol" and argv[0] == "update":
         kv = dict(a.split("=", 1) for a in argv[1:])
+        if "jobid" in kv:  # the spare choice written into the job's Comment (sentinel.topology)
+            state.setdefault("comments", dict())[kv["jobid"]] = kv.get("comment", "")
+            json.dump(state, open(os.path.join(d, "state.json"), "w"))
+            sys.exit(0)
         n = nodes[kv["nodename"]]
         if kv["state"] == "drain":
             n.update(state="IDLE+DRAIN", reason=kv.get("reason", ""), time=time.time())

@@ -274,7 +274,7 @@ def test_a_node_list_item_without_spec_does_not_hold_the_migration(kube, tmp_pat
         job.m.begin("k1", TRIP)
         assert job.rank.poll()[0].type == "migrate"
         job.until({"drained"})
-        assert job.m.record.scheduler_cordoned is True
+        assert job.m.record.scheduler_cordoned is True, job.m.record.notes
         assert kube.nodes["n1"]["spec"].get("unschedulable") is True
     finally:
         job.close()

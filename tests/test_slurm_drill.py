@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from conftest import REPO
+from sentinel_tools.drill_slurm import missing
 
 pytestmark = [pytest.mark.needs_slurm, pytest.mark.slow]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}

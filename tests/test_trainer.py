@@ -317,6 +317,8 @@ def run_pytest_over(tmp_path: Path, ci: bool, files: dict[str, str]) -> subproce
     d = tmp_path / "suite"
     d.mkdir()
     (d / "conftest.py").write_text((REPO / "tests" / "conftest.py").read_text())
+    for helper in ("kube_cluster.py", "slurm_cluster.py"):  # the session-wide cluster fixtures conftest imports
+        (d / helper).write_text((REPO / "tests" / helper).read_text())
     for name, text in files.items():
         (d / name).write_text(textwrap.dedent(text))
     env = {k: v for k, v in os.environ.items() if k != "CI"}

@@ -364,10 +364,17 @@ class KubernetesBackend(Backend):
         selector = self.cfg.topology.spare_selector
         if not selector:
             return base
-        spares = self._do("list", "nodes", self.core.list_node, label_selector=selector).items
-        waiting = [n.metadata.name for n in spares if not n.spec.unschedulable and n.metadata.name != self.node
-                   and not any(t.key == self.k.taint_key or t.effect in ("NoSchedule", "NoExecute")
-                               for t in n.spec.taints or [])]
+        spares = _as_list(_field(self._do("list", "nodes", self.core.list_node, label_selector=selector), "items"))
+        waiting = []
+        for n in spares:  # an API server may leave any field out: such a Node is not a waiting spare
+            name = _field(n, "metadata", "name")
+            if (not isinstance(name, str) or name == self.node or _field(n, "spec") is None
+                    or _field(n, "spec", "unschedulable") is True):
+                continue
+            if any(getattr(t, "key", None) == self.k.taint_key or getattr(t, "effect", None) in ("NoSchedule", "NoExecute")
+                   for t in _as_list(_field(n, "spec", "taints"))):
+                continue
+            waiting.append(name)
         if not waiting:
             return f"{base}; no waiting spare matches {selector!r}"
         try:
@@ -388,8 +395,10 @@ class KubernetesBackend(Backend):
         from sentinel import topology
 
         out = []
-        for n in self._do("list", "nodes", self.core.list_node).items:
-            out += topology.from_labels(n.metadata.name, n.metadata.labels or {}, "kubernetes")
+        for n in _as_list(_field(self._do("list", "nodes", self.core.list_node), "items")):
+            name, labels = _field(n, "metadata", "name"), _field(n, "metadata", "labels")
+            if isinstance(name, str):
+                out += topology.from_labels(name, labels if isinstance(labels, dict) else {}, "kubernetes")
         return out
 
     def fleet(self, now: float) -> Fleet:
