@@ -399,16 +399,7 @@ class DaemonEndpoint:
         self.retry_pending()
         self._poll_registrations()
         out = []
-        for _ in range(10000):  # bounded: a flood cannot keep the loop here
-            got = _recv_with_creds(self.sock)
-            if got is None:
-                break
-            data, pid, uid = got
-            try:
-                msg = decode(data)
-            except MalformedMessage:
-                self.counts[("ack", "malformed")] += 1
-                continue
+        for msg, pid, uid in self._messages(self.sock, 10000, "ack"):
             if isinstance(msg, Register):
                 self._register(pid, uid)
                 continue
@@ -435,20 +426,24 @@ class DaemonEndpoint:
             out.append(msg)
         return out
 
-    def _poll_registrations(self) -> None:
-        """Read ``register.sock``: only registrations count there (an ack is refused). Bounded."""
-        if self.register_sock is None:
-            return
-        for _ in range(1000):
-            got = _recv_with_creds(self.register_sock)
+    def _messages(self, sock, limit: int, kind: str):
+        """(message, kernel pid, kernel uid) of each datagram waiting on ``sock``, at most ``limit``
+        (a flood cannot keep the loop here); a malformed one is counted as ``(kind, "malformed")``."""
+        for _ in range(limit):
+            got = _recv_with_creds(sock)
             if got is None:
                 return
             data, pid, uid = got
             try:
-                msg = decode(data)
+                yield decode(data), pid, uid
             except MalformedMessage:
-                self.counts[("register", "malformed")] += 1
-                continue
+                self.counts[(kind, "malformed")] += 1
+
+    def _poll_registrations(self) -> None:
+        """Read ``register.sock``: only registrations count there (an ack is refused). Bounded."""
+        if self.register_sock is None:
+            return
+        for msg, pid, uid in self._messages(self.register_sock, 1000, "register"):
             if not isinstance(msg, Register):
                 self.counts[("register", "refused_not_register")] += 1
                 continue
