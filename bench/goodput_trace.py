@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     _report.add_json_argument(ap)
     a = ap.parse_args(argv)
     defaults = {f: getattr(Params(), f) for f in Params.__dataclass_fields__}
-    values, _ = measured.resolve(measured.load_all([a.measured]), {}, defaults, a.gpus // 8, "log2")
+    values, _ = measured.resolve(measured.load_all([a.measured]), {}, defaults, a.gpus // 8)
     p = Params(gpus=a.gpus, days=a.days, **values)
     rng = random.Random(a.seed)
     independent = trace.synthetic_events(replace(p, gpus=a.nodes * 8), a.nodes, rng)

@@ -54,10 +54,14 @@ def serve(path: str, gpus: int, poll_interval: float, state: str) -> None:
     source.start()
     policy = Policy(PolicyConfig())
     current = View()
+    from sentinel.actions import ACTIONS
+    from sentinel.daemon_endpoint import CHANNEL_MESSAGES
+    from sentinel.sources.kernel import KERNEL_EVENTS
+
     counters = {
-        ("sentinel_channel_messages", (("kind", "snapshot"), ("outcome", "acked"))): 4.0,
-        ("sentinel_kernel_events", (("source", "kmsg"), ("kind", "xid"))): 3.0,
-        ("sentinel_actions", (("action", "notify"), ("outcome", "ok"))): 2.0,
+        CHANNEL_MESSAGES.key(kind="snapshot", outcome="acked"): 4.0,
+        KERNEL_EVENTS.key(source="kmsg", kind="xid"): 3.0,
+        ACTIONS.key(action="notify", outcome="ok"): 2.0,
     }
 
     def publish() -> None:
@@ -73,7 +77,7 @@ def serve(path: str, gpus: int, poll_interval: float, state: str) -> None:
         current = View(readings, {g.index: 0 for g in polled}, {0: 5400.0}, {("xid", "migrate"): 1}, rule_active,
                        counters, {}, "bench-node")
 
-    registry = build_registry(lambda: current)
+    registry = build_registry(lambda: current, (CHANNEL_MESSAGES, KERNEL_EVENTS, ACTIONS))
     publish()
     if path == "old":
         from prometheus_client import start_http_server

@@ -36,7 +36,9 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from sentinel.channel import DaemonEndpoint, RankEndpoint  # noqa: E402
+from sentinel.channel import RankEndpoint  # noqa: E402
+
+from sentinel.daemon_endpoint import DaemonEndpoint  # noqa: E402
 from trainer.guard import SnapshotGuard  # noqa: E402
 
 CHUNK_MB = 16

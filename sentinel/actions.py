@@ -14,6 +14,7 @@ import uuid
 from collections import Counter
 from typing import Callable, Protocol
 
+from sentinel.families import counter
 from sentinel.log import event
 from sentinel.policy import ACTION_RANK, Trip
 
@@ -26,6 +27,9 @@ class TrainerLink(Protocol):
 
 class Migrator(Protocol):
     def begin(self, request_id: str, trip: Trip) -> None: ...
+
+
+ACTIONS = counter("sentinel_actions", "Actions carried out, by kind and outcome", "action", "outcome")
 
 
 class Executor:

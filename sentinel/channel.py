@@ -4,23 +4,44 @@ Layout under ``SENTINEL_RUNTIME_DIR`` (default ``/run/sentinel``, root-owned, mo
 
     ranks/<pid>.sock          one per training rank, bound by the rank (directory mode 1733:
     ranks/<pid>.<hex>.sock    anyone may create, nobody may list or delete another's socket);
-                              the second form when ``<pid>.sock`` was squatted by someone else
-    daemon.sock               the daemon's, for acknowledgements
-    agent.pid                 the torchrun agent's identity, written by ``sentinel launch``
+                              the second form when ``<pid>.sock`` was squatted by someone else.
+                              0600 plus an ACL entry for the daemon's uid (its unit keeps no
+                              CAP_DAC_OVERRIDE), and connected to daemon.sock (below)
+    daemon.sock               the daemon's, for acknowledgements: 0600 root until an agent is
+                              trusted, then root:<the agent's gid> 0660
+    register.sock             agent registrations from launchers that are not root (0622:
+                              anyone may send; only with ``actions.agent_registration``)
+    agent.pid                 the torchrun agent's identity, written by ``sentinel launch`` as
+                              root, or by the daemon for a launcher that registered
 
 Who counts as a rank (the daemon side): a file in ``ranks/`` is a rank only when it is a socket
 (not a symlink, not a plain file), owned by the uid that owns ``/proc/<pid>``, and that process
-descends from the agent recorded in ``agent.pid`` (see :mod:`sentinel.procs`). Anything else is
-ignored and counted once (``sentinel_channel_rejected_total{reason}``); at most ``max_entries``
-names are read from the directory per scan, so planted files cannot blind the daemon.
+descends from the agent recorded in ``agent.pid`` (see :mod:`sentinel.procs`). Every process's
+``<pid>.sock`` is looked up by name, so no number of planted files can hide a rank; a bounded
+scan (``max_entries`` names) finds the alternative names and removes junk (never through a
+link). What is not a rank is counted once (``sentinel_channel_rejected_total{reason}``).
 Acknowledgements are accepted only from the very ranks a request was sent to (kernel-verified
-``SCM_CREDENTIALS`` pid, same start time); anyone else's are refused and counted.
+``SCM_CREDENTIALS`` pid, same start time); anyone else's are refused and counted. A send the
+kernel refuses for now (EAGAIN, EPERM) keeps the rank as asked and is retried until the
+request's deadline. Every datagram is bounded and range-checked (:func:`decode`).
 
-Security (the rank side): every rank socket has ``SO_PASSCRED``, so each datagram carries
-kernel-verified credentials (``SCM_CREDENTIALS``). A rank acts on a request only when it comes
-from root or the daemon's configured uid; anything else is refused and counted. A malformed
-message is ignored and counted. A rank whose socket name was squatted logs it once, binds the
-alternative name and reports it in ``RankEndpoint.error``.
+Agent registration: a launcher that is not root (an ordinary user's Slurm job, a non-root pod)
+cannot write the root-owned ``agent.pid``; it sends a ``register`` datagram to ``register.sock``
+instead (a socket of its own, so that registrations never share ``daemon.sock``'s queue
+with the acks, and ``daemon.sock`` stays closed to everyone but the job). The daemon takes the sender's pid from the kernel (``SCM_CREDENTIALS``, in the daemon's
+own pid namespace: a pod's agent arrives with its host pid), never from the message; records it
+only when the sender is a job process of an accepted kind (:func:`sentinel.procs.job_origin`,
+``actions.agent_registration``) and no live agent of another user is recorded; and writes the
+record itself, as root. Every outcome is counted (``sentinel_channel_messages_total{kind="register"}``).
+
+Security (the rank side): each rank's socket is *connected* to ``daemon.sock``, so the kernel
+refuses every datagram to it that is not the daemon's (even from the job's own user) and lets the
+daemon's past a full receive queue. Every rank socket has ``SO_PASSCRED`` as well, so each
+datagram carries kernel-verified credentials (``SCM_CREDENTIALS``): a rank acts on a request
+only when it comes from root or the daemon's configured uid; anything else is refused and
+counted. A malformed message is ignored and counted. A rank whose socket name was squatted logs
+it once, binds the alternative name and reports it in ``RankEndpoint.error``. Acks that meet a
+full ``daemon.sock`` are retried. The boundaries and their tests: ``docs/security.md``.
 
 Cost: :meth:`RankEndpoint.poll` is one non-blocking ``recvmsg`` returning EAGAIN when idle
 (about a microsecond). With no runtime directory (no daemon installed) the rank gets a
@@ -35,14 +56,15 @@ import json
 import logging
 import os
 import secrets
+import select
 import socket
 import struct
+import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from sentinel import procs
 
 log = logging.getLogger("sentinel.channel")
 
@@ -137,15 +159,56 @@ class Report:
         return data
 
 
-def decode(data: bytes) -> Request | Ack | Report:
-    """Parse one datagram; raises MalformedMessage for anything not exactly a v1 message."""
+# Bounds on what a rank may claim in an ack: a snapshot of one rank above MAX_ACK_BYTES, or a step
+# or rank number outside a 63/31-bit integer, is not a number a trainer produces; the ack is malformed.
+MAX_ACK_BYTES = 1 << 42  # 4 TiB of state on one rank
+MAX_STEP = (1 << 63) - 1
+MAX_RANK = (1 << 31) - 1
+MAX_NESTING = 64  # "[" and "{" in one datagram; a v1 message has one "{" (plus any inside strings)
+_ACK_STR_FIELDS = ("id", "path", "error", "request_type", "phase", "type")
+
+
+def _int_in(value: object, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _seconds(value: object) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and value == value and 0 <= value < 1e6)  # value == value: not NaN
+
+
+@dataclass(frozen=True)
+class Register:
+    """A launcher asks the daemon to record it as the node's agent (it is the agent's parent and
+    forwards signals to it). The pid is the kernel's, from the datagram's credentials."""
+
+    type: str = "register"
+    version: int = VERSION
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+
+def register(directory: Path) -> None:
+    """Ask the daemon whose runtime directory is ``directory`` to record this process as the
+    agent (one datagram to ``register.sock``; raises OSError when no daemon listens)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+        s.sendto(Register().encode(), str(directory / "register.sock"))
+
+
+def decode(data: bytes) -> Request | Ack | Register | Report:
+    """Parse one datagram; raises MalformedMessage for anything not exactly a v1 message: too
+    long, nested (refused before the parser recurses), not UTF-8, a field of the wrong type, or
+    a number out of range (bytes, step, rank, seconds). Never raises anything else."""
     if len(data) > MAX_MESSAGE:
         raise MalformedMessage("message too long")
+    if data.count(b"[") + data.count(b"{") > MAX_NESTING:
+        raise MalformedMessage("too many brackets for a flat message")
     try:
         msg = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise MalformedMessage(f"not JSON: {exc}") from None
-    if not isinstance(msg, dict) or msg.get("version") != VERSION:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        raise MalformedMessage(f"not JSON: {type(exc).__name__}") from None
+    if not isinstance(msg, dict) or msg.get("version") != VERSION or isinstance(msg.get("version"), bool):
         raise MalformedMessage("not a version-1 message")
     kind = msg.get("type")
     try:
@@ -153,23 +216,32 @@ def decode(data: bytes) -> Request | Ack | Report:
             if not isinstance(msg.get("id"), str) or not isinstance(msg.get("reason", ""), str) or not msg["id"]:
                 raise MalformedMessage("request needs a string id and reason")
             hold = msg.get("hold_seconds", 0.0)
-            if isinstance(hold, bool) or not isinstance(hold, (int, float)) or not 0 <= hold < 1e6:
+            if not _seconds(hold):
                 raise MalformedMessage("hold_seconds must be a number of seconds")
             return Request(type=kind, id=msg["id"], reason=msg.get("reason", ""), hold_seconds=float(hold))
         if kind == "report":
             rep = Report(**{k: v for k, v in msg.items()})
             if rep.kind not in REPORT_KINDS or not isinstance(rep.detail, dict):
                 raise MalformedMessage(f"report kind must be one of {', '.join(REPORT_KINDS)}, detail an object")
-            if any(isinstance(v, bool) or not isinstance(v, int) for v in (rep.rank, rep.step)):
-                raise MalformedMessage("report rank and step must be integers")
+            if not (_int_in(rep.rank, 0, MAX_RANK) and _int_in(rep.step, -1, MAX_STEP) and _int_in(rep.pid, 0, MAX_RANK)):
+                raise MalformedMessage("report rank, step or pid out of range")
             return rep
         if kind == "ack":
             ack = Ack(**{k: v for k, v in msg.items()})
-            if not isinstance(ack.id, str) or not isinstance(ack.step, int) or not isinstance(ack.ok, bool):
+            if not all(isinstance(getattr(ack, k), str) for k in _ACK_STR_FIELDS) or not isinstance(ack.ok, bool):
                 raise MalformedMessage("ack fields of the wrong type")
-            if ack.phase not in ("staged", "committed") or isinstance(ack.bytes, bool) or not isinstance(ack.bytes, int):
-                raise MalformedMessage("ack phase must be staged or committed, bytes an integer")
+            if not (_int_in(ack.step, -1, MAX_STEP) and _int_in(ack.rank, 0, MAX_RANK) and _int_in(ack.pid, 0, MAX_RANK)
+                    and _seconds(ack.blocked_seconds)):
+                raise MalformedMessage("ack step, rank, pid or blocked_seconds out of range")
+            if ack.phase not in ("staged", "committed"):
+                raise MalformedMessage("ack phase must be staged or committed")
+            if not _int_in(ack.bytes, 0, MAX_ACK_BYTES):
+                raise MalformedMessage(f"ack bytes must be an integer from 0 to {MAX_ACK_BYTES}")
             return ack
+        if kind == "register":
+            if set(msg) != {"type", "version"}:
+                raise MalformedMessage("register carries no fields")
+            return Register()
     except TypeError as exc:
         raise MalformedMessage(f"unexpected fields: {exc}") from None
     raise MalformedMessage(f"unknown message type {kind!r}")
@@ -186,6 +258,24 @@ def _recv_with_creds(sock: socket.socket) -> tuple[bytes, int, int] | None:
         if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(payload) >= _UCRED.size:
             pid, uid, _gid = _UCRED.unpack(payload[: _UCRED.size])
     return data, pid, uid
+
+
+_ACL_VERSION = 2
+_ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ, _ACL_MASK, _ACL_OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
+_ACL_UNDEFINED_ID = 0xFFFFFFFF
+
+
+def _writable_by(path: Path, uids: frozenset[int]) -> None:
+    """Give ``path`` the POSIX ACL ``u::rw-,u:<uid>:-w- (each of uids),g::---,m::-w-,o::---``:
+    its owner and those uids may send to it, nobody else. Needed because the daemon's unit keeps
+    no CAP_DAC_OVERRIDE: root is just another uid to a 0600 file. Raises OSError (EOPNOTSUPP on a
+    filesystem without ACLs)."""
+    entries = [(_ACL_USER_OBJ, 6, _ACL_UNDEFINED_ID)]
+    entries += [(_ACL_USER, 2, uid) for uid in sorted(uids)]
+    entries += [(_ACL_GROUP_OBJ, 0, _ACL_UNDEFINED_ID), (_ACL_MASK, 2, _ACL_UNDEFINED_ID),
+                (_ACL_OTHER, 0, _ACL_UNDEFINED_ID)]
+    blob = struct.pack("<I", _ACL_VERSION) + b"".join(struct.pack("<HHI", *e) for e in entries)
+    os.setxattr(path, "system.posix_acl_access", blob, follow_symlinks=False)
 
 
 def _bind_dgram(path: Path, mode: int) -> socket.socket:
@@ -226,19 +316,35 @@ class NullEndpoint:
 
 
 class RankEndpoint:
-    """A training rank's end: receives requests (verified sender), sends acknowledgements."""
+    """A training rank's end: receives requests (verified sender), sends acknowledgements.
+
+    The socket file is mode 0600 with an ACL entry for the daemon's uid (root or
+    ``SENTINEL_DAEMON_UID``: the daemon's unit keeps no CAP_DAC_OVERRIDE), and the socket is
+    *connected* to ``daemon.sock``: the kernel then refuses every datagram to it that does not
+    come from the daemon's socket (EPERM for the sender), and the daemon's own datagrams skip
+    the receive-queue limit, so nobody — not even the job's user — can fill the queue the
+    daemon's request must enter. The connection is renewed every ``reconnect_seconds`` in
+    :meth:`poll` (a restarted daemon has a new socket). :meth:`ack` retries a send the daemon's
+    full queue refused (EAGAIN) until ``ack_timeout`` has passed."""
 
     active = True
 
-    def __init__(self, directory: Path, *, allowed_uids: frozenset[int] = frozenset({0})) -> None:
+    def __init__(self, directory: Path, *, allowed_uids: frozenset[int] = frozenset({0}),
+                 ack_timeout: float = 10.0, reconnect_seconds: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.directory = directory
         self.allowed_uids = allowed_uids
+        self.ack_timeout = ack_timeout
+        self.reconnect_seconds = reconnect_seconds
+        self.clock = clock
         self.counts: Counter[str] = Counter()
         self.error = ""
+        self.connected = False
+        self._next_connect = 0.0
         ranks = directory / "ranks"
         self.path = ranks / f"{os.getpid()}.sock"
         try:
-            self.sock = _bind_dgram(self.path, 0o622)  # the daemon (root) writes; others cannot read
+            self.sock = self._bind(self.path)
         except OSError as exc:
             if exc.errno not in (errno.EPERM, errno.EACCES, errno.EADDRINUSE):
                 raise
@@ -252,7 +358,37 @@ class RankEndpoint:
             self.counts["squatted"] += 1
             log.error("%s", self.error)
             self.path = ranks / f"{os.getpid()}.{secrets.token_hex(8)}.sock"
-            self.sock = _bind_dgram(self.path, 0o622)
+            self.sock = self._bind(self.path)
+        self._connect()
+
+    def _bind(self, path: Path) -> socket.socket:
+        """Bind ``path`` 0600 plus an ACL entry for each daemon uid (root keeps no
+        CAP_DAC_OVERRIDE in its unit). On a filesystem without ACLs the file is 0622 (the old
+        way): the connection to ``daemon.sock`` still makes the kernel refuse everyone else."""
+        sock = _bind_dgram(path, 0o600)
+        others = self.allowed_uids - {os.geteuid()}
+        if not others:
+            return sock  # the rank runs as the daemon's uid: 0600 is all it takes
+        try:
+            _writable_by(path, others)
+        except OSError as exc:
+            os.chmod(path, 0o622)
+            self.counts["acl_unsupported"] += 1
+            log.warning("cannot set an ACL on %s (%s); it is open to every local user until the daemon connects",
+                        path, exc.strerror or exc)
+        return sock
+
+    def _connect(self) -> None:
+        """Connect to the daemon's socket (only it may send to us then); never raises."""
+        self._next_connect = self.clock() + self.reconnect_seconds
+        try:
+            self.sock.connect(str(self.directory / "daemon.sock"))
+        except OSError:
+            self.connected = False  # no daemon yet (or not ours to reach): tried again at the next poll
+            return
+        if not self.connected:
+            self.counts["connected"] += 1
+        self.connected = True
 
     @classmethod
     def open(cls, directory: Path | None = None) -> "RankEndpoint | NullEndpoint":
@@ -271,10 +407,12 @@ class RankEndpoint:
             log.error("%s", error)
             return NullEndpoint(error)
 
-    def poll(self) -> list[Request]:
-        """Non-blocking: the requests waiting now (usually none)."""
+    def poll(self, limit: int = 256) -> list[Request]:
+        """Non-blocking: the requests waiting now (usually none); reads at most ``limit`` datagrams."""
+        if self.clock() >= self._next_connect:
+            self._connect()
         out: list[Request] = []
-        while True:
+        for _ in range(limit):
             got = _recv_with_creds(self.sock)
             if got is None:
                 return out
@@ -297,14 +435,45 @@ class RankEndpoint:
                 continue
             self.counts[f"request_{msg.type}"] += 1
             out.append(msg)
+        return out
 
     def ack(self, ack: Ack) -> bool:
-        try:
-            self.sock.sendto(ack.encode(), str(self.directory / "daemon.sock"))
-            return True
-        except OSError:
-            self.counts["ack_failed"] += 1
-            return False
+        """Send one acknowledgement. A full daemon queue (EAGAIN: someone floods ``daemon.sock``)
+        is waited out, up to ``ack_timeout`` seconds in all; True once the daemon has it."""
+        data = ack.encode()
+        target = str(self.directory / "daemon.sock")
+        deadline = self.clock() + self.ack_timeout
+        pause = 0.001
+        while True:
+            try:
+                self.sock.sendto(data, target)
+                return True
+            except (BlockingIOError, InterruptedError):
+                self.counts["ack_retried"] += 1
+            except ConnectionRefusedError:  # our connected daemon socket is gone: a restarted daemon
+                self._connect()
+                self.counts["ack_retried"] += 1
+            except OSError as exc:
+                if exc.errno != errno.ENOBUFS:
+                    self.counts["ack_failed"] += 1
+                    log.warning("acknowledgement %s not sent: %s", ack.id, exc.strerror or exc)
+                    return False
+                self.counts["ack_retried"] += 1
+            left = deadline - self.clock()
+            if left <= 0:
+                self.counts["ack_failed"] += 1
+                log.error("acknowledgement %s not sent: the daemon's socket stayed full for %.0f s",
+                          ack.id, self.ack_timeout)
+                return False
+            if not self.connected:
+                self._connect()
+            if self.connected:  # connected: POLLOUT says when the daemon's queue has room
+                waiter = select.poll()
+                waiter.register(self.sock, select.POLLOUT)
+                waiter.poll(max(1, int(min(left, 0.05) * 1000)))
+            else:
+                time.sleep(min(left, pause))
+                pause = min(0.05, pause * 2)
 
     def report(self, report: Report) -> bool:
         """Tell this node's daemon something unasked (a hang verdict, a straggler score)."""
@@ -325,218 +494,6 @@ class RankEndpoint:
 
 # ---------------------------------------------------------------------------------------------
 # Daemon side
-# ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class RankInfo:
-    pid: int
-    start_time: int
-    path: Path
-
-
-@dataclass
-class RequestState:
-    request: Request
-    sent_to: dict[int, int] = field(default_factory=dict)  # rank pid -> its start time
-    staged: dict[int, Ack] = field(default_factory=dict)  # pid -> "staged" ack
-    acks: dict[int, Ack] = field(default_factory=dict)  # pid -> "committed" ack
-
-
-class DaemonEndpoint:
-    """The daemon's end: sends requests to the node's verified ranks, collects their acknowledgements.
-
-    ``agent`` returns the recorded torchrun agent (:class:`sentinel.procs.AgentRecord`) or
-    raises (FileNotFoundError / :class:`sentinel.procs.NotTrusted`) when there is none to trust;
-    by default it reads ``<directory>/agent.pid``. Without a trusted agent no file counts as a rank.
-    """
-
-    def __init__(self, directory: Path, *, agent: Callable[[], procs.AgentRecord] | None = None,
-                 agent_pidfile: Path | None = None, max_ranks: int = 1024, proc: Path = procs.PROC) -> None:
-        self.directory = directory
-        self.ranks_dir = directory / "ranks"
-        self.ranks_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.ranks_dir, 0o1733)
-        pidfile = agent_pidfile or directory / "agent.pid"
-        self.agent = agent or (lambda: procs.read_agent_record(pidfile, proc=proc))
-        self.max_ranks = max_ranks
-        self.max_entries = 4 * max_ranks
-        self.proc = proc
-        self.sock = _bind_dgram(directory / "daemon.sock", 0o622)
-        self.counts: Counter[tuple[str, str]] = Counter()
-        self.rejected: Counter[str] = Counter()
-        self._rejected_seen: set[tuple[str, int, str]] = set()
-        self.requests: dict[str, RequestState] = {}
-        self.agent_error = ""
-        self.reports: list[Report] = []  # from verified ranks, taken by take_reports()
-
-    # -- who is a rank -------------------------------------------------------------------------
-    def _reject(self, name: str, ino: int, reason: str) -> None:
-        key = (name, ino, reason)
-        if key in self._rejected_seen:
-            return
-        if len(self._rejected_seen) > 65536:
-            self._rejected_seen.clear()
-        self._rejected_seen.add(key)
-        self.rejected[reason] += 1
-        if self.rejected[reason] == 1 or self.rejected[reason] % 1000 == 0:
-            log.warning("ignored %d file(s) in %s (%s; last: %s)", self.rejected[reason], self.ranks_dir, reason, name)
-
-    def ranks(self) -> dict[int, RankInfo]:
-        """The verified ranks now: pid -> RankInfo. Never raises; reads at most ``max_entries`` names."""
-        try:
-            agent = self.agent()
-            self.agent_error = ""
-        except (OSError, procs.NotTrusted) as exc:
-            error = "no agent pidfile" if isinstance(exc, FileNotFoundError) else str(exc)
-            if error != self.agent_error:
-                (log.info if isinstance(exc, FileNotFoundError) else log.warning)("no trusted agent: %s", error)
-            self.agent_error = error
-            agent = None
-        out: dict[int, RankInfo] = {}
-        try:
-            it = os.scandir(self.ranks_dir)
-        except OSError:
-            return out
-        with it:
-            for n, entry in enumerate(it):
-                if n >= self.max_entries or len(out) >= self.max_ranks:
-                    self._reject("*", 0, "too_many_entries")
-                    break
-                name = entry.name
-                try:
-                    ino = entry.inode()
-                except OSError:
-                    continue
-                pid = parse_rank_name(name)
-                if pid is None:
-                    self._reject(name, ino, "bad_name")
-                    continue
-                path = self.ranks_dir / name
-                ok, reason = procs.is_socket_owned_by_process(path, pid, self.proc)
-                if not ok:
-                    if reason == "no_process":  # a socket (checked first) whose process exited
-                        try:
-                            path.unlink()
-                            self.counts[("rank", "stale_removed")] += 1
-                            continue
-                        except OSError:
-                            pass
-                    if reason != "gone":
-                        self._reject(name, ino, reason)
-                    continue
-                if agent is None:
-                    self._reject(name, ino, "no_agent")
-                    continue
-                if not procs.descends_from(pid, agent.pid, agent.start_time, proc=self.proc):
-                    self._reject(name, ino, "not_in_job")
-                    continue
-                try:
-                    _, start = procs.proc_stat(pid, self.proc)
-                except (ProcessLookupError, OSError, ValueError, IndexError):
-                    continue
-                if pid in out:  # two verified sockets of one rank: keep the canonical name
-                    if name != f"{pid}.sock":
-                        continue
-                out[pid] = RankInfo(pid, start, path)
-        return out
-
-    def rank_pids(self) -> list[int]:
-        return sorted(self.ranks())
-
-    # -- requests and acknowledgements ----------------------------------------------------------
-    def request(self, kind: str, request_id: str, reason: str, pids: list[int] | None = None,
-                hold_seconds: float = 0.0) -> int:
-        """Send to every verified local rank (or only those of ``pids``); returns how many
-        received it. Re-sending the same id reaches the ranks again (a holding rank answers at once)."""
-        req = Request(type=kind, id=request_id, reason=reason, hold_seconds=hold_seconds)
-        state = self.requests.setdefault(request_id, RequestState(req))
-        data = req.encode()
-        ranks = self.ranks()
-        targets = ranks.values() if pids is None else [ranks[p] for p in pids if p in ranks]
-        for info in targets:
-            try:
-                self.sock.sendto(data, str(info.path))
-                state.sent_to[info.pid] = info.start_time
-                self.counts[(kind, "sent")] += 1
-            except (ConnectionRefusedError, FileNotFoundError):
-                self.counts[(kind, "stale_rank")] += 1
-                info.path.unlink(missing_ok=True)
-            except OSError as exc:
-                self.counts[(kind, "error_" + errno.errorcode.get(exc.errno or 0, "unknown").lower())] += 1
-        if len(self.requests) > 256:  # bounded: forget the oldest finished requests
-            for rid in list(self.requests)[:-256]:
-                del self.requests[rid]
-        return len(state.sent_to)
-
-    def poll_acks(self) -> list[Ack]:
-        """Acknowledgements received since the last call, from the ranks each request was sent to."""
-        out = []
-        for _ in range(10000):  # bounded: a flood cannot keep the loop here
-            got = _recv_with_creds(self.sock)
-            if got is None:
-                break
-            data, pid, _uid = got
-            try:
-                msg = decode(data)
-            except MalformedMessage:
-                self.counts[("ack", "malformed")] += 1
-                continue
-            if isinstance(msg, Report):
-                self._accept_report(msg, pid)
-                continue
-            state = self.requests.get(msg.id) if isinstance(msg, Ack) else None
-            if state is None or pid not in state.sent_to:
-                self.counts[("ack", "refused")] += 1
-                self.rejected["ack_not_expected"] += 1
-                continue
-            try:
-                _, start = procs.proc_stat(pid, self.proc)
-            except (ProcessLookupError, OSError, ValueError, IndexError):
-                start = -1
-            if start != state.sent_to[pid]:
-                self.counts[("ack", "refused")] += 1
-                self.rejected["ack_pid_reused"] += 1
-                continue
-            msg = Ack(**{**asdict(msg), "pid": pid})
-            if msg.phase == "staged":
-                state.staged[pid] = msg
-                self.counts[("ack", "staged")] += 1
-            else:
-                state.acks[pid] = msg
-                self.counts[("ack", "ok" if msg.ok else "error")] += 1
-            out.append(msg)
-        return out
-
-    def _accept_report(self, report: Report, pid: int) -> None:
-        """A report counts only from a verified rank of this node's job (the same test as a
-        request's recipients); anyone else's is refused and counted. At most 256 are kept."""
-        if pid not in self.ranks():
-            self.counts[("report", "refused")] += 1
-            self.rejected["report_not_a_rank"] += 1
-            return
-        self.counts[("report", report.kind)] += 1
-        self.reports.append(Report(report.kind, report.rank, report.step, report.detail, pid))
-        del self.reports[:-256]
-
-    def take_reports(self) -> list[Report]:
-        """The reports received since the last call (poll_acks reads them off the socket)."""
-        out, self.reports = self.reports, []
-        return out
-
-    def complete(self, request_id: str) -> bool:
-        state = self.requests.get(request_id)
-        return bool(state and state.sent_to and set(state.sent_to) <= set(state.acks))
-
-    def metric_counters(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        out = {("sentinel_channel_messages", (("kind", k), ("outcome", o))): float(n) for (k, o), n in self.counts.items()}
-        for reason, n in self.rejected.items():
-            out[("sentinel_channel_rejected", (("reason", reason),))] = float(n)
-        return out
-
-    def close(self) -> None:
-        self.sock.close()
-        (self.directory / "daemon.sock").unlink(missing_ok=True)
-
-
 def send_raw(path: Path, data: bytes) -> None:
     """Send one datagram (tests and tools)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:

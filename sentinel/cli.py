@@ -20,7 +20,7 @@ from sentinel import config as config_mod
 log = logging.getLogger("sentinel.cli")
 
 NO_NVML = (
-    "NVML was not found ({detail}); on a machine without NVIDIA GPUs, simulate them: "
+    "the NVML package is missing ({detail}); on a machine without NVIDIA GPUs, simulate them: "
     "`sentinel simulate init /tmp/gpus.json --gpus 8` then `sentinel run --simulate /tmp/gpus.json`"
 )
 
@@ -171,12 +171,44 @@ def _ignore_in_handler(signum: int, frame: object) -> None:
     """Installed for the relayed signals: the work happens in SignalRelay's thread."""
 
 
+def _reloader(daemon, args: argparse.Namespace, reload_flag: threading.Event) -> Callable[[], config_mod.Config | None]:
+    """The loop's reload hook: after SIGHUP (``reload_flag``), the configuration to apply, or None."""
+    from sentinel.log import event
+
+    def reload() -> config_mod.Config | None:
+        """Called by the loop between polls: the configuration to apply now, or None."""
+        if not reload_flag.is_set():
+            return None
+        reload_flag.clear()
+        daemon.notifier.reloading()
+        try:
+            new = with_overrides(load_config(args.config), args)
+        except config_mod.ConfigError as exc:
+            daemon.reloads["rejected"] += 1
+            event(log, "config reload rejected, keeping the old config", logging.ERROR, reload_outcome="rejected",
+                  config=args.config, error=str(exc))
+            daemon.notifier.ready(daemon.summary())
+            return None
+        applied, restart = config_mod.reload_plan(daemon.config, new)
+        # Exclusive outcomes: "ok" (everything applied), "partial" (some changes wait for a
+        # restart), "rejected" (invalid file; the old config stays).
+        daemon.reloads["partial" if restart else "ok"] += 1
+        logging.getLogger("sentinel").setLevel(new.daemon.log_level.upper())
+        event(log, "config reload", logging.WARNING if restart else logging.INFO,
+              reload_outcome="partial" if restart else "ok", config=args.config, applied=applied,
+              needs_restart=restart)
+        daemon.notifier.ready(daemon.summary())
+        # what the daemon runs with: a later reload reports the pending restart again
+        return config_mod.live_part(daemon.config, new)
+
+    return reload
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from sentinel import log as logsetup
     from sentinel.builder import build_daemon
     from sentinel.daemon import StartupError
     from sentinel.fsutil import UnsafePath, ensure_private_dir
-    from sentinel.log import event
     from sentinel.sources.nvml import NvmlUnavailable
 
     try:
@@ -214,37 +246,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     relay = SignalRelay({signal.SIGTERM: daemon.stop, signal.SIGINT: daemon.stop, signal.SIGHUP: reload_flag.set})
     relay.install()
 
-    def reload() -> config_mod.Config | None:
-        """Called by the loop between polls: the configuration to apply now, or None."""
-        if not reload_flag.is_set():
-            return None
-        reload_flag.clear()
-        daemon.notifier.reloading()
-        try:
-            new = with_overrides(load_config(args.config), args)
-        except config_mod.ConfigError as exc:
-            daemon.reloads["rejected"] += 1
-            event(log, "config reload rejected, keeping the old config", logging.ERROR, reload_outcome="rejected",
-                  config=args.config, error=str(exc))
-            daemon.notifier.ready(daemon.summary())
-            return None
-        applied, restart = config_mod.reload_plan(daemon.config, new)
-        # Exclusive outcomes: "ok" (everything applied), "partial" (some changes wait for a
-        # restart), "rejected" (invalid file; the old config stays).
-        daemon.reloads["partial" if restart else "ok"] += 1
-        logging.getLogger("sentinel").setLevel(new.daemon.log_level.upper())
-        event(log, "config reload", logging.WARNING if restart else logging.INFO,
-              reload_outcome="partial" if restart else "ok", config=args.config, applied=applied,
-              needs_restart=restart)
-        daemon.notifier.ready(daemon.summary())
-        # what the daemon runs with: a later reload reports the pending restart again
-        return config_mod.live_part(daemon.config, new)
+    reload = _reloader(daemon, args, reload_flag)
 
     try:
         try:
-            daemon.start()
-        except NvmlUnavailable as exc:
-            return fail(NO_NVML.format(detail=exc))
+            daemon.start()  # NVML that cannot start is a reading (source down, retried), not an exit
         except StartupError as exc:
             return fail(str(exc))
         daemon.run(reload)
@@ -302,22 +308,6 @@ def cmd_drill(args: argparse.Namespace) -> int:
     return run_drill(args)
 
 
-def job_lines(job: dict) -> list[str]:
-    """The job's own health in ``sentinel status``: the newest hang verdict and straggler score."""
-    out = []
-    hang = job.get("hang") if isinstance(job, dict) else None
-    if isinstance(hang, dict):
-        where = "this node" if hang.get("here") else ", ".join(map(str, hang.get("hosts") or [])) or "-"
-        out.append(f"hang: {hang.get('kind')} at step {hang.get('step')}: culprit rank(s) "
-                   f"{hang.get('culprits')} on {where}: {hang.get('evidence')}")
-    st = job.get("straggler") if isinstance(job, dict) else None
-    if isinstance(st, dict):
-        causes = "; ".join(map(str, st.get("causes") or [])) or "no hardware cause seen"
-        out.append(f"straggler: {st.get('relative', 0):.2f}x the job's median compute ({st.get('individual', 0):.2f}x "
-                   f"its own best) at step {st.get('step')}: {causes} -> {st.get('action')}: {st.get('why')}")
-    return out
-
-
 def cmd_status(args: argparse.Namespace) -> int:
     from sentinel.fsutil import UnsafePath, read_trusted
 
@@ -358,9 +348,15 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"{g['index']:>3}  {health:<18} {g['pci_bus_id']:<13} {num('temperature_celsius'):>5} "
                   f"{num('ecc_corrected_volatile', 'ecc_uncorrected_volatile'):>12} "
                   f"{num('retired_pages_sbe', 'retired_pages_dbe'):>8} {num('remapped_rows_uncorrectable'):>6} {xids:<10} {fc}")
-        for line in job_lines(status.get("job") or {}):
+        from sentinel.jobhealth import status_lines
+
+        for line in status_lines(status.get("job") or {}):
             print(line)
     unhealthy = [g for g in status["gpus"] if g["health"] != "healthy" or g["lost"] or g["hung"]]
+    if status.get("nvml_error"):  # blind to the GPUs is never healthy (--json: the "nvml_error" field)
+        if not args.json:
+            print(f"NVML unavailable, the GPUs are not watched: {status['nvml_error']}", file=sys.stderr)
+        return 1
     return 1 if unhealthy else 0
 
 
@@ -385,6 +381,17 @@ def cmd_uncordon(args: argparse.Namespace) -> int:
         return fail(f"uncordon {node} ({cfg.actions.backend} backend): {exc}", 1)
     print(said)
     return 0
+
+
+def cmd_topology(args: argparse.Namespace) -> int:
+    """Print the topology the daemon would use and the spare it would choose (sentinel.topology.show)."""
+    from sentinel.topology.show import run
+
+    try:
+        cfg = load_config(args.config)
+    except config_mod.ConfigError as exc:
+        return fail(str(exc))
+    return run(args, cfg, node=args.node_name or cfg.daemon.node_name or socket.gethostname(), fail=fail)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -415,19 +422,8 @@ def cmd_install(args: argparse.Namespace) -> int:
 TOOLS = ("simulate", "inject", "drill")  # their modules (simulator, goodput Monte Carlo, drill harness) load lazily
 
 
-def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The whole parser, or (``only`` = the command being run) one that imports nothing the
-    other commands need: ``sentinel run`` never loads the drill harness or the simulators."""
-
-    def wanted(name: str) -> bool:
-        return only is None or only == name
-
-    from sentinel import __version__
-
-    p = argparse.ArgumentParser(prog="sentinel", description="GPU failure prediction, snapshot and spare migration daemon")
-    p.add_argument("--version", action="version", version=f"sentinel {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
-
+def _add_daemon_commands(sub: argparse._SubParsersAction) -> None:
+    """run, check-config."""
     run = sub.add_parser("run", help="run the daemon")
     run.add_argument("--config", help="TOML config (default: built-in defaults, as in systemd/sentinel.toml)")
     run.add_argument("--simulate", metavar="STATE", help="use simulated GPUs from this state file instead of NVML")
@@ -443,6 +439,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     cc.add_argument("file")
     cc.set_defaults(func=cmd_check_config)
 
+
+def _add_tool_commands(sub: argparse._SubParsersAction, wanted: Callable[[str], bool]) -> None:
+    """simulate, inject, status, drill: a tool's module is imported only when ``wanted``."""
     sim = sub.add_parser("simulate", help="simulated GPUs and fleet simulations")
     simsub = sim.add_subparsers(dest="simulate_command", required=True)
     init = simsub.add_parser("init", help="write a healthy simulated GPU state file")
@@ -456,6 +455,13 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
         goodput.add_arguments(gp)
         gp.set_defaults(func=goodput.main_args)
+    pl = simsub.add_parser("placement", help="what placement costs at scale: bytes per network tier and step time for "
+                           "FSDP with a near or far spare, ETTR, and replicas in the same or another rack")
+    if wanted("simulate"):
+        from sentinel_tools.sim import placement
+
+        placement.add_arguments(pl)
+        pl.set_defaults(func=placement.main_args)
 
     faults = ""
     if wanted("inject"):
@@ -483,6 +489,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     else:
         sub.add_parser("drill", help=dr_help)
 
+
+def _add_operator_commands(sub: argparse._SubParsersAction) -> None:
+    """uncordon, install."""
     un = sub.add_parser("uncordon", help="operator: undo Sentinel's cordon of this node (its drain/taint/condition and "
                         "marker; never an admin's)")
     un.add_argument("--config", help="TOML config naming the backend (default: built-in defaults, backend = file)")
@@ -497,6 +506,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     ins.add_argument("--no-reload", action="store_true", help="do not run systemctl daemon-reload")
     ins.set_defaults(func=cmd_install)
 
+
+def _add_node_commands(sub: argparse._SubParsersAction, wanted: Callable[[str], bool]) -> None:
+    """scan, explain, launch, admit."""
     sc = sub.add_parser("scan", help="one-shot check of this node: NVML and the kernel log; Nagios exit codes "
                         "(0 ok, 1 warning, 2 critical, 3 unknown)")
     ex = sub.add_parser("explain", help="what an Xid means and what Sentinel does about it")
@@ -508,6 +520,15 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         scan.add_arguments(sc)
         sc.set_defaults(func=scan.run)
         ex.set_defaults(func=scan.explain)
+
+    tp = sub.add_parser("topology", help="print the topology Sentinel reads (file, scheduler) and the spare it would "
+                        "choose; exit 1 naming the source and node of a contradiction (docs/topology.md)")
+    tp.add_argument("--config", help="TOML config: [actions.topology] and the backend whose topology is read")
+    tp.add_argument("--file", action="append", default=[], help="also read this topology file (repeatable)")
+    tp.add_argument("--node-name", help="this node (default: daemon.node_name, else the host name)")
+    tp.add_argument("--for", dest="departed", help="the departed node (default: this node)")
+    tp.add_argument("--spares", help="comma-separated waiting spares: print the one Sentinel would choose")
+    tp.set_defaults(func=cmd_topology)
 
     la = sub.add_parser("launch", help="run the torchrun agent under a pidfile the daemon drains (refuses on a cordoned node)")
     la.add_argument("--pidfile", default=os.path.join(os.environ.get("SENTINEL_RUNTIME_DIR", "/run/sentinel"), "agent.pid"))
@@ -523,6 +544,25 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     ad = sub.add_parser("admit", help="let a warm spare's agent (sentinel launch --warm) join the rendezvous")
     ad.add_argument("--pidfile", default=os.path.join(os.environ.get("SENTINEL_RUNTIME_DIR", "/run/sentinel"), "agent.pid"))
     ad.set_defaults(func=cmd_admit)
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser, or (``only`` = the command being run) one that imports nothing the
+    other commands need: ``sentinel run`` never loads the drill harness or the simulators."""
+
+    def wanted(name: str) -> bool:
+        return only is None or only == name
+
+    from sentinel import __version__
+
+    p = argparse.ArgumentParser(prog="sentinel", description="GPU failure prediction, snapshot and spare migration daemon")
+    p.add_argument("--version", action="version", version=f"sentinel {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    _add_daemon_commands(sub)
+    _add_tool_commands(sub, wanted)
+    _add_operator_commands(sub)
+    _add_node_commands(sub, wanted)
     return p
 
 
@@ -532,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
     if command is None and argv[:1] == ["--version"]:
         command = "--version"  # the light parser: nothing but the version is needed
     parser = build_parser(command if command in ("run", "check-config", "status", "uncordon", "launch", "admit", "install",
-                                                  "scan", "explain", "--version", *TOOLS) else None)
+                                                  "scan", "explain", "topology", "--version", *TOOLS) else None)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

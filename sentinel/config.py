@@ -20,21 +20,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from sentinel import backends, rules
+from sentinel import backends, rules, settings
 
 
-class ConfigError(ValueError):
-    """A configuration problem; the message names the offending key."""
-
-
-MINUTE, HOUR, DAY = 60.0, 3600.0, 86400.0
+ConfigError = settings.ConfigError
+MINUTE, HOUR, DAY = settings.MINUTE, settings.HOUR, settings.DAY
 
 # The policy rules a config may name in ``policy.disabled_rules``: one module each in
 # sentinel/rules/, found there by the registry. sentinel.rules imports neither this module nor the
 # policy, so validating a config never imports the policy (which imports this module).
 RULE_NAMES: frozenset[str] = rules.RULE_NAMES
-XID_ACTIONS = ("migrate", "snapshot", "alert", "ignore")
-XID_MIN, XID_MAX = 1, 65535
 
 
 @dataclass(frozen=True)
@@ -45,15 +40,22 @@ class DaemonConfig:
     state_dir: str = "/var/lib/sentinel"
     node_name: str = ""
     log_level: str = "info"
+    # /livez and /readyz fail once the last completed poll is older than this many poll intervals
+    # (at least one interval plus the NVML deadline a slow poll may spend): a hung loop shows in a pod
+    liveness_polls: float = 2.0
 
     def validate(self, prefix: str) -> None:
         _number(prefix, "poll_interval_seconds", self.poll_interval_seconds, 0, DAY, low_open=True)
+        _number(prefix, "liveness_polls", self.liveness_polls, 1, 1000)
         _number(prefix, "nvml_deadline_seconds", self.nvml_deadline_seconds, 0, HOUR, low_open=True)
         _path(prefix, "runtime_dir", self.runtime_dir, required=True)
         _path(prefix, "state_dir", self.state_dir, required=True)
         _text(prefix, "node_name", self.node_name)
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"{prefix}.log_level: must be one of debug, info, warning, error (got {self.log_level!r})")
+
+
+AGENT_REGISTRATION = ("slurm", "kubernetes")
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,7 @@ class MetricsConfig:
             raise ConfigError(f"{prefix}.tls_client_ca_file: needs tls_cert_file and tls_key_file (mTLS is on top of TLS)")
         import ssl
 
-        from sentinel import exporter  # imported here: config stays free of prometheus_client otherwise
+        from sentinel import httpauth  # the files' checks only: not the HTTP server, not prometheus_client
 
         for key in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "basic_auth_users_file"):
             path = getattr(self, key)
@@ -96,58 +98,28 @@ class MetricsConfig:
                     raise ConfigError(f"{prefix}.{key}: cannot read {path}: {exc.strerror}") from None
         if self.tls_cert_file:
             try:
-                exporter.build_tls_context(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+                httpauth.build_tls_context(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
             except (OSError, ssl.SSLError) as exc:
                 keys = "tls_cert_file/tls_key_file" + ("/tls_client_ca_file" if self.tls_client_ca_file else "")
                 raise ConfigError(f"{prefix}.{keys}: not a usable certificate, key (and CA): {exc}") from None
         if self.basic_auth_users_file:
             try:
-                exporter.load_users(self.basic_auth_users_file)
-            except exporter.UsersFileError as exc:
+                httpauth.load_users(self.basic_auth_users_file)
+            except httpauth.UsersFileError as exc:
                 raise ConfigError(f"{prefix}.basic_auth_users_file: {exc}") from None
 
 
 @dataclass(frozen=True)
-class PolicyConfig:
-    lead_time_seconds: float = 600.0
-    # Trend prediction: a rate needs this many agreeing samples (debounce) before it can trip.
-    debounce_samples: int = 3
-    trend_window_seconds: float = 3600.0
+class _PolicyCore:
+    """``[policy]`` keys of the policy's own machinery; :data:`PolicyConfig` adds the rules' keys."""
+
     cooldown_seconds: float = 3600.0
-    # Xid number (as a string key) -> "migrate" | "snapshot" | "alert" | "ignore"
-    xid_overrides: Mapping[str, str] = field(default_factory=dict)
-    xid_skip: tuple[int, ...] = ()
-    # Application Xids (13, 31, 43, 45) migrate only when they repeat this often.
-    app_xid_max_per_hour: int = 30
-    retired_pages_limit: int = 63
-    retired_dbe_limit: int = 15
-    remap_uncorrectable_limit: int = 512
-    nvlink_crc_per_second_limit: float = 100.0
-    pcie_replay_ber: float = 1e-12
     disabled_rules: tuple[str, ...] = ()
 
     def validate(self, prefix: str) -> None:
-        _number(prefix, "lead_time_seconds", self.lead_time_seconds, 0, 7 * DAY, low_open=True)
-        _integer(prefix, "debounce_samples", self.debounce_samples, 1, 10_000)
-        _number(prefix, "trend_window_seconds", self.trend_window_seconds, 0, 30 * DAY, low_open=True)
         _number(prefix, "cooldown_seconds", self.cooldown_seconds, 0, 30 * DAY)
-        for key, action in self.xid_overrides.items():
-            where = f"{prefix}.xid_overrides.{_printable(key)}"
-            # str.isdigit() accepts "²" and "٣", which int() then rejects or misreads: ASCII only,
-            # and one spelling per Xid ("079" would silently duplicate "79").
-            if not (key.isascii() and key.isdigit() and key == str(int(key)) and XID_MIN <= int(key) <= XID_MAX):
-                raise ConfigError(f"{where}: Xid keys are numbers {XID_MIN}..{XID_MAX} in plain ASCII digits, e.g. \"79\"")
-            if action not in XID_ACTIONS:
-                raise ConfigError(f"{where}: action must be migrate, snapshot, alert or ignore (got {action!r})")
-        for i, xid in enumerate(self.xid_skip):
-            _integer(prefix, f"xid_skip[{i}]", xid, XID_MIN, XID_MAX)
-        _integer(prefix, "app_xid_max_per_hour", self.app_xid_max_per_hour, 0, 1_000_000)
-        # A limit of 0 on a ">=" rule would fail every healthy GPU at the first poll.
-        _integer(prefix, "retired_pages_limit", self.retired_pages_limit, 1, 1_000_000)
-        _integer(prefix, "retired_dbe_limit", self.retired_dbe_limit, 0, 1_000_000)
-        _integer(prefix, "remap_uncorrectable_limit", self.remap_uncorrectable_limit, 1, 1_000_000)
-        _number(prefix, "nvlink_crc_per_second_limit", self.nvlink_crc_per_second_limit, 0, 1e12, low_open=True)
-        _number(prefix, "pcie_replay_ber", self.pcie_replay_ber, 0, 1, low_open=True)
+        for key in rules.CONFIG_KEYS:
+            key.validate(prefix, getattr(self, key.name))
         for rule in self.disabled_rules:
             if rule not in RULE_NAMES:
                 raise ConfigError(
@@ -155,57 +127,55 @@ class PolicyConfig:
                 )
 
 
+def _with_rule_keys(core: type, keys: tuple[rules.ConfigKey, ...]) -> type:
+    """``core`` plus one field per rule key (:class:`sentinel.rules.base.ConfigKey`): its default,
+    type and range are the declaration's, written nowhere else."""
+    fields = []
+    for key in keys:
+        default = key.default
+        spec = field(default_factory=lambda d=default: type(d)(d)) if isinstance(default, (dict, list)) else field(default=default)
+        fields.append((key.name, key.hint, spec))
+    return dataclasses.make_dataclass("PolicyConfig", fields, bases=(core,), frozen=True,
+                                      namespace={"__module__": __name__, "__doc__": "``[policy]``: the policy's and the rules' keys."})
+
+
+PolicyConfig = _with_rule_keys(_PolicyCore, rules.CONFIG_KEYS)
+
+
 BACKENDS = backends.NAMES  # one module each in sentinel/backends/, found there
-_K8S_NAME = r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+# Each backend declares its own [actions.<name>] table (sentinel/backends/<name>.py: SETTINGS).
+SlurmConfig = backends.SETTINGS["slurm"]  # the names tests and tools know
+KubernetesConfig = backends.SETTINGS["kubernetes"]
 
 
 @dataclass(frozen=True)
-class SlurmConfig:
-    # The Slurm client programs (PATH is searched); SLURM_CONF in the daemon's environment picks the cluster.
-    scontrol: str = "scontrol"
-    squeue: str = "squeue"
-    scancel: str = "scancel"
-    sinfo: str = "sinfo"
-    # The circuit breaker's scope: this partition's nodes ("" = every partition this node is in).
-    partition: str = ""
-    # How a spare is started: this signal goes to the batch script of the job running on the node
-    # (deploy/slurm/train.sbatch traps it and starts an agent on an idle node of its allocation).
-    spare_signal: str = "USR1"
+class TopologyConfig:
+    # A topology file read at each migration: Slurm topology.conf syntax, or TOML/JSON
+    # [nodes.<name>] nvlink/switches/rack/power (docs/topology.md). "" = none.
+    file: str = ""
+    # Also read the scheduler's own topology: `scontrol show topology` (slurm), the Node labels of
+    # Topograph, the GPU operator, GCP or AWS (kubernetes).
+    from_scheduler: bool = True
+    # Per-domain circuit breaker: refuse to drain (page instead) when, counting this node, more than
+    # this share of one NVLink domain / one leaf switch's nodes would be Sentinel-cordoned within
+    # breaker_window_seconds. 0 < x <= 1; 1 = off. Domains of one node are not limited.
+    breaker_max_nvlink_fraction: float = 0.5
+    breaker_max_leaf_fraction: float = 0.5
+    # backend = "kubernetes": the Nodes that are waiting spares (a label selector); the chosen one
+    # gets the label sentinel.dev/preferred-spare=true for the job's controller (docs/topology.md).
+    spare_selector: str = "sentinel.dev/spare=true"
 
     def validate(self, prefix: str) -> None:
-        for key in ("scontrol", "squeue", "scancel", "sinfo"):
-            _text(prefix, key, getattr(self, key))
-            if not getattr(self, key):
-                raise ConfigError(f"{prefix}.{key}: must name the program, not be empty")
-        _text(prefix, "partition", self.partition)
-        if self.spare_signal not in ("USR1", "USR2", "URG", "CONT"):
-            raise ConfigError(f"{prefix}.spare_signal: must be one of USR1, USR2, URG, CONT (got {_printable(self.spare_signal)!r})")
+        _path(prefix, "file", self.file, required=False)
+        _number(prefix, "breaker_max_nvlink_fraction", self.breaker_max_nvlink_fraction, 0, 1, low_open=True)
+        _number(prefix, "breaker_max_leaf_fraction", self.breaker_max_leaf_fraction, 0, 1, low_open=True)
+        _text(prefix, "spare_selector", self.spare_selector)
 
 
 @dataclass(frozen=True)
-class KubernetesConfig:
-    # "" = in-cluster config (the DaemonSet's ServiceAccount token); a kubeconfig path otherwise.
-    kubeconfig: str = ""
-    # The taint Sentinel adds (value = the rule, effect NoSchedule) and the only one it removes.
-    taint_key: str = "sentinel.dev/gpu-failure"
-    # The Node condition Sentinel sets (status False while cordoned, True once uncordoned).
-    condition_type: str = "GPUHealthy"
-    # The circuit breaker's scope: nodes matching this label selector ("" = every node).
-    node_selector: str = ""
+class _ActionsCore:
+    """``[actions]`` without the backends' own tables (:data:`ActionsConfig` adds them)."""
 
-    def validate(self, prefix: str) -> None:
-        import re
-
-        _path(prefix, "kubeconfig", self.kubeconfig, required=False)
-        if not re.match(_K8S_NAME, self.taint_key) or len(self.taint_key) > 316:
-            raise ConfigError(f"{prefix}.taint_key: not a Kubernetes label key (prefix/name): {_printable(self.taint_key)!r}")
-        if not re.match(r"^[A-Za-z][A-Za-z0-9]{0,62}$", self.condition_type):
-            raise ConfigError(f"{prefix}.condition_type: must be a CamelCase word (got {_printable(self.condition_type)!r})")
-        _text(prefix, "node_selector", self.node_selector)
-
-
-@dataclass(frozen=True)
-class ActionsConfig:
     # Seconds to wait for the ranks' acknowledgement of a snapshot/migrate request.
     ack_timeout_seconds: float = 120.0
     # How a node is cordoned, uncordoned and drained, and a spare started: "file" | "command" | "slurm" | "kubernetes".
@@ -216,6 +186,11 @@ class ActionsConfig:
     uncordon_command: tuple[str, ...] = ()
     # How the node's torchrun agent is found: a pidfile the launcher writes ("" = <runtime_dir>/agent.pid).
     agent_pidfile: str = ""
+    # A launcher that is not root (an ordinary user's Slurm job, a non-root pod) asks the daemon to
+    # record it; the daemon does when the kernel-verified sender is a job process of one of these
+    # kinds: "slurm" (a task of a Slurm job step: under a root slurmstepd), "kubernetes" (in a pod's
+    # kubepods cgroup). [] = only root's launcher (which writes the pidfile itself) is recorded.
+    agent_registration: tuple[str, ...] = ("slurm", "kubernetes")
     # backend = "command": a command that stops the agent, e.g. ["systemctl", "stop", "sentinel-agent@train.service"].
     agent_stop_command: tuple[str, ...] = ()
     # backend = "command": run when a migration begins, to bring a cold spare's agent up.
@@ -234,8 +209,8 @@ class ActionsConfig:
     # Once every rank has staged its snapshot, the ack deadline grows by staged bytes / this rate
     # (the slowest per-node write bandwidth worth waiting for; 50 MB/s is a loaded shared filesystem).
     snapshot_min_bytes_per_second: float = 50e6
-    slurm: SlurmConfig = field(default_factory=SlurmConfig)
-    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
+    # Where nodes sit: the nearest spare, cross-rack replicas, the per-domain breaker (docs/topology.md).
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
 
     def validate(self, prefix: str) -> None:
         _number(prefix, "ack_timeout_seconds", self.ack_timeout_seconds, 0, HOUR, low_open=True)
@@ -252,8 +227,26 @@ class ActionsConfig:
             if getattr(self, key) and self.backend != "command":
                 raise ConfigError(f"{prefix}.{key}: commands run only with backend = \"command\" (backend is {self.backend!r})")
         _path(prefix, "agent_pidfile", self.agent_pidfile, required=False)
-        self.slurm.validate(f"{prefix}.slurm")
-        self.kubernetes.validate(f"{prefix}.kubernetes")
+        for i, kind in enumerate(self.agent_registration):
+            if kind not in AGENT_REGISTRATION:
+                raise ConfigError(f"{prefix}.agent_registration[{i}]: must be one of {', '.join(AGENT_REGISTRATION)} "
+                                  f"(got {_printable(kind)!r})")
+        for name in backends.SETTINGS:
+            getattr(self, name).validate(f"{prefix}.{name}")
+        self.topology.validate(f"{prefix}.topology")
+
+
+def _with_backend_tables(core: type, tables: Mapping[str, type]) -> type:
+    """``core`` plus one field per backend that declares settings: ``[actions.<backend>]``."""
+    clash = set(tables) & {f.name for f in dataclasses.fields(core)}
+    if clash:
+        raise TypeError(f"backend settings {sorted(clash)} would replace [actions] keys of the same name")
+    return dataclasses.make_dataclass(
+        "ActionsConfig", [(name, cls, field(default_factory=cls)) for name, cls in tables.items()], bases=(core,),
+        frozen=True, namespace={"__module__": __name__, "__doc__": "``[actions]``, with each backend's own table."})
+
+
+ActionsConfig = _with_backend_tables(_ActionsCore, backends.SETTINGS)
 
 
 @dataclass(frozen=True)
@@ -310,7 +303,7 @@ LIVE_ON_RELOAD = frozenset({
 })
 # Keys inside a live section that still need a restart: the backend is built and checked
 # against the scheduler (node known, permissions) once, at start.
-RESTART_ONLY = frozenset({"actions.backend", "actions.slurm", "actions.kubernetes"})
+RESTART_ONLY = frozenset({"actions.backend"} | {f"actions.{name}" for name in backends.SETTINGS})
 
 
 def _changed(old: Config, new: Config) -> list[tuple[str, bool]]:
@@ -362,41 +355,9 @@ def live_part(old: Config, new: Config) -> Config:
     return Config(**sections)
 
 
-def _printable(text: str) -> str:
-    """A key or value as it can appear in a one-line message: non-ASCII and control characters escaped."""
-    return text if text.isascii() and text.isprintable() else ascii(text)[1:-1]
-
-
-def _number(prefix: str, key: str, value: float, low: float, high: float, *, low_open: bool = False) -> None:
-    """A finite float in [low, high] (or (low, high] when ``low_open``)."""
-    ok = math.isfinite(value) and (value > low if low_open else value >= low) and value <= high
-    if not ok:
-        bounds = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-        raise ConfigError(f"{prefix}.{key}: must be a finite number in {bounds} (got {value})")
-
-
-def _integer(prefix: str, key: str, value: int, low: int, high: int) -> None:
-    if not low <= value <= high:
-        raise ConfigError(f"{prefix}.{key}: must be an integer in {low}..{high} (got {value})")
-
-
-def _text(prefix: str, key: str, value: str) -> None:
-    if "\0" in value:
-        raise ConfigError(f"{prefix}.{key}: must not contain a NUL character")
-
-
-def _path(prefix: str, key: str, value: str, *, required: bool) -> None:
-    _text(prefix, key, value)
-    if required and not value:
-        raise ConfigError(f"{prefix}.{key}: must be a path, not empty")
-
-
-def _command(prefix: str, key: str, argv: tuple[str, ...]) -> None:
-    """An argv list: empty (no command) or a program name followed by its arguments."""
-    for i, arg in enumerate(argv):
-        _text(prefix, f"{key}[{i}]", arg)
-    if argv and not argv[0]:
-        raise ConfigError(f"{prefix}.{key}[0]: the program to run must not be empty")
+# The value checks live in sentinel.settings (plugins use them too); these names stay for config's own sections.
+_printable, _number, _integer, _text, _path, _command = (settings.printable, settings.number, settings.integer,
+                                                         settings.text, settings.path, settings.command)
 
 
 def _coerce(key: str, hint: Any, value: Any) -> Any:

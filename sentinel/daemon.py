@@ -16,19 +16,29 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from sentinel.actions import Executor
+from sentinel.actions import ACTIONS, Executor
 from sentinel.config import Config
+from sentinel.families import Family, counter, gauge
 from sentinel.fsutil import UnsafePath, ensure_private_dir, probe_writable, write_json_atomic
+from sentinel.jobhealth import JobHealth
 from sentinel.log import event
 from sentinel.metrics import View, build_registry
 from sentinel.policy import Health, Policy, PolicyState
 import dataclasses
 
 from sentinel.readings import KernelEvent, NodeReadings, SourceHealth, XidEvent
-from sentinel.sources.nvml import NvmlSource
+from sentinel.sources.nvml import NvmlSource, NvmlUnavailable
 from sentinel.systemd import Notifier
 
 log = logging.getLogger("sentinel.daemon")
+
+
+CONFIG_RELOADS = counter("sentinel_config_reloads", "Config reloads by outcome", "outcome")
+LOOP_ERRORS = counter("sentinel_loop_errors",
+                      "Exceptions the daemon's loop caught and survived, by component (source, policy, actions, ...)",
+                      "component")
+NVML_INIT_FAILURES = counter("sentinel_nvml_init_failures", "Failed nvmlInit attempts (retried with backoff)")
+LAST_POLL = gauge("sentinel_last_poll_timestamp_seconds", "Time of the last completed poll")
 
 
 class StartupError(RuntimeError):
@@ -73,10 +83,20 @@ class Daemon:
         *,
         event_sources: list[EventSource] | None = None,
         executor: Executor | None = None,
+        endpoint: Any = None,
+        migrator: Any = None,
         notifier: Notifier | None = None,
+        wake: threading.Event | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
+        """Everything the daemon runs is passed in (:func:`sentinel.builder.build_daemon` wires it
+        from config): the NVML source, the kernel-event sources, the executor of the policy's
+        trips, the control channel to the ranks (``endpoint``, a
+        :class:`sentinel.daemon_endpoint.DaemonEndpoint`), the migration sequence (``migrator``, a
+        :class:`sentinel.migration.Migrator`), and ``wake``, the event that ends the wait between
+        polls (set by a kernel event or a finished backend call; the builder gives the same one
+        to the migrator). Without an endpoint and a migrator, trips are only counted and logged."""
         self.config = config
         self.nvml = nvml_source
         self.event_sources = list(event_sources or [])
@@ -95,18 +115,22 @@ class Daemon:
         self.runtime_dir = Path(config.daemon.runtime_dir)
         self.httpd: Any = None
         self.metrics_port: int | None = None
-        self.extra_counters: list[Callable[[], dict]] = []
-        self.extra_gauges: list[Callable[[], dict]] = []
-        self.endpoint: Any = None  # sentinel.channel.DaemonEndpoint
-        self.migrator: Any = None  # sentinel.migration.Migrator
+        self.endpoint = endpoint
+        self.migrator = migrator
         self._stop = threading.Event()
-        self._wake = threading.Event()
+        self._wake = wake or threading.Event()
         self.last_gpus: tuple = ()
-        from sentinel.jobhealth import JobHealth
-
-        self.jobhealth = JobHealth(self.node, handover_seconds=config.job.handover_seconds)  # the job's hang and straggler reports (sentinel.jobhealth)
-        self.extra_counters.append(self.jobhealth.counters)
-        self.extra_gauges.append(self.jobhealth.gauges)
+        self.started_at = clock()
+        # NVML that cannot start (no driver, a broken one) is a reading, not an exit: the daemon
+        # stays up, exports sentinel_source_up{source="nvml"} 0 and retries nvmlInit with backoff
+        self.nvml_started = False
+        self.nvml_problem = ""
+        self.nvml_init_failures = 0
+        self._nvml_retry_at = 0.0
+        self._nvml_retry_delay = 0.0
+        self.last_poll: float | None = None  # monotonic time of the last completed full poll
+        # the job's hang and straggler reports (sentinel.jobhealth), read off the channel with the acks
+        self.jobhealth = JobHealth(self.node, handover_seconds=config.job.handover_seconds)
 
     # -- start/stop ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -114,16 +138,15 @@ class Daemon:
         check_directories(self.runtime_dir, Path(self.config.daemon.state_dir))
         from sentinel.exporter import MetricsServer
 
-        self.httpd = MetricsServer.from_config(build_registry(lambda: self.view), self.config.metrics)
+        self.httpd = MetricsServer.from_config(build_registry(lambda: self.view, self.metric_families()), self.config.metrics,
+                                               health=self.liveness)
         try:
             self.httpd.start()
         except OSError as exc:  # strerror is one sentence: "cannot listen for metrics on ...", or the unusable file
             raise StartupError(exc.strerror or str(exc)) from None
         self.metrics_port = self.httpd.port
-        self.nvml.start()
-        bus_map = {g.pci_bus_id: g.index for g in self.nvml.gpus if g.pci_bus_id}
+        self.start_nvml()
         for src in self.event_sources:
-            src.set_gpus(bus_map)
             src.wake = self._wake.set
             try:
                 src.start()
@@ -134,6 +157,42 @@ class Daemon:
         self.notifier.ready(summary)
         event(log, "sentinel started", node=self.node, gpus=len(self.nvml.gpus), metrics_port=self.metrics_port,
               sources=[self.nvml.name] + [s.name for s in self.event_sources])
+
+    def start_nvml(self) -> bool:
+        """nvmlInit and enumeration (bounded by the NVML deadline). On failure the daemon goes on
+        blind to the GPUs: logged, counted (``sentinel_nvml_init_failures_total``), reported
+        down, and retried from the loop with backoff (one poll interval, doubling to 5 min)."""
+        try:
+            self.nvml.start()
+        except NvmlUnavailable as exc:
+            self.nvml_init_failures += 1
+            first = not self.nvml_problem
+            self.nvml_problem = str(exc)
+            interval = self.config.daemon.poll_interval_seconds
+            self._nvml_retry_delay = min(300.0, max(interval, 2 * self._nvml_retry_delay))
+            self._nvml_retry_at = self.clock() + self._nvml_retry_delay
+            if first or self._nvml_retry_delay < 300.0 or self.nvml_init_failures % 12 == 0:
+                event(log, "NVML unavailable: the GPUs of this node are not watched; retrying", logging.ERROR,
+                      error=self.nvml_problem, retry_in_seconds=self._nvml_retry_delay,
+                      hint="no NVIDIA driver or a broken one (nvidia-smi says which); on a machine without "
+                           "NVIDIA GPUs, `sentinel run --simulate` runs on simulated ones")
+            return False
+        if self.nvml_problem:
+            event(log, "NVML available again", gpus=len(self.nvml.gpus), driver_version=self.nvml.driver_version)
+        self.nvml_started = True
+        self.nvml_problem = ""
+        self._nvml_retry_delay = 0.0
+        bus_map = {g.pci_bus_id: g.index for g in self.nvml.gpus if g.pci_bus_id}
+        for src in self.event_sources:
+            src.set_gpus(bus_map)
+        return True
+
+    def metric_families(self) -> list[Family]:
+        """The families of the counters and gauges this daemon publishes: its own and those its
+        components declare (``FAMILIES``); the collector renders those and no other name."""
+        components = [self.executor, *self.event_sources, self.endpoint, self.migrator, self.jobhealth]
+        return [ACTIONS, CONFIG_RELOADS, LOOP_ERRORS, NVML_INIT_FAILURES, LAST_POLL,
+                *(f for c in components if c is not None for f in getattr(c, "FAMILIES", ()))]
 
     def stop(self) -> None:
         self._stop.set()
@@ -168,11 +227,14 @@ class Daemon:
         now = self.clock()
         t0 = time.perf_counter()
         sources: dict[str, SourceHealth] = {}
-        gpus = tuple(self._guard("nvml", self.nvml.poll, default=()))
+        if not self.nvml_started and now >= self._nvml_retry_at:
+            self._guard("nvml_init", self.start_nvml)
+        gpus = tuple(self._guard("nvml", self.nvml.poll, default=())) if self.nvml_started else ()
         nvml_seconds = time.perf_counter() - t0
         # NVML sees this node when it answered at least one read this poll: not when every GPU is
-        # lost or hung, or every call fails (sentinel_source_up{source="nvml"} 0: blind here)
-        sources[self.nvml.name] = SourceHealth(up=any(g.values or g.nvlink for g in gpus), poll_seconds=nvml_seconds)
+        # lost or hung, or every call fails, or NVML did not start (sentinel_source_up{source="nvml"} 0)
+        sources[self.nvml.name] = SourceHealth(up=any(g.values or g.nvlink for g in gpus), poll_seconds=nvml_seconds,
+                                               detail=self.nvml_problem)
         xids, kernel_events, counters = self.drain_sources(sources)
         xids = self._guard("nvml_events", self.nvml.drain_xid_events, default=[]) + xids
         readings = NodeReadings(
@@ -219,6 +281,8 @@ class Daemon:
         return self.decide_and_act(readings, counters, now)
 
     def decide_and_act(self, readings: NodeReadings, counters: dict, now: float) -> NodeReadings:
+        if self.migrator is not None and self._guard("migration", self.migrator.check_returned_to_service, default=False):
+            self.policy_state = self.policy.returned_to_service(self.policy_state)
         decided = self._guard("policy", self.policy.decide, self.policy_state, readings, now)
         trips = []
         if decided is not None:
@@ -267,16 +331,25 @@ class Daemon:
         for g in readings.gpus:
             rule_active.update(self.policy.rule_active(g))
         for kind_outcome, n in self.executor.counts.items():
-            counters[("sentinel_actions", (("action", kind_outcome[0]), ("outcome", kind_outcome[1])))] = float(n)
+            counters[ACTIONS.key(action=kind_outcome[0], outcome=kind_outcome[1])] = float(n)
         for outcome, n in self.reloads.items():
-            counters[("sentinel_config_reloads", (("outcome", outcome),))] = float(n)
-        for extra in self.extra_counters:
-            counters.update(self._guard("metrics", extra, default={}))
+            counters[CONFIG_RELOADS.key(outcome=outcome)] = float(n)
+        for component in (self.endpoint, self.migrator, self.jobhealth):
+            if component is not None:
+                counters.update(self._guard("metrics", component.metric_counters, default={}))
         for component, n in self.errors.items():
-            counters[("sentinel_loop_errors", (("component", component),))] = float(n)
+            counters[LOOP_ERRORS.key(component=component)] = float(n)
+        if self.nvml_init_failures:  # absent on the nodes where NVML started the first time (most)
+            counters[NVML_INIT_FAILURES.key()] = float(self.nvml_init_failures)
         gauges: dict = {}
-        for extra in self.extra_gauges:
-            gauges.update(self._guard("metrics", extra, default={}))
+        if not readings.events_only:
+            self.last_poll = self.clock()
+            gauges[LAST_POLL.key()] = self.wall()
+        elif self.view.gauges.get(LAST_POLL.key()) is not None:
+            gauges[LAST_POLL.key()] = self.view.gauges[LAST_POLL.key()]
+        if self.migrator is not None:
+            gauges.update(self._guard("metrics", self.migrator.gauges, default={}))
+        gauges.update(self._guard("metrics", self.jobhealth.gauges, default={}))
         self.view = View(readings, health, forecasts, dict(self.trips), rule_active, counters, gauges, self.node,
                          detail=self.config.metrics.detail)
         if self.httpd is not None:
@@ -290,6 +363,7 @@ class Daemon:
             "time": self.wall(),
             "metrics_port": self.metrics_port,
             "driver_version": readings.driver_version,
+            "nvml_error": self.nvml_problem or None,  # NVML did not start: the GPUs are not watched
             "gpus": [
                 {
                     "index": g.index,
@@ -318,7 +392,30 @@ class Daemon:
             if self.errors["status_write"] == 1 or self.errors["status_write"] % 100 == 0:
                 event(log, "cannot write status", logging.ERROR, error=str(exc))
 
+    @property
+    def liveness_limit_seconds(self) -> float:
+        d = self.config.daemon
+        return max(d.liveness_polls * d.poll_interval_seconds, d.poll_interval_seconds + d.nvml_deadline_seconds)
+
+    def liveness(self) -> tuple[bool, bool, str]:
+        """(live, ready, one line) for ``/livez`` and ``/readyz``; called on the HTTP threads.
+        Live while the last completed poll is at most :attr:`liveness_limit_seconds` old (before
+        the first poll: since the daemon was built); ready once a poll completed and while live.
+        A loop hung anywhere (a source, an action, the status write) stops completing polls."""
+        now = self.clock()
+        last = self.last_poll
+        age = now - (self.started_at if last is None else last)
+        limit = self.liveness_limit_seconds
+        live = age <= limit
+        if last is None:
+            return live, False, f"no poll completed yet ({age:.1f} s since start; limit {limit:g} s)"
+        if not live:
+            return False, False, f"last completed poll {age:.1f} s ago, over the limit of {limit:g} s: the loop is stuck"
+        return True, True, f"ok: last completed poll {age:.1f} s ago (limit {limit:g} s)"
+
     def summary(self) -> str:
+        if not self.nvml_started:
+            return f"NVML unavailable, GPUs not watched: {self.nvml_problem}"
         counts = Counter(Health(s.health).name.lower() for s in self.policy_state.gpus.values())
         return ", ".join(f"{n} {h}" for h, n in sorted(counts.items())) or "no GPUs"
 
@@ -366,4 +463,6 @@ class Daemon:
         self.jobhealth.handover_seconds = new.job.handover_seconds
         if self.migrator is not None:
             self.migrator.reconfigure(new.actions)
+        if self.endpoint is not None:
+            self.endpoint.registration = new.actions.agent_registration
         event(log, "config reloaded")

@@ -16,12 +16,11 @@ Failure contract:
   drains) is cut off after ``timeout_seconds`` in total; connections beyond ``max_connections``
   are closed at once and counted. Neither can hold the poll loop or the other scrapers.
 
-Security (see README, "Security model"): the listener binds ``metrics.listen_address`` (0.0.0.0
+Security (see docs/security.md): the listener binds ``metrics.listen_address`` (0.0.0.0
 by default). With ``tls_cert_file``/``tls_key_file`` it serves HTTPS only (TLS 1.2 or newer);
 with ``tls_client_ca_file`` it also requires a client certificate signed by that CA (mTLS). With
-``basic_auth_users_file`` every path needs HTTP basic auth; the file holds ``user:hash`` lines
-where hash is ``pbkdf2_sha256$<iterations>$<salt>$<base64 sha256 digest>`` (Django's format).
-Make a line with::
+``basic_auth_users_file`` every path needs HTTP basic auth (the file and its hashes:
+:mod:`sentinel.httpauth`). Make a line with::
 
     python -m sentinel.exporter hash-password USER        # reads the password from stdin
 
@@ -31,192 +30,48 @@ Run on its own for debugging: ``python -m sentinel.exporter serve --simulate gpu
 from __future__ import annotations
 
 import argparse
-import base64
-import binascii
 import errno
 import getpass
 import gzip
-import hashlib
-import hmac
 import logging
-import os
-import secrets
 import socket
 import socketserver
 import ssl
-import stat
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable
 from urllib.parse import urlsplit
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as CONTENT_TYPE_OPENMETRICS
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.registry import Collector
 
+from sentinel.httpauth import (  # noqa: F401 - re-exported: the auth API's old home
+    DEFAULT_ITERATIONS, MIN_ITERATIONS, PBKDF2_SCHEME, BasicAuth, UsersFileError, build_tls_context, hash_password, load_users)
+from sentinel.families import counter, gauge
 from sentinel.log import event
+from sentinel.metrics import View, build_registry, new_metric
 
 log = logging.getLogger("sentinel.exporter")
 
-PBKDF2_SCHEME = "pbkdf2_sha256"
-# OWASP's 2023 figure for PBKDF2-HMAC-SHA256. A verified password is cached (see BasicAuth), so
-# this is paid once per credential, not per scrape.
-DEFAULT_ITERATIONS = 600_000
-MIN_ITERATIONS = 1_000
 TEXT = "text"
 OPENMETRICS = "openmetrics"
 _CONTENT_TYPES = {TEXT: CONTENT_TYPE_PLAIN_0_0_4, OPENMETRICS: CONTENT_TYPE_OPENMETRICS}
 _REALM = 'Basic realm="sentinel", charset="UTF-8"'
 _INDEX = (b"<html><head><title>Sentinel</title></head><body><h1>Sentinel GPU health exporter</h1>"
-          b"<p><a href=\"/metrics\">/metrics</a> &middot; <a href=\"/healthz\">/healthz</a></p></body></html>\n")
+          b"<p><a href=\"/metrics\">/metrics</a> &middot; <a href=\"/livez\">/livez</a> &middot; <a href=\"/readyz\">/readyz</a></p></body></html>\n")
 
 
-# -- basic auth ---------------------------------------------------------------------------------
-class UsersFileError(ValueError):
-    """The basic-auth users file cannot be used; the message names the file (and line)."""
-
-
-def hash_password(password: str, *, iterations: int = DEFAULT_ITERATIONS, salt: str | None = None) -> str:
-    """A ``pbkdf2_sha256$iterations$salt$hash`` string for a users file line."""
-    if iterations < MIN_ITERATIONS:
-        raise ValueError(f"iterations must be >= {MIN_ITERATIONS}")
-    salt = salt or secrets.token_urlsafe(16)
-    if "$" in salt:
-        raise ValueError("salt must not contain '$'")
-    digest = hashlib.pbkdf2_hmac("sha256", password.encode(), salt.encode(), iterations)
-    return f"{PBKDF2_SCHEME}${iterations}${salt}${base64.b64encode(digest).decode('ascii')}"
-
-
-@dataclass(frozen=True)
-class _Pbkdf2:
-    iterations: int
-    salt: bytes
-    digest: bytes
-
-    def matches(self, password: bytes) -> bool:
-        candidate = hashlib.pbkdf2_hmac("sha256", password, self.salt, self.iterations, len(self.digest))
-        return hmac.compare_digest(candidate, self.digest)
-
-
-def _parse_hash(text: str, where: str) -> _Pbkdf2:
-    if text.startswith(("$2a$", "$2b$", "$2y$")):
-        raise UsersFileError(f"{where}: bcrypt hashes are not supported; make a line with "
-                             "`python -m sentinel.exporter hash-password USER`")
-    parts = text.split("$")
-    if len(parts) != 4 or parts[0] != PBKDF2_SCHEME:
-        raise UsersFileError(f"{where}: the hash must look like {PBKDF2_SCHEME}$<iterations>$<salt>$<base64 digest>")
-    _, iterations, salt, digest = parts
-    if not iterations.isdigit() or int(iterations) < MIN_ITERATIONS:
-        raise UsersFileError(f"{where}: iterations must be a number >= {MIN_ITERATIONS} (got {iterations!r})")
-    try:
-        raw = base64.b64decode(digest, validate=True)
-    except binascii.Error:
-        raise UsersFileError(f"{where}: the digest is not valid base64") from None
-    if len(raw) < 16 or not salt:
-        raise UsersFileError(f"{where}: the salt is empty or the digest is shorter than 16 bytes")
-    return _Pbkdf2(int(iterations), salt.encode(), raw)
-
-
-def load_users(path: str | Path) -> dict[str, str]:
-    """``user -> hash`` from a users file; blank lines and ``#`` comments are skipped.
-
-    Raises UsersFileError naming the file and line: unreadable, group/other-writable (anyone who
-    can write it can let themselves in), a line without ``user:hash``, a duplicate user, or a hash
-    in an unknown format.
-    """
-    path = Path(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            st = os.fstat(f.fileno())
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsersFileError(f"{path}: cannot read users file: {getattr(exc, 'strerror', None) or exc}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise UsersFileError(f"{path}: not a regular file")
-    if st.st_mode & 0o022:
-        raise UsersFileError(f"{path}: is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}); chmod go-w")
-    users: dict[str, str] = {}
-    for lineno, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        where = f"{path}:{lineno}"
-        user, sep, hashed = line.partition(":")
-        if not sep or not user or not hashed:
-            raise UsersFileError(f"{where}: expected user:hash")
-        if user in users:
-            raise UsersFileError(f"{where}: user {user!r} is listed twice")
-        _parse_hash(hashed, where)
-        users[user] = hashed
-    if not users:
-        raise UsersFileError(f"{path}: no users (every scrape would be refused)")
-    return users
-
-
-class BasicAuth:
-    """Checks ``Authorization: Basic`` headers against ``user -> hash``.
-
-    Digests are compared with :func:`hmac.compare_digest`; an unknown user is checked against a
-    dummy hash of the same cost, so timing does not tell which users exist. A verified
-    (user, password) pair is remembered by its SHA-256, as Prometheus' exporter-toolkit does, so a
-    scrape does not pay PBKDF2's cost; unverified attempts run one at a time, so a flood of wrong
-    passwords costs at most one core.
-    """
-
-    _CACHE_MAX = 1024
-
-    def __init__(self, users: Mapping[str, str]) -> None:
-        self._users = {u: _parse_hash(h, f"user {u!r}") for u, h in users.items()}
-        iterations = max((h.iterations for h in self._users.values()), default=DEFAULT_ITERATIONS)
-        self._dummy = _Pbkdf2(iterations, secrets.token_bytes(16), secrets.token_bytes(32))
-        self._verified: set[bytes] = set()
-        self._slow = threading.Lock()
-
-    def check(self, header: str | None) -> str | None:
-        """The authenticated user name, or None."""
-        if not header:
-            return None
-        scheme, _, token = header.strip().partition(" ")
-        if scheme.lower() != "basic":
-            return None
-        try:
-            user_b, sep, password = base64.b64decode(token.strip(), validate=True).partition(b":")
-            user = user_b.decode("utf-8")
-        except ValueError:  # not base64 (binascii.Error), not ASCII, or not UTF-8 (UnicodeDecodeError)
-            return None
-        if not sep:
-            return None
-        stored = self._users.get(user)
-        key = hashlib.sha256(b"\0".join([user_b, password, stored.digest if stored else b""])).digest()
-        if stored is not None and key in self._verified:
-            return user
-        with self._slow:
-            ok = (stored or self._dummy).matches(password) and stored is not None
-        if not ok:
-            return None
-        if len(self._verified) >= self._CACHE_MAX:
-            self._verified.clear()
-        self._verified.add(key)
-        return user
-
-
-# -- TLS ----------------------------------------------------------------------------------------
-def build_tls_context(cert_file: str, key_file: str, client_ca_file: str = "") -> ssl.SSLContext:
-    """A server context (TLS 1.2+); with ``client_ca_file`` clients must present a certificate
-    that CA signed. Raises OSError (a missing file) or ssl.SSLError (a bad or mismatched one)."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_cert_chain(cert_file, key_file)
-    if client_ca_file:
-        ctx.load_verify_locations(cafile=client_ca_file)
-        ctx.verify_mode = ssl.CERT_REQUIRED
-    return ctx
+# The server's own families, rendered after the registry's.
+RENDER_FAILURES = counter("sentinel_exporter_render_failures", "Renders that raised (scrapes kept the last)")
+RENDER_DURATION = gauge("sentinel_exporter_render_duration_seconds", "Duration of the last render")
+REJECTED_CONNECTIONS = counter("sentinel_exporter_rejected_connections", "Scrape connections refused or cut, by reason", "reason")
+FAMILIES = (RENDER_FAILURES, RENDER_DURATION, REJECTED_CONNECTIONS)
 
 
 # -- content negotiation ------------------------------------------------------------------------
@@ -383,6 +238,11 @@ class _Handler(BaseHTTPRequestHandler):
     def _respond(self, *, head: bool) -> None:
         owner = self.server.owner
         path = urlsplit(self.path).path
+        if path in ("/livez", "/readyz", "/healthz"):  # probes carry no credentials; they say ok or stuck only
+            live, ready, line = owner.health()
+            ok = ready if path == "/readyz" else live
+            self._send(200 if ok else 503, "text/plain; charset=utf-8", (line + "\n").encode(), head)
+            return
         if owner._auth is not None and owner._auth.check(self.headers.get("Authorization")) is None:
             owner._reject("unauthorized")
             self._send(401, "text/plain; charset=utf-8", b"401 Unauthorized\n", head, [("WWW-Authenticate", _REALM)])
@@ -395,8 +255,6 @@ class _Handler(BaseHTTPRequestHandler):
             if compress:
                 extra.append(("Content-Encoding", "gzip"))
             self._send(200, _CONTENT_TYPES[fmt], body, head, extra)
-        elif path == "/healthz":
-            self._send(200, "text/plain; charset=utf-8", b"ok\n", head)
         elif path == "/":
             self._send(200, "text/html; charset=utf-8", _INDEX, head)
         else:
@@ -418,7 +276,11 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class MetricsServer:
-    """Serves ``/metrics`` (plus ``/`` and ``/healthz``) from bytes rendered by :meth:`refresh`.
+    """Serves ``/metrics`` (plus ``/``) from bytes rendered by :meth:`refresh`, and the probes.
+
+    ``/livez`` (and its old name ``/healthz``) and ``/readyz`` answer what ``health`` says
+    (``(live, ready, line)``: 200 or 503 with the line); they need no credentials, as kubelet
+    probes carry none, and say nothing but ok or stuck. Without ``health`` they answer ok.
 
     ``registry`` is anything with ``collect()`` (a CollectorRegistry). Nothing listens until
     :meth:`start`; :meth:`refresh` may be called before or after. Thread-safe: :meth:`refresh`
@@ -438,6 +300,7 @@ class MetricsServer:
         timeout_seconds: float = 10.0,
         max_connections: int = 64,
         clock: Callable[[], float] = time.monotonic,
+        health: Callable[[], tuple[bool, bool, str]] | None = None,
     ) -> None:
         if bool(tls_cert_file) != bool(tls_key_file):
             raise ValueError("tls_cert_file and tls_key_file go together")
@@ -451,6 +314,7 @@ class MetricsServer:
         self.timeout_seconds = timeout_seconds
         self.max_connections = max_connections
         self.clock = clock
+        self.health = health or (lambda: (True, True, "ok"))
         self._tls: ssl.SSLContext | None = None
         self._auth: BasicAuth | None = None
         self._httpd: _HTTPServer | None = None
@@ -577,17 +441,14 @@ class MetricsServer:
         return self._current.body(fmt, False)[1]
 
     def _own_families(self) -> list[Metric]:
-        fails = CounterMetricFamily("sentinel_exporter_render_failures",
-                                    "Metric renders that raised; scrapes kept the previous samples")
+        fails = new_metric(RENDER_FAILURES)
         fails.add_metric([], float(self._render_failures))
         out: list[Metric] = [fails]
         if self._render_seconds is not None:
-            dur = GaugeMetricFamily("sentinel_exporter_render_duration_seconds",
-                                    "Duration of the previous collect and render of the exposition")
+            dur = new_metric(RENDER_DURATION)
             dur.add_metric([], self._render_seconds)
             out.append(dur)
-        rejected = CounterMetricFamily("sentinel_exporter_rejected_connections",
-                                       "Scrape connections refused or cut, by reason", labels=["reason"])
+        rejected = new_metric(REJECTED_CONNECTIONS)
         with self._stats_lock:
             for reason, n in sorted(self._rejected.items()):
                 rejected.add_metric([reason], float(n))
@@ -664,7 +525,6 @@ def _cmd_hash_password(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     """Serve a simulated node's metrics, refreshed every second (for trying TLS/auth settings)."""
-    from sentinel.metrics import View, build_registry
     from sentinel.readings import NodeReadings
     from sentinel.sources.nvml import NvmlSource
     from sentinel.sources.simulated import SimulatedNvml

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Literal, Sequence
 
+from sentinel.families import Family
+
 
 class FieldDeclarationError(ValueError):
     """Two declarations contradict each other, or one is incomplete."""
@@ -211,6 +213,15 @@ def metric_help(fields: Sequence[NvmlField], metric: str) -> str:
 def metric_table(fields: Sequence[NvmlField]) -> dict[str, tuple[str, str, dict[str, str], bool]]:
     """field -> (metric name, help, extra labels, counter?), as the collector renders them."""
     return {f.name: (f.metric, metric_help(fields, f.metric), dict(f.labels), f.kind == "counter") for f in fields}
+
+
+def families(fields: Sequence[NvmlField]) -> tuple[Family, ...]:
+    """The metric families ``fields`` export, one per metric, labels ``gpu, uuid`` + the fields' own."""
+    out: dict[str, Family] = {}
+    for f in fields:
+        if f.metric not in out:
+            out[f.metric] = Family(f.metric, f.kind, metric_help(fields, f.metric), ("gpu", "uuid", *(k for k, _ in f.labels)))
+    return tuple(out.values())
 
 
 def calls(fields: Sequence[NvmlField]) -> frozenset[str]:

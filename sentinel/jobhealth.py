@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from sentinel.families import counter, gauge
 from sentinel.policy import NODE, Trip
 from sentinel.readings import GpuReading
 from sentinel.straggler import GpuEvidence, StragglerSettings, causes, decide
@@ -28,6 +29,17 @@ from sentinel.straggler import GpuEvidence, StragglerSettings, causes, decide
 # host) is far below what a real job pays; a real job's restart (rendezvous, process group,
 # restore) grows with its size (docs/goodput.md). 60 s is the conservative default.
 DEFAULT_HANDOVER_SECONDS = 60.0
+
+JOB_REPORTS = counter("sentinel_job_reports", "Reports the job's ranks sent this daemon, by kind (hang verdicts, straggler scores)",
+                      "kind")
+HANG_CULPRIT_HERE = gauge("sentinel_job_hang_culprit_here",
+                          "1 when the newest hang verdict the job reported names a rank on this node")
+STRAGGLER_SCORE = gauge("sentinel_job_straggler_score",
+                        "This node's straggler score: relative (its compute time over the job's median) and "
+                        "individual (over its own best)", "kind")
+STRAGGLER_CAUSE = gauge("sentinel_job_straggler_cause_info",
+                        "Why this node is slow, as its GPUs report it (clock-event reasons, PCIe, NVLink); "
+                        "cause=none when nothing was seen", "cause")
 
 
 @dataclass
@@ -45,6 +57,8 @@ def _nvlink_errors(g: GpuReading) -> float | None:
 
 @dataclass
 class JobHealth:
+    FAMILIES = (JOB_REPORTS, HANG_CULPRIT_HERE, STRAGGLER_SCORE, STRAGGLER_CAUSE)  # not a field: no annotation
+
     node: str
     settings: StragglerSettings = field(default_factory=StragglerSettings)
     handover_seconds: float = DEFAULT_HANDOVER_SECONDS
@@ -134,17 +148,33 @@ class JobHealth:
 
     def gauges(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-        out[("sentinel_job_hang_culprit_here", ())] = 1.0 if self.hang and self.hang["here"] else 0.0
+        if self.hang is not None:  # left out until the job reported a verdict (most nodes, always)
+            out[HANG_CULPRIT_HERE.key()] = 1.0 if self.hang["here"] else 0.0
         if self.straggler is not None and self._now - self.straggler["time"] <= self.stale_seconds:
-            out[("sentinel_job_straggler_score", (("kind", "relative"),))] = self.straggler["relative"]
-            out[("sentinel_job_straggler_score", (("kind", "individual"),))] = self.straggler["individual"]
+            out[STRAGGLER_SCORE.key(kind="relative")] = self.straggler["relative"]
+            out[STRAGGLER_SCORE.key(kind="individual")] = self.straggler["individual"]
             for c in self.straggler["causes"] or ["none"]:
-                out[("sentinel_job_straggler_cause_info", (("cause", c),))] = 1.0
+                out[STRAGGLER_CAUSE.key(cause=c)] = 1.0
         return out
 
-    def counters(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        return {("sentinel_job_reports", (("kind", k),)): float(n) for k, n in self.counts.items()}
+    def metric_counters(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return {JOB_REPORTS.key(kind=k): float(n) for k, n in self.counts.items()}
 
     def status(self) -> dict[str, Any]:
         return {"hang": self.hang, "straggler": self.straggler}
 
+
+def status_lines(job: dict) -> list[str]:
+    """The job's own health in ``sentinel status``: the newest hang verdict and straggler score."""
+    out = []
+    hang = job.get("hang") if isinstance(job, dict) else None
+    if isinstance(hang, dict):
+        where = "this node" if hang.get("here") else ", ".join(map(str, hang.get("hosts") or [])) or "-"
+        out.append(f"hang: {hang.get('kind')} at step {hang.get('step')}: culprit rank(s) "
+                   f"{hang.get('culprits')} on {where}: {hang.get('evidence')}")
+    st = job.get("straggler") if isinstance(job, dict) else None
+    if isinstance(st, dict):
+        causes = "; ".join(map(str, st.get("causes") or [])) or "no hardware cause seen"
+        out.append(f"straggler: {st.get('relative', 0):.2f}x the job's median compute ({st.get('individual', 0):.2f}x "
+                   f"its own best) at step {st.get('step')}: {causes} -> {st.get('action')}: {st.get('why')}")
+    return out

@@ -17,11 +17,19 @@ The launcher runs as root and, with ``user`` (``--user``, or ``SENTINEL_AGENT_US
 agent unit's environment file), runs the agent — and so the whole job — as that user: the child
 takes a session of its own (no controlling terminal shared with root: no TIOCSTI into root's
 shell), the user's groups, gid and uid before ``exec``, and the agent never starts if any of that
-fails. The job still writes to the launcher's stdout and stderr: run it from a unit or ``srun``,
+fails. As root with ``--user``, the launcher itself must run isolated (``python3 -I -m sentinel
+launch``, as the agent unit does; refused otherwise, exit 2): the env file's ``PYTHONPATH`` is the
+job's and must reach only the agent, never root's imports. The job still writes to the launcher's stdout and stderr: run it from a unit or ``srun``,
 not from a root terminal left open for other work while the job (or a process it left behind)
 runs. The launcher itself stays root because the daemon trusts only a root-owned pidfile (a
 pidfile the job's user could write would let that user point root's SIGTERM at any process of
 theirs, or claim another job's ranks) and because the cordon marker is root's.
+
+Not root (an ordinary user's ``srun``, a non-root pod), the launcher cannot write that pidfile:
+it asks the daemon over ``register.sock`` to record it instead (:func:`register_with_daemon`). The
+daemon takes the launcher's pid from the kernel, checks that it is a task of a Slurm job step
+or a pod's process (``actions.agent_registration``) and writes the record itself; the launcher
+forwards the drain's SIGTERM to the agent as it does for root. docs/schedulers.md says why.
 """
 
 from __future__ import annotations
@@ -43,19 +51,17 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
-def launch(command: list[str], pidfile: Path, state_dir: Path, user: str = "", *, warm: bool = False) -> int:
+def _refusal(command: list[str], pidfile: Path, state_dir: Path) -> int | None:
+    """The exit code (after saying why) when the agent must not start: the node is cordoned (or
+    its marker cannot be read), no command, no pidfile directory. None: go ahead."""
     from sentinel.migration import read_cordon
 
-    account = None
-    if user:
-        try:
-            account = pwd.getpwnam(user)
-        except KeyError:
-            return _fail(f"--user {user}: no such user", 2)
-        if os.geteuid() != 0 and account.pw_uid != os.geteuid():
-            return _fail(f"--user {user} needs the launcher to run as root", 2)
-
-    marker, problem = read_cordon(state_dir / "cordon.json")
+    if os.geteuid() != 0 and not os.access(state_dir, os.X_OK):
+        # an ordinary user cannot look into the daemon's 0750 state directory: the running
+        # daemon's status (root's, world-readable) says whether it cordoned this node
+        marker, problem = _cordon_from_status(pidfile), ""
+    else:
+        marker, problem = read_cordon(state_dir / "cordon.json")
     if marker is not None:
         return _fail(f"node is cordoned ({state_dir / 'cordon.json'}: {marker.get('reason', '')}); "
                      f"clear it with `sentinel uncordon --state-dir {state_dir}`", 3)
@@ -67,6 +73,49 @@ def launch(command: list[str], pidfile: Path, state_dir: Path, user: str = "", *
         pidfile.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         return _fail(f"cannot create {pidfile.parent}: {exc.strerror}", 2)
+    return None
+
+
+def _wait(pid: int, pidfile: Path, record: AgentRecord | None) -> int:
+    """Wait for the agent; remove its pidfile if still ours; its exit status as a shell reports it."""
+    status = 0
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            break
+        except ChildProcessError:
+            break
+        except InterruptedError:
+            continue
+    if record is not None:  # remove the pidfile if it is still ours (a newer launch may own it)
+        try:
+            if pidfile.read_text().splitlines()[1:2] == record.encode().splitlines()[1:2]:
+                pidfile.unlink()
+        except (OSError, IndexError):
+            pass
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1
+
+
+def launch(command: list[str], pidfile: Path, state_dir: Path, user: str = "", *, warm: bool = False) -> int:
+    account = None
+    if user:
+        try:
+            account = pwd.getpwnam(user)
+        except KeyError:
+            return _fail(f"--user {user}: no such user", 2)
+        if os.geteuid() != 0 and account.pw_uid != os.geteuid():
+            return _fail(f"--user {user} needs the launcher to run as root", 2)
+        if os.geteuid() == 0 and account.pw_uid != 0 and not sys.flags.isolated:
+            # A Python that reads PYTHONPATH, PYTHONHOME, the user site or the current directory
+            # imports, as root, whatever the job's user put there (the env file is the job's).
+            return _fail(f"--user {user}: the launcher runs as root and must run isolated: "
+                         f"`python3 -I -m sentinel launch ...` (the agent unit does; `sentinel install` writes it)", 2)
+
+    refused = _refusal(command, pidfile, state_dir)
+    if refused is not None:
+        return refused
 
     env = {**os.environ, "SENTINEL_STATE_DIR": str(state_dir)}
     if warm:
@@ -107,27 +156,68 @@ def launch(command: list[str], pidfile: Path, state_dir: Path, user: str = "", *
     try:
         record = AgentRecord.of(pid)
         write_agent_record(pidfile, record)
+    except PermissionError:  # not root (an ordinary user's Slurm job, a non-root pod): ask the daemon
+        record = None
+        register_with_daemon(pidfile)
     except (OSError, ProcessLookupError) as exc:
+        record = None
         print(f"sentinel: warning: cannot record the agent in {pidfile}: {exc}; the daemon will not "
               f"recognise this job's ranks", file=sys.stderr)
-    status = 0
-    while True:
+    return _wait(pid, pidfile, record)
+
+
+def _cordon_from_status(pidfile: Path) -> dict | None:
+    """The running daemon's cordon (from ``status.json`` in its runtime directory), or None."""
+    import json
+
+    from sentinel.fsutil import UnsafePath, read_trusted
+
+    directory = Path(os.environ.get("SENTINEL_RUNTIME_DIR") or pidfile.parent)
+    try:
+        status = json.loads(read_trusted(directory / "status.json", owners=frozenset({0}), max_bytes=1 << 22))
+    except (OSError, UnsafePath, ValueError):
+        return None
+    if isinstance(status, dict) and status.get("cordoned"):
+        migration = status.get("migration") or {}
+        return {"reason": f"{migration.get('rule', '?')}: {migration.get('reason', '')} (the daemon's status)"}
+    return None
+
+
+def register_with_daemon(pidfile: Path, *, wait_seconds: float = 10.0) -> bool:
+    """Ask the node's daemon to record this launcher (the agent's parent, which forwards signals to
+    it) as the agent, then wait (bounded) for the pidfile to name it. The daemon takes the pid from
+    the kernel and records only a process of a scheduler's job (:mod:`sentinel.channel`). Says on
+    stderr what happened; returns whether the daemon recorded it."""
+    import json
+    import time
+
+    from sentinel import channel, procs
+
+    directory = Path(os.environ.get("SENTINEL_RUNTIME_DIR") or pidfile.parent)
+    try:
+        channel.register(directory)
+    except OSError as exc:
+        print(f"sentinel: warning: cannot record the agent in {pidfile} (not root) nor ask the daemon to "
+              f"({directory / 'register.sock'}: {exc.strerror or exc}); the daemon will not recognise this job's "
+              f"ranks", file=sys.stderr)
+        return False
+    me, uid, ns = os.getpid(), os.getuid(), procs.pid_namespace()
+    _, start = procs.proc_stat(me)
+    end = time.monotonic() + wait_seconds
+    while time.monotonic() < end:
         try:
-            _, status = os.waitpid(pid, 0)
-            break
-        except ChildProcessError:
-            break
-        except InterruptedError:
-            continue
-    if record is not None:  # remove the pidfile if it is still ours (a newer launch may own it)
-        try:
-            if pidfile.read_text().splitlines()[1:2] == record.encode().splitlines()[1:2]:
-                pidfile.unlink()
-        except (OSError, IndexError):
+            data = json.loads(pidfile.read_text().splitlines()[1])
+            if (data.get("start_time") == start and data.get("uid") == uid
+                    and (data.get("pid") == me or data.get("pidns") != ns)):
+                print(f"sentinel: the daemon recorded this job's agent (launcher pid {data['pid']} on the host, "
+                      f"{directory / 'register.sock'})", file=sys.stderr)
+                return True
+        except (OSError, IndexError, ValueError, AttributeError):
             pass
-    if os.WIFSIGNALED(status):
-        return 128 + os.WTERMSIG(status)
-    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1
+        time.sleep(0.1)
+    print(f"sentinel: warning: the daemon did not record this agent within {wait_seconds:g} s (its log says why: "
+          f"\"agent registration ... refused\"); the daemon will not recognise this job's ranks", file=sys.stderr)
+    return False
 
 
 def admit(pidfile: Path) -> int:

@@ -21,22 +21,28 @@ counted (``sentinel_backend_calls_total{backend,op,outcome}``) and ``sentinel_ba
 whether the last one reached the scheduler. Every deadline is on the monotonic clock; wall-clock
 times are only recorded.
 
-Phases (:class:`Phase`), the only transitions allowed::
+Phases and their only transitions: :class:`sentinel.migration_record.Phase`.
 
-    TRIPPED      --the circuit breaker allows a cordon (or the backend has no fleet view)---> REQUESTED
-    TRIPPED      --the breaker refuses: the ranks are told to snapshot, nothing is cordoned--> REFUSED
-    REQUESTED    --every rank committed / the ranks exited / the deadline passed / no rank--> ACKNOWLEDGED
-    ACKNOWLEDGED --cordon marker written (or failed, loudly) and the backend's cordon-------> CORDONED
-    CORDONED     --agent stopped (or drain disabled)----------------------------------------> DRAINED
+A migration's first act is the snapshot request to the node's verified ranks: nothing runs
+before it (no scheduler call, no breaker count). The circuit breaker (:mod:`sentinel.backends.breaker`)
+is part of the cordon, after the acknowledgements: :meth:`Backend.claim_cordon` counts and cordons
+atomically (Slurm: drain, then recount, the deterministic loser resumes itself; Kubernetes: a
+resourceVersion-checked Lease), so a burst of trips on many nodes never cordons more than the
+fraction. A refusal leaves the node uncordoned and the agent running; the ranks, which committed
+their snapshot, go on training once their hold passes. When the scheduler cannot answer, the
+migration goes ahead: the node is failing, and a cordon that cannot reach the scheduler cannot
+drain the fleet either.
 
-The breaker (:mod:`sentinel.backends.breaker`) asks the scheduler how many nodes Sentinel cordoned
-lately, on the worker thread; the migrate request leaves once it answered. When it cannot answer
-(the scheduler is unreachable) the migration goes ahead: the node is failing, and a cordon that
-cannot reach the scheduler cannot drain the fleet either.
+Every phase that waits on a backend call has a deadline the tick enforces
+(:attr:`Migrator.phase_deadline_seconds`), whatever the call does: past it, the call is abandoned
+and the migration moves on in the fail-safe direction (ACKNOWLEDGED -> CORDONED with the local
+marker, the scheduler's cordon retried later; CORDONED -> DRAINED), counted in
+``sentinel_migration_deadline_exceeded_total{phase}`` and alerted (``SentinelMigrationDeadline``).
 
 The deadline: ``ack_timeout_seconds`` for the ranks to answer at all ("staged" acks carry the
 snapshot's size), extended once every expected rank has staged by the time the staged bytes need
-at ``snapshot_min_bytes_per_second``. The migrate request tells the ranks to hold at least
+at ``snapshot_min_bytes_per_second`` (at most :data:`MAX_EXTENSION_SECONDS` more; an ack claiming more
+than ``channel.MAX_ACK_BYTES`` for one rank is malformed and ignored). The migrate request tells the ranks to hold at least
 ``hold_seconds`` (the longest the daemon may take to drain after their commit).
 
 The agent is stopped as a whole with SIGTERM, through a pidfd, and only when the pidfile's
@@ -49,101 +55,32 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import enum
 import json
 import logging
 import os
 import subprocess
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
 from sentinel import procs
-from sentinel.channel import DaemonEndpoint
+from sentinel.daemon_endpoint import DaemonEndpoint
 from sentinel.config import ActionsConfig
+from sentinel.backends import SETTINGS as backend_settings
 from sentinel.backends import make_backend
-from sentinel.backends.base import (Backend, BackendContext, BackendError, CordonReason,
+from sentinel.backends.base import (Backend, BackendContext, BackendError, CordonReason, Verdict,
                                     read_cordon)
-from sentinel.backends.breaker import decide as breaker_decide
 from sentinel.fsutil import UnsafePath, read_trusted, write_json_atomic
 from sentinel.log import event
+from sentinel.migration_record import (ALLOWED, BACKEND_CALLS, BACKEND_UP, BREAKER_REFUSALS,  # noqa: F401 (re-exported)
+                                       DEADLINE_EXCEEDED, MIGRATION_STEPS, NODE_CORDONED, SPARE_CHOICES, BadTransition,
+                                       MigrationRecord, Phase, _alive, leaving_reason, uncordon)
 
 log = logging.getLogger("sentinel.migration")
-
-
-class Phase(str, enum.Enum):
-    """A migration's phase; see the module docstring for the transitions."""
-
-    TRIPPED = "tripped"
-    REFUSED = "refused"
-    REQUESTED = "requested"
-    ACKNOWLEDGED = "acknowledged"
-    CORDONED = "cordoned"
-    DRAINED = "drained"
-
-
-ALLOWED: dict[Phase, frozenset[Phase]] = {
-    Phase.TRIPPED: frozenset({Phase.REQUESTED, Phase.REFUSED}),
-    Phase.REFUSED: frozenset(),
-    Phase.REQUESTED: frozenset({Phase.ACKNOWLEDGED}),
-    Phase.ACKNOWLEDGED: frozenset({Phase.CORDONED}),
-    Phase.CORDONED: frozenset({Phase.DRAINED}),
-    Phase.DRAINED: frozenset(),
-}
-
-
-class BadTransition(RuntimeError):
-    pass
-
-
-@dataclass
-class MigrationRecord:
-    request_id: str
-    node: str
-    gpu: int
-    rule: str
-    reason: str
-    phase: str = Phase.REQUESTED.value
-    times: dict[str, float] = field(default_factory=dict)  # wall-clock, for humans and benchmarks
-    ranks: int = 0
-    acks: list[dict] = field(default_factory=list)
-    snapshot_step: int | None = None
-    snapshot_ok: bool | None = None
-    notes: list[str] = field(default_factory=list)
-    staged_bytes: int = 0
-    reason_long: str = ""  # the text sent to the ranks: "<rule>: <message> (<where>)"
-    scheduler_cordoned: bool | None = None  # None: not tried yet; False: the backend's cordon failed (retried)
-
-
-def leaving_reason(state_dir: Path) -> str:
-    """Why this node is leaving the job, or "" when it is not: a cordon marker (or one that cannot
-    be trusted: fail safe, as ``sentinel launch`` does), or a migration record in any phase (from
-    the trip on, every path of a migration ends with the node drained). The agent asks this
-    before it re-joins the rendezvous after its workers failed: a node being drained must not
-    come back as a participant for the seconds until its own drain signal arrives."""
-    if not os.access(state_dir, os.X_OK):
-        return ""  # the job's user (sentinel launch --user) may not look: torch's own behaviour
-    cordon = state_dir / "cordon.json"
-    if cordon.exists() and not os.access(cordon, os.R_OK):
-        return "node is cordoned (its cordon marker exists but this user cannot read it)"
-    marker, problem = read_cordon(cordon)
-    if marker is not None:
-        return f"node is cordoned: {marker['reason']}"
-    if problem:
-        return f"node is cordoned ({problem})"
-    try:
-        raw = read_trusted(state_dir / "migration.json", owners=frozenset({0, os.geteuid()}), max_bytes=1 << 20)
-    except (FileNotFoundError, PermissionError):
-        return ""  # none, or not this user's to read: torch's own behaviour
-    except (UnsafePath, OSError) as exc:
-        return f"untrusted migration record: {exc}"
-    try:
-        record = json.loads(raw)
-        phase = Phase(record["phase"])
-    except (ValueError, KeyError, TypeError):
-        return "unreadable migration record"
-    return f"migration {record.get('request_id', '?')} is {phase.value}: {record.get('rule', '')}: {record.get('reason', '')}"
+# The most the staged acks can add to the ack deadline, whatever sizes the ranks claim: a rank's
+# ack is the job's word, and the job must not be able to hold a failing node for days.
+MAX_EXTENSION_SECONDS = 3600.0
 
 
 class Migrator:
@@ -164,6 +101,7 @@ class Migrator:
         backend: Backend | None = None,
         sleep: Callable[[float], None] = time.sleep,
         wake: Callable[[], None] | None = None,
+        backend_up: bool | None = None,
     ) -> None:
         self.cfg = actions
         self.endpoint = endpoint
@@ -173,7 +111,8 @@ class Migrator:
         self.clock = clock or (wall if wall is not time.time else time.monotonic)
         self.sleep = sleep
         self.wake = wake or (lambda: None)  # the daemon's loop: a finished backend call is acted on at once
-        self.workers = workers or concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="sentinel-action")
+        self._own_workers = workers is None  # replaced when a call is abandoned at its deadline
+        self.workers = workers or self._new_workers()
         self.pidfile = Path(actions.agent_pidfile) if actions.agent_pidfile else runtime_dir / "agent.pid"
         self.backend = backend or make_backend(actions, BackendContext(
             node=node, state_dir=state_dir, runtime_dir=runtime_dir, timeout=actions.command_timeout_seconds,
@@ -181,9 +120,12 @@ class Migrator:
         self.record: MigrationRecord | None = None
         self.counts: dict[str, int] = {}
         self.calls: dict[tuple[str, str], int] = {}  # (op, outcome) -> backend calls
-        self.backend_up: bool | None = None  # did the last backend call reach the scheduler?
+        self.backend_up = backend_up  # did the last backend call reach the scheduler? (None: no scheduler, or not asked yet)
         self.breaker_refusals = 0
+        self.deadline_exceeded: dict[str, int] = {}  # phase -> migrations moved on past its deadline
+        self.spare_distances: dict[str, int] = {}  # spares chosen, by distance to this node
         self._job: concurrent.futures.Future | None = None
+        self._job_deadline = 0.0  # monotonic: when the tick stops waiting for self._job
         self._requested_at = 0.0  # monotonic
         self._deadline = 0.0
         self._extended = False
@@ -192,15 +134,17 @@ class Migrator:
         self._retry_at = 0.0  # monotonic: next retry of a failed scheduler cordon
         self._retry_delay = 0.0
         self.cordon_problem = ""
+        self._persisted = False  # the record reached the disk: its removal means `sentinel uncordon`
+        self.returned_to_service = 0
         self._restore()
 
     def reconfigure(self, actions: ActionsConfig) -> None:
         """SIGHUP: new timeouts and commands apply from now on (a running step keeps its own).
-        The backend itself (``actions.backend``, ``[actions.slurm]``, ``[actions.kubernetes]``)
+        The backend itself (``actions.backend`` and each backend's ``[actions.<name>]`` table)
         changes only with a restart (:data:`sentinel.config.RESTART_ONLY`)."""
         self.cfg = actions
-        self.backend.cfg = dataclasses.replace(actions, backend=self.backend.cfg.backend, slurm=self.backend.cfg.slurm,
-                                               kubernetes=self.backend.cfg.kubernetes)
+        kept = {name: getattr(self.backend.cfg, name) for name in backend_settings}
+        self.backend.cfg = dataclasses.replace(actions, backend=self.backend.cfg.backend, **kept)
         self.backend.ctx.timeout = actions.command_timeout_seconds
         if actions.agent_pidfile:
             self.pidfile = Path(actions.agent_pidfile)
@@ -230,6 +174,7 @@ class Migrator:
             data = json.loads(raw)
             self.record = MigrationRecord(**data)
             Phase(self.record.phase)
+            self._persisted = True
         except FileNotFoundError:
             return
         except (OSError, ValueError, TypeError, UnsafePath) as exc:
@@ -244,15 +189,16 @@ class Migrator:
             self._requested_at = self.clock()
             self._deadline = self._requested_at + self.cfg.ack_timeout_seconds
             self._resend = self.record.phase == Phase.REQUESTED.value
-            if self.record.phase == Phase.TRIPPED.value:
-                self._job = self._submit(self._breaker_check)
             self._save()
+            if self.record.phase == Phase.TRIPPED.value:  # the request had not left: it leaves now
+                self._request()
 
     def _save(self) -> None:
         if self.record is None:
             return
         try:
             write_json_atomic(self.record_path, asdict(self.record))
+            self._persisted = True
         except OSError as exc:  # a full or read-only disk never stops a migration
             self._count("state_write_failed")
             event(log, "cannot persist the migration record; continuing from memory", logging.ERROR,
@@ -287,16 +233,69 @@ class Migrator:
 
     @property
     def hold_seconds(self) -> float:
-        """How long a rank must hold after its commit for the drain to find it holding."""
-        return self.cfg.ack_timeout_seconds + 2 * self.call_budget_seconds + 10.0
+        """How long a rank must hold after its commit for the drain to find it holding: the ack
+        timeout, then the cordon phase and the agent stop phase at their deadlines."""
+        return self.cfg.ack_timeout_seconds + 2 * self.phase_deadline_seconds
 
     def _reason(self, rec: MigrationRecord) -> CordonReason:
         return CordonReason(rec.rule, rec.gpu, rec.reason, rec.request_id)
+
+    @property
+    def phase_deadline_seconds(self) -> float:
+        """How long the tick waits for one phase's backend step (the cordon with its breaker
+        claim, the agent stop) before it moves on without it."""
+        return self.call_budget_seconds + 10.0
+
+    @staticmethod
+    def _new_workers() -> concurrent.futures.ThreadPoolExecutor:
+        return concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="sentinel-action")
 
     def _submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         job = self.workers.submit(fn)
         job.add_done_callback(lambda _f: self.wake())
         return job
+
+    def check_returned_to_service(self) -> bool:
+        """True once, when ``sentinel uncordon`` returned this node to service while the daemon
+        runs: the finished migration's record and the cordon marker are gone from the state
+        directory. Only root can remove them: the daemon refused to start unless the state
+        directory is root's and writable by nobody else (:func:`sentinel.daemon.check_directories`),
+        so no other user can fake an uncordon. The daemon then forgets the finished migration and
+        the in-memory cordon, and the next failure is handled like the first. A migration still
+        under way is not cut short (it writes its record again at its next step); a record that
+        never reached the disk (full or read-only disk) keeps the node cordoned until a restart."""
+        rec = self.record
+        if rec is None or self.active or not self._persisted or self._job is not None:
+            return False
+        if self.record_path.exists() or self.cordon_path.exists():
+            return False
+        event(log, "node returned to service (sentinel uncordon); the next failure migrates again",
+              request_id=rec.request_id, node=self.node)
+        self.record = None
+        self._persisted = False
+        self._cordoned_mem = False
+        self._retry_at = 0.0
+        self._retry_delay = 0.0
+        self.returned_to_service += 1
+        self._count("returned_to_service")
+        return True
+
+    def _start_step(self, fn: Callable[[], Any]) -> None:
+        self._job = self._submit(fn)
+        self._job_deadline = self.clock() + self.phase_deadline_seconds
+
+    def _abandon_step(self, rec: MigrationRecord) -> None:
+        """The phase's backend step did not finish by its deadline: stop waiting for it, count
+        and log it. Later steps get fresh workers, never queued behind the hung one."""
+        self._job = None
+        self.deadline_exceeded[rec.phase] = self.deadline_exceeded.get(rec.phase, 0) + 1
+        rec.notes.append(f"{rec.phase}: the backend step did not finish within {self.phase_deadline_seconds:g} s; "
+                         f"moving on without it")
+        event(log, "migration phase deadline passed; moving on", logging.ERROR, request_id=rec.request_id,
+              phase=rec.phase, backend=self.backend.name, deadline_seconds=self.phase_deadline_seconds)
+        if self._own_workers:
+            self.workers.shutdown(wait=False, cancel_futures=True)
+            self.workers = self._new_workers()
 
     # -- the sequence ---------------------------------------------------------------------------
     def begin(self, request_id: str, trip: Any) -> None:
@@ -308,15 +307,7 @@ class Migrator:
         self.record.times["tripped"] = self.wall()
         self._save()  # the trip is on disk before anything acts on it
         self._count("started")
-        if self.backend.has_fleet:
-            self._job = self._submit(self._breaker_check)  # a scheduler query: off the loop
-        else:
-            self._request()
-
-    def _breaker_check(self) -> Any:
-        fleet = self._call("fleet", self.backend.fleet, self.wall())
-        return breaker_decide(fleet, self.node, self.wall(), max_fraction=self.cfg.breaker_max_fraction,
-                              window_seconds=self.cfg.breaker_window_seconds)
+        self._request()  # the first act: nothing (no scheduler call, no breaker count) comes before it
 
     def _request(self) -> None:
         rec = self.record
@@ -335,21 +326,22 @@ class Migrator:
             event(log, "migration without a snapshot (hang)", request_id=rec.request_id, node=self.node)
             self._submit(self._start_spare)
             return
-        rec.ranks = self.endpoint.request("migrate", rec.request_id, rec.reason_long, hold_seconds=self.hold_seconds)
+        rec.ranks = self.endpoint.request("migrate", rec.request_id, rec.reason_long, hold_seconds=self.hold_seconds,
+                                          retry_seconds=self.cfg.ack_timeout_seconds)
         self._save()
         event(log, "migration requested", request_id=rec.request_id, node=self.node, ranks=rec.ranks)
         self._submit(self._start_spare)  # not awaited: the spare warms up while the snapshot is written
 
     def _refuse(self, why: str) -> None:
-        """The circuit breaker is open: no cordon, no drain; the job still snapshots."""
+        """The circuit breaker is open: no cordon, no drain. The ranks had the migrate request
+        first, so the snapshot is taken; they go on training once their hold passes."""
         rec = self.record
         assert rec is not None
         self.breaker_refusals += 1
-        rec.notes.append(f"circuit breaker open, not cordoning: {why}; the job was told to snapshot")
+        self._cordoned_mem = False
+        rec.notes.append(f"circuit breaker open, not cordoning: {why}; the job's snapshot was requested first")
         self._mark(Phase.REFUSED)
-        rec.ranks = self.endpoint.request("snapshot", rec.request_id, rec.reason_long)
-        self._save()
-        event(log, "circuit breaker open: refusing to cordon; snapshot requested", logging.ERROR,
+        event(log, "circuit breaker open: refusing to cordon; the snapshot was requested first", logging.ERROR,
               request_id=rec.request_id, node=self.node, backend=self.backend.name, why=why, ranks=rec.ranks)
 
     def tick(self, acks: list | None = None) -> None:
@@ -359,58 +351,69 @@ class Migrator:
             return
         rec = self.record
         assert rec is not None
-        if rec.phase == Phase.TRIPPED.value:
-            if self._job is None:
-                self._job = self._submit(self._breaker_check)
-            if not self._job.done():
-                return
-            job, self._job = self._job, None
-            try:
-                verdict = job.result()
-            except BackendError as exc:
-                rec.notes.append(f"circuit breaker could not count the fleet ({exc}); cordoning")
-                event(log, "circuit breaker could not count the fleet; going ahead", logging.WARNING, error=str(exc))
-                verdict = None
-            if verdict is not None and not verdict.allowed:
-                self._refuse(verdict.why)
-                return
+        if rec.phase == Phase.TRIPPED.value:  # (only after a failed start) the request leaves now
             self._request()
-            return
         if self._resend:  # restarted mid-request: the same id again; a holding rank answers at once
             self._resend = False
             rec.ranks = max(rec.ranks, self.endpoint.request("migrate", rec.request_id, rec.reason_long,
-                                                             hold_seconds=self.hold_seconds))
+                                                             hold_seconds=self.hold_seconds,
+                                                             retry_seconds=self.cfg.ack_timeout_seconds))
         if rec.phase == Phase.REQUESTED.value:
             self._collect(rec, acks or [])
         if self._job is not None:
+            result = None
             if not self._job.done():
+                if self.clock() <= self._job_deadline:
+                    return
+                self._abandon_step(rec)  # fail safe: cordoned locally, the scheduler's cordon retried later
+                if rec.phase == Phase.ACKNOWLEDGED.value:
+                    self._cordoned_mem = True
+                    if read_cordon(self.cordon_path)[0] is None:  # the step may not have written it yet
+                        try:
+                            self.backend.write_marker(self._reason(rec))
+                        except OSError as exc:
+                            self._count("state_write_failed")
+                            rec.notes.append(f"cordon marker not written ({exc.strerror or exc}); cordoned in memory")
+                    if rec.scheduler_cordoned is None and self.backend.has_scheduler:
+                        rec.scheduler_cordoned = False
+                        self._retry_at = self.clock()
+            else:
+                job, self._job = self._job, None
+                try:
+                    result = job.result()
+                except Exception as exc:  # noqa: BLE001 - an action never stops the sequence
+                    rec.notes.append(f"{rec.phase} step failed: {exc}")
+                    self._count("action_failed")
+                    event(log, "migration action failed", logging.ERROR, phase=rec.phase, error=str(exc))
+            if rec.phase == Phase.ACKNOWLEDGED.value and isinstance(result, Verdict) and not result.allowed:
+                self._refuse(result.why)
                 return
-            job, self._job = self._job, None
-            try:
-                job.result()
-            except Exception as exc:  # noqa: BLE001 - an action never stops the sequence
-                rec.notes.append(f"{rec.phase} step failed: {exc}")
-                self._count("action_failed")
-                event(log, "migration action failed", logging.ERROR, phase=rec.phase, error=str(exc))
             self._mark(Phase.CORDONED if rec.phase == Phase.ACKNOWLEDGED.value else Phase.DRAINED)
         if rec.phase == Phase.ACKNOWLEDGED.value:
-            self._job = self._submit(self._cordon)
+            self._start_step(self._cordon)
         elif rec.phase == Phase.CORDONED.value:
-            self._job = self._submit(self._stop_agent) if self.cfg.drain else None
-            if self._job is None:
+            if self.cfg.drain:
+                self._start_step(self._stop_agent)
+            else:
                 self._mark(Phase.DRAINED)
 
     def _retry_cordon(self) -> None:
-        """A drained node whose scheduler cordon failed: retry it, backing off up to 5 min."""
+        """A drained node whose scheduler cordon failed: retry it, backing off up to 5 min; a
+        retry that hangs past the phase deadline is abandoned (and retried later)."""
         rec = self.record
-        if (rec is None or rec.phase != Phase.DRAINED.value or rec.scheduler_cordoned is not False
-                or self._job is not None or self.clock() < self._retry_at):
-            if self._job is not None and rec is not None and rec.phase == Phase.DRAINED.value and self._job.done():
+        if rec is None or rec.phase != Phase.DRAINED.value:
+            return
+        if self._job is not None:
+            if self._job.done():
                 self._job = None
+            elif self.clock() > self._job_deadline:
+                self._abandon_step(rec)
+            return
+        if rec.scheduler_cordoned is not False or self.clock() < self._retry_at:
             return
         self._retry_delay = min(300.0, max(self.cfg.scheduler_backoff_seconds, 1.0, 2 * self._retry_delay))
         self._retry_at = self.clock() + self._retry_delay
-        self._job = self._submit(self._cordon_scheduler)
+        self._start_step(self._cordon_scheduler)
 
     def _collect(self, rec: MigrationRecord, acks: list) -> None:
         for ack in acks:
@@ -427,8 +430,8 @@ class Migrator:
         now = self.clock()
         if state and not self._extended and sent and sent <= set(state.staged) | acked_pids:
             # every rank is alive and writing: give the write the time its size needs
-            rec.staged_bytes = sum(a.bytes for a in state.staged.values())
-            extra = rec.staged_bytes / self.cfg.snapshot_min_bytes_per_second
+            rec.staged_bytes = sum(a.bytes for a in state.staged.values())  # each bounded by channel.MAX_ACK_BYTES
+            extra = min(MAX_EXTENSION_SECONDS, rec.staged_bytes / self.cfg.snapshot_min_bytes_per_second)
             self._deadline = max(self._deadline, now + self.cfg.ack_timeout_seconds + extra)
             self._extended = True
         gone = {pid for pid in sent - acked_pids if not _alive(pid)}
@@ -461,7 +464,12 @@ class Migrator:
         scheduler = op != "stop_agent" and self.backend.has_scheduler  # the agent is stopped locally
         for attempt in range(1, self.cfg.scheduler_attempts + 1):
             try:
-                result = fn(*args)
+                try:
+                    result = fn(*args)
+                except BackendError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - a bug or an answer nobody foresaw: a failed call
+                    raise BackendError(f"{self.backend.name} {op}: {type(exc).__name__}: {str(exc)[:200]}") from exc
             except BackendError as exc:
                 if scheduler:
                     self.backend_up = not exc.retry
@@ -481,7 +489,7 @@ class Migrator:
             return result
         raise AssertionError("unreachable")  # the loop returns or raises
 
-    def _cordon(self) -> None:
+    def _cordon(self) -> Verdict | None:
         rec = self.record
         assert rec is not None
         self._cordoned_mem = True
@@ -492,15 +500,27 @@ class Migrator:
             rec.notes.append(f"cordon marker not written ({exc.strerror or exc}); cordoned through the backend only")
             event(log, "cannot write the cordon marker; the node is cordoned in memory and through the backend",
                   logging.ERROR, path=str(self.cordon_path), error=exc.strerror or str(exc))
-        self._cordon_scheduler()
+        verdict = self._cordon_scheduler()
+        if verdict is not None and not verdict.allowed and rec.phase == Phase.ACKNOWLEDGED.value:
+            # the breaker refused (and the tick did not move on without this step): nothing of Sentinel's stays
+            self._cordoned_mem = False
+            try:
+                self.cordon_path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                rec.notes.append(f"cordon marker not removed after the breaker refused: {exc.strerror or exc}")
+        return verdict
 
-    def _cordon_scheduler(self) -> None:
+    def _cordon_scheduler(self) -> Verdict | None:
+        """The backend's cordon under the breaker (:meth:`Backend.claim_cordon`); None when the
+        backend has no scheduler. A refusal is a verdict, not an error."""
         rec = self.record
         assert rec is not None
         if not self.backend.has_scheduler:
-            return
+            return None
         try:
-            self._call("cordon", self.backend.cordon_scheduler, self._reason(rec))
+            verdict = self._call("cordon", self.backend.claim_cordon, self._reason(rec))
         except BackendError as exc:
             first = rec.scheduler_cordoned is None
             rec.scheduler_cordoned = False
@@ -508,10 +528,19 @@ class Migrator:
                 rec.notes.append(f"{self.backend.name} cordon failed ({exc}); retried until it succeeds")
             self._save()
             raise
-        rec.scheduler_cordoned = True
         rec.notes.extend(self.backend.take_notes())
+        if isinstance(verdict, Verdict) and not verdict.allowed and self.backend.domain_refusal:
+            self._count(f"domain_breaker_{self.backend.domain_refusal}")  # one NVLink domain / leaf, not the fleet
+        if isinstance(verdict, Verdict) and not verdict.allowed:
+            if rec.phase == Phase.DRAINED.value:  # a later retry: the node stays drained locally; try again later
+                rec.scheduler_cordoned = False
+                rec.notes.append(f"circuit breaker refused the scheduler's cordon at a retry: {verdict.why}")
+                self._save()
+            return verdict
+        rec.scheduler_cordoned = True
         self._retry_delay = 0.0
         self._save()
+        return verdict if isinstance(verdict, Verdict) else None
 
     def _stop_agent(self) -> None:
         rec = self.record
@@ -531,45 +560,38 @@ class Migrator:
             note = self._call("start_spare", self.backend.start_spare)
         except BackendError as exc:
             note = f"no spare started: {exc}"
+        choice = self.backend.spare_choice
+        if choice is not None:
+            self.spare_distances[choice.distance] = self.spare_distances.get(choice.distance, 0) + 1
         if self.record is not None:
             self.record.notes.append(note)
-        event(log, "spare", backend=self.backend.name, result=note)
+            self.record.notes.extend(self.backend.take_notes())
+            if choice is not None:
+                self.record.spare = choice.as_dict()
+                self.record.times["spare_chosen"] = self.wall()
+                self._save()
+        event(log, "spare", backend=self.backend.name, result=note,
+              **({"spare": choice.node, "distance": choice.distance} if choice is not None else {}))
+
+    FAMILIES = (MIGRATION_STEPS, BACKEND_CALLS, BREAKER_REFUSALS, NODE_CORDONED, BACKEND_UP, DEADLINE_EXCEEDED,
+                SPARE_CHOICES)
 
     def metric_counters(self) -> dict:
-        out = {("sentinel_migration_steps", (("step", k),)): float(v) for k, v in dict(self.counts).items()}
+        out = {MIGRATION_STEPS.key(step=k): float(v) for k, v in dict(self.counts).items()}
         for (op, outcome), n in dict(self.calls).items():
-            out[("sentinel_backend_calls", (("backend", self.backend.name), ("op", op), ("outcome", outcome)))] = float(n)
-        out[("sentinel_breaker_refusals", (("backend", self.backend.name),))] = float(self.breaker_refusals)
+            out[BACKEND_CALLS.key(backend=self.backend.name, op=op, outcome=outcome)] = float(n)
+        out[BREAKER_REFUSALS.key(backend=self.backend.name)] = float(self.breaker_refusals)
+        for phase in sorted({Phase.ACKNOWLEDGED.value, Phase.CORDONED.value, *self.deadline_exceeded}):
+            out[DEADLINE_EXCEEDED.key(phase=phase)] = float(self.deadline_exceeded.get(phase, 0))
+        for distance, n in dict(self.spare_distances).items():
+            out[SPARE_CHOICES.key(distance=distance)] = float(n)
         return out
 
     def gauges(self) -> dict:
-        out = {("sentinel_node_cordoned", ()): float(self.cordoned)}
+        out = {NODE_CORDONED.key(): float(self.cordoned)}
         if self.backend_up is not None:
-            out[("sentinel_backend_up", (("backend", self.backend.name),))] = float(self.backend_up)
+            out[BACKEND_UP.key(backend=self.backend.name)] = float(self.backend_up)
         return out
 
     def close(self) -> None:
         self.workers.shutdown(wait=False, cancel_futures=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def uncordon(state_dir: Path) -> bool:
-    """Operator action (file backend): clear the cordon marker and the finished migration record.
-    ``sentinel uncordon`` goes through the configured backend (:meth:`Backend.uncordon`)."""
-    removed = False
-    for name in ("cordon.json", "migration.json"):
-        try:
-            (state_dir / name).unlink()
-            removed = True
-        except FileNotFoundError:
-            pass
-    return removed

@@ -48,7 +48,8 @@ class Health(enum.IntEnum):
     * any -> FAILED: a hard-failure rule (fatal Xid, new uncorrectable ECC, remap failure,
       GPU lost, retired-page limits, ...) tripped (action ``migrate``).
     * PREDICTED_FAILURE and FAILED are sticky: only a daemon restart or an operator clears them
-      (the node is cordoned by then).
+      (the node is cordoned by then; ``sentinel uncordon`` clears them in the running daemon,
+      :meth:`Policy.returned_to_service`).
     """
 
     HEALTHY = 0
@@ -176,6 +177,15 @@ class Policy:
         return cached
 
     # ------------------------------------------------------------------------------------------
+    @staticmethod
+    def returned_to_service(state: PolicyState) -> PolicyState:
+        """The operator returned the node to service: every GPU is healthy again and no cooldown
+        holds back the next trip; what the rules remember of the counters (the last values, the
+        trends) and the Xid counts stay, so only a new error trips and no counter goes back."""
+        gpus = {i: dataclasses.replace(g, health=Health.HEALTHY, cooldown_until=MappingProxyType({}), clean_polls=0)
+                for i, g in state.gpus.items()}
+        return dataclasses.replace(state, gpus=MappingProxyType(gpus), node_cooldown=MappingProxyType({}))
+
     def decide(self, state: PolicyState, readings: NodeReadings, now: float) -> tuple[PolicyState, list[Trip]]:
         trips: list[Trip] = []
         gpus = dict(state.gpus)

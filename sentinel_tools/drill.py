@@ -94,8 +94,10 @@ class Drill:
         self.own_workdir = args.workdir is None
         self.work = Path(args.workdir or tempfile.mkdtemp(prefix="sentinel-drill-"))
         self.work.mkdir(parents=True, exist_ok=True)
-        self.progress = self.work / "progress.jsonl"
-        self.snapshots = self.work / "snapshots"
+        self.job_dir = self.work  # where the job itself writes (its progress, snapshots, final parameters)
+        self.python = sys.executable  # the job's interpreter
+        self.progress = self.job_dir / "progress.jsonl"
+        self.snapshots = self.job_dir / "snapshots"
         self.pool = self.work / "spare-pool"
         self.procs: list[subprocess.Popen] = []
         self.nodes: list[Node] = []
@@ -155,29 +157,37 @@ class Drill:
         # etcd-v2 is torch's dynamic rendezvous (as c10d) with its state in etcd: the same settings
         rdzv_conf = ("protocol=http," if a.rdzv_backend == "etcd-v2" else "is_host=false,") + (
             f"keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2,join_timeout={int(a.timeout)}")
-        launch = [sys.executable, "-m", "sentinel", "launch", "--pidfile", str(node.pidfile), "--state-dir", str(node.state_dir)]
+        py = self.python
+        launch = [py, "-m", "sentinel", "launch", "--pidfile", str(node.pidfile), "--state-dir", str(node.state_dir)]
         if a.agent == "warm":
             launch += ["--warm"] if node.spare else []
-            agent = [sys.executable, "-m", "trainer.elastic", "--preload", "trainer.train",
-                     "--ready-file", str(node.runtime / "warm.json"), "--"]
+            agent = [py, "-m", "trainer.elastic", "--preload", "trainer.train",
+                     "--ready-file", str(self.ready_file(node)), "--"]
         else:
-            agent = [sys.executable, "-m", "torch.distributed.run", f"--start-method={a.start_method}"]
+            agent = [py, "-m", "torch.distributed.run", f"--start-method={a.start_method}"]
         return [
             *launch, "--", *agent, f"--nnodes={nnodes}", f"--nproc-per-node={a.procs_per_node}",
             f"--rdzv-backend={a.rdzv_backend}", f"--rdzv-endpoint=127.0.0.1:{self.store_port}", f"--rdzv-id={self.run_id}",
             f"--rdzv-conf={rdzv_conf}", f"--max-restarts={a.max_restarts}", "--monitor-interval=0.1",
             "-m", "trainer.train", "--steps", str(a.steps), "--snapshot-dir", str(self.snapshots),
             "--interval-steps", str(a.interval_steps), "--step-seconds", str(a.step_seconds),
-            "--progress", str(self.progress), "--final", str(self.work / "final.json"),
+            "--progress", str(self.progress), "--final", str(self.job_dir / "final.json"),
             # a hang drill waits for the hang watch (T >= 30 s by default), not the process-group timeout
             "--migrate-hold-seconds", "30", "--pg-timeout", "300" if a.fault == "hang" else "30",
             "--memory-interval-steps", str(a.memory_interval_steps),
         ]
 
+    def ready_file(self, node: Node) -> Path:
+        """Where a warm agent says it is warm."""
+        return node.runtime / "warm.json"
+
     def node_env(self, node: Node) -> dict[str, str]:
-        return {**self.env, "SENTINEL_RUNTIME_DIR": str(node.runtime), "SENTINEL_NODE": node.name,
-                "SENTINEL_DRILL_FAULT_FILE": str(node.runtime / "drill-fault"),
-                "SENTINEL_MEMORY_DIR": str(self.memory_root / node.name)}
+        env = {**self.env, "SENTINEL_RUNTIME_DIR": str(node.runtime), "SENTINEL_NODE": node.name,
+               "SENTINEL_DRILL_FAULT_FILE": str(node.runtime / "drill-fault"),
+               "SENTINEL_MEMORY_DIR": str(self.memory_root / node.name)}
+        if self.args.topology:  # the memory tier places each replica outside its holder's rack
+            env["SENTINEL_TOPOLOGY"] = str(self.args.topology)
+        return env
 
     def make_node(self, index: int, spare: bool) -> Node:
         name = f"spare{index}" if spare else f"node{index}"
@@ -185,7 +195,8 @@ class Drill:
         node.runtime.mkdir(parents=True)
         node.runtime.chmod(0o755)
         simulated.write_state(node.gpus, simulated.healthy_state(self.args.gpus_per_node))
-        spare_cmd = json.dumps([sys.executable, "-m", "sentinel_tools.drill", "claim-spare", "--pool", str(self.pool)])
+        spare_cmd = json.dumps(self.claim_argv("{node}"))
+        topology = f'[actions.topology]\nfile = {json.dumps(str(self.args.topology))}\n' if self.args.topology else ""
         (node.root / "sentinel.toml").write_text(
             "[daemon]\npoll_interval_seconds = 0.2\nnvml_deadline_seconds = 1.0\n"
             f'runtime_dir = "{node.runtime}"\nstate_dir = "{node.state_dir}"\nnode_name = "{name}"\n'
@@ -195,6 +206,7 @@ class Drill:
             f"[actions]\nack_timeout_seconds = 30.0\nbackend = \"command\"\nspare_command = {spare_cmd}\n"
             f"[job]\nhandover_seconds = {self.args.handover_seconds}\n"
             "[ebpf]\nenabled = false\nkmsg_fallback = false\n"  # drills must not react to the host's kernel log
+            + topology
         )
         if spare:
             self.pool.mkdir(exist_ok=True)
@@ -205,6 +217,13 @@ class Drill:
             }))
             (self.pool / f"{name}.free").write_text("")
         return node
+
+    def claim_argv(self, departed: str) -> list[str]:
+        """The spare command: with --topology, the free spare nearest ``departed``."""
+        argv = [sys.executable, "-m", "sentinel_tools.drill", "claim-spare", "--pool", str(self.pool)]
+        if self.args.topology:
+            argv += ["--for", departed, "--topology", str(self.args.topology)]
+        return argv
 
     def start_daemon(self, node: Node) -> None:
         node.daemon = self.spawn([sys.executable, "-m", "sentinel", "run", "--config", str(node.root / "sentinel.toml"),
@@ -318,7 +337,7 @@ class Drill:
                 self.start_agent(n)
         if a.agent == "warm":
             for n in (n for n in self.nodes if n.spare):
-                ready, agent = n.runtime / "warm.json", n.agent
+                ready, agent = self.ready_file(n), n.agent
                 wait(lambda: ready.exists() or agent.poll() is not None, max(1.0, t_start + a.timeout - time.time()),
                       f"{n.name}'s agent to be warm")
                 if agent.poll() is not None:
@@ -341,9 +360,8 @@ class Drill:
             self.ramp(victim, min(deadline, time.time() + 30))
         if a.fault == "kill":
             # The nodes died with their daemons' help unavailable: the scheduler replaces them.
-            for _ in victims:
-                subprocess.run([sys.executable, "-m", "sentinel_tools.drill", "claim-spare", "--pool", str(self.pool)],
-                               env=self.env, check=False, timeout=30, capture_output=True)
+            for v in victims:
+                subprocess.run(self.claim_argv(v.name), env=self.env, check=False, timeout=30, capture_output=True)
         short = a.spares < a.victims and a.fault != "rank-crash"
         what = "the job to finish"
         if short and (a.min_nodes or a.nodes) >= a.nodes:
@@ -402,7 +420,7 @@ class Drill:
                         pass
             if not Path(f"/proc/{pid}").exists() and not (self.pool / f"{n.name}.dead").exists():
                 (self.pool / f"{n.name}.dead").write_text("")
-                r = subprocess.run([sys.executable, "-m", "sentinel_tools.drill", "claim-spare", "--pool", str(self.pool)],
+                r = subprocess.run(self.claim_argv(next(iter(sorted(self.victim_names)), "")),
                                    env=self.env, check=False, timeout=30, capture_output=True, text=True)
                 self.spare_notes.append(f"spare {n.name} died during the migration; "
                                         + (r.stdout.strip() or r.stderr.strip() or "no replacement"))
@@ -422,6 +440,9 @@ class Drill:
         tl.add("snapshot committed", times.get("acknowledged"), step=mig.get("snapshot_step"), ok=mig.get("snapshot_ok"))
         tl.add("node cordoned", times.get("cordoned"))
         tl.add("agent stopped", times.get("drained"))
+        spare = mig.get("spare") or {}
+        tl.add("spare chosen", times.get("spare_chosen"), node=spare.get("node"), distance=spare.get("distance"),
+               why=spare.get("why"))
         spares = {n.name for n in self.nodes if n.spare}
         admitted = [e for e in events if e["event"] == "admitted" and e["node"] in spares and e["time"] >= t_fault]
         loaded = [e for e in events if e["event"] == "resumed" and e["node"] in spares and e["time"] >= t_fault]
@@ -431,11 +452,14 @@ class Drill:
         victims = self.victim_names or {victim.name}
         left = [e for e in events if e["event"] == "drained" and e["time"] >= t_fault and e["node"] not in victims]
         tl.add("survivors left the hold", min((e["time"] for e in left), default=None))
+        # each worker's own time.time() at its start (trainer.train stamps it before importing torch):
+        # the same clock as every other event, never /proc's start time (whole-second boot time)
         started = [e.get("process_started") for e in admitted if e.get("process_started")]
         tl.add("spare workers started", min(started, default=None), warm=self.args.agent == "warm")
         t_admit = min((e["time"] for e in admitted), default=None)
         tl.add("spare admitted", t_admit, node=admitted[0]["node"] if admitted else None,
-               worker_store=sorted({e.get("worker_store") or "?" for e in admitted}) or None)
+               worker_store=sorted({e.get("worker_store") or "?" for e in admitted}) or None,
+               distance=spare.get("distance") if admitted and spare.get("node") == admitted[0]["node"] else None)
         t_loaded = min((e["time"] for e in loaded), default=None)
         restore = (loaded[0].get("restore") or {}) if loaded else {}
         tl.add("snapshot loaded", t_loaded, start_step=loaded[0]["start"] if loaded else None,
@@ -471,6 +495,10 @@ class Drill:
             "trip_to_first_step_seconds": round(t_first - times["tripped"], 3) if t_first and "tripped" in times else None,
             "fault_to_first_step_seconds": round(t_first - t_fault, 3) if t_first else None,
             "migration_notes": mig.get("notes", []),
+            "spare_choice": mig.get("spare"),
+            # the memory tier's replica placement as rank 0 printed it: at the start, and after the fault
+            "replica_placement": [{"time": e["time"], "placement": e.get("placement")} for e in events
+                                  if e["event"] == "replica_placement"],
             # every snapshot the job finished (ok or failed), as rank 0 logged it
             "snapshots": [{k: e.get(k) for k in ("step", "ok", "kind", "time", "node")}
                           for e in events if e["event"] == "snapshot"],
@@ -674,9 +702,25 @@ def _pythonpath() -> str:
     return os.pathsep.join(parts)
 
 
-def claim_spare(pool: Path) -> int:
-    """The drill's spare_command: claim one free spare atomically and start its agent, detached."""
-    for free in sorted(pool.glob("*.free")):
+def claim_spare(pool: Path, departed: str = "", topology_file: str = "") -> int:
+    """The drill's spare_command: claim one free spare atomically and start its agent, detached.
+    With a topology, the free spare nearest ``departed`` first; the choice is printed as one
+    ``sentinel-spare-choice {json}`` line, which the command backend records."""
+    frees = sorted(pool.glob("*.free"))
+    if topology_file and departed and frees:
+        from sentinel import topology
+
+        try:
+            topo = topology.merge(topology.read_file(topology_file))
+        except topology.TopologyError as exc:
+            print(f"topology not used: {exc}", file=sys.stderr)
+        else:
+            names = [f.name[:-len(".free")] for f in frees]
+            choice = topology.choose_spare(topo, departed, names)
+            if choice is not None:
+                frees.sort(key=lambda f: f.name[:-len(".free")] != choice.node)
+                print("sentinel-spare-choice " + json.dumps(choice.as_dict()))
+    for free in frees:
         claimed = free.with_suffix(".claimed")
         try:
             os.rename(free, claimed)
@@ -748,8 +792,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agent", choices=["warm", "torchrun"], default="warm",
                    help="warm: python -m trainer.elastic, preloaded forkserver, warm spares, graceful leave;"
                         " torchrun: plain torchrun and cold spares (the before)")
-    p.add_argument("--rdzv-backend", choices=["c10d", "etcd-v2"], default="c10d",
-                   help="c10d: a standalone TCPStore; etcd-v2: a local etcd (Debian etcd-server) on loopback")
+    p.add_argument("--rdzv-backend", choices=["c10d", "etcd-v2", "sentinel"], default="c10d",
+                   help="c10d: a standalone TCPStore; etcd-v2: a local etcd (Debian etcd-server) on loopback; "
+                        "sentinel: rank-preserving slots on the standalone TCPStore (--agent warm only)")
     p.add_argument("--start-method", choices=["spawn", "fork", "forkserver"], default="spawn",
                    help="torchrun worker start method (--agent torchrun; a -m module ignores it)")
     p.add_argument("--timeout", type=float, default=180.0)
@@ -757,12 +802,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the machine-readable result")
     p.add_argument("--workdir", help="keep everything here (default: a temporary directory, removed)")
     p.add_argument("--keep", action="store_true", help="keep the temporary work directory")
+    p.add_argument("--topology", type=Path, metavar="FILE",
+                   help="a topology file (Slurm topology.conf syntax, or TOML [nodes.<name>] nvlink/switches/rack/power, "
+                        "docs/topology.md) naming node0.. and spare0..: the nearest spare is admitted, the timeline shows "
+                        "its distance, the memory tier keeps each replica outside its holder's rack")
     p.add_argument("--scheduler", choices=["local", "slurm"], default="local",
                    help="slurm: run the job through a real Slurm cluster started here (root; slurm-wlm, munge): "
                         "the failed node is drained in Slurm, the spare comes from the job's allocation")
+    p.add_argument("--slurm-conf", type=Path, metavar="PATH",
+                   help="--scheduler slurm: use the running cluster of this slurm.conf (nodes node1..node4, idle) "
+                        "instead of starting one; it is left running, with node4 drained by the admin check")
+
+    p.add_argument("--user", default="",
+                   help="with --scheduler slurm: submit the job as this ordinary user, as on a real cluster (the "
+                        "daemons stay root; the job's launchers register with them)")
+    p.add_argument("--job-python", default="",
+                   help="the interpreter the job runs (default: this one); --user needs one that user can run")
 
 
 def run_drill(args: argparse.Namespace) -> int:
+    if args.rdzv_backend == "sentinel" and args.agent != "warm":
+        print("sentinel drill: --rdzv-backend sentinel needs --agent warm (plain torchrun does not register it)",
+              file=sys.stderr)
+        return 2
+    if args.slurm_conf is not None:
+        print("sentinel drill: --slurm-conf needs --scheduler slurm", file=sys.stderr)
+        return 2
+    if getattr(args, "user", ""):
+        print("sentinel drill: --user needs --scheduler slurm (the local drill runs its agents as root)", file=sys.stderr)
+        return 2
     if args.spares < 1 and not args.min_nodes:
         print("sentinel drill: --spares 0 needs --min-nodes < --nodes (continue on fewer nodes)", file=sys.stderr)
     drill = Drill(args)
@@ -786,8 +854,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("claim-spare")
     c.add_argument("--pool", required=True, type=Path)
+    c.add_argument("--for", dest="departed", default="", help="the node the spare replaces")
+    c.add_argument("--topology", default="", help="a topology file: the free spare nearest --for is claimed")
     args = ap.parse_args(argv)
-    return claim_spare(args.pool)
+    return claim_spare(args.pool, args.departed, args.topology)
 
 
 if __name__ == "__main__":

@@ -103,11 +103,17 @@ def ensure_munge() -> None:
 
 
 class SlurmCluster:
-    def __init__(self, root: Path) -> None:
+    """``nodes``: the slurmd names; ``topology``: a topology.conf for ``TopologyPlugin=topology/tree``
+    (None: no topology plugin); ``conf``: an existing cluster's slurm.conf (:meth:`attach`)."""
+
+    def __init__(self, root: Path, conf: Path | None = None, nodes: tuple[str, ...] = NODES,
+                 topology: str | None = None) -> None:
         self.root = root
-        self.conf = root / "slurm.conf"
+        self.conf = conf or root / "slurm.conf"
+        self.nodes = tuple(nodes)
+        self.topology = topology
         self.procs: dict[str, subprocess.Popen] = {}
-        self.ctld_port, *self.node_ports = free_ports(1 + len(NODES))
+        self.ctld_port, *self.node_ports = free_ports(1 + len(self.nodes))
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
 
     def write_conf(self) -> None:
@@ -115,7 +121,11 @@ class SlurmCluster:
         for sub in ("state", "log", "spool"):
             (d / sub).mkdir(parents=True, exist_ok=True)
         nodes = "\n".join(f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={p} CPUs=2 RealMemory=2000 State=UNKNOWN"
-                          for n, p in zip(NODES, self.node_ports))
+                          for n, p in zip(self.nodes, self.node_ports))
+        topology = ""
+        if self.topology is not None:
+            (d / "topology.conf").write_text(self.topology)
+            topology = "TopologyPlugin=topology/tree\n"
         self.conf.write_text(f"""ClusterName=sentinel
 SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={self.ctld_port}
@@ -143,8 +153,8 @@ SwitchType=switch/none
 SlurmdTimeout=30
 KillWait=5
 MessageTimeout=10
-{nodes}
-PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP
+{topology}{nodes}
+PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP
 """)
 
     def start(self) -> None:
@@ -154,12 +164,12 @@ PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=U
             ["slurmctld", "-D", "-i", "-f", str(self.conf)], env=self.env, start_new_session=True,
             stdout=open(self.root / "log" / "slurmctld.out", "ab"), stderr=subprocess.STDOUT)
         self.wait(lambda: self.run("scontrol", "ping").returncode == 0, 30, "slurmctld")
-        for n in NODES:
+        for n in self.nodes:
             self.procs[n] = subprocess.Popen(
                 ["slurmd", "-D", "-N", n, "-f", str(self.conf)], env=self.env, start_new_session=True,
                 stdout=open(self.root / "log" / f"slurmd-{n}.out", "ab"), stderr=subprocess.STDOUT)
-        self.wait(lambda: self.run("sinfo", "-h", "-o", "%t %D").stdout.split() == ["idle", str(len(NODES))], 60,
-                  "4 idle slurmd nodes")
+        self.wait(lambda: self.run("sinfo", "-h", "-o", "%t %D").stdout.split() == ["idle", str(len(self.nodes))], 60,
+                  f"{len(self.nodes)} idle slurmd nodes")
 
     def run(self, *argv: str, timeout: float = 30, **kw) -> subprocess.CompletedProcess:
         return subprocess.run(list(argv), env=self.env, capture_output=True, text=True, timeout=timeout, **kw)
@@ -195,14 +205,21 @@ PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=U
 
     def reset_nodes(self) -> None:
         """Every node back to idle (tests leave drains behind on purpose)."""
-        for n in NODES:
+        for n in self.nodes:
             self.run("scontrol", "update", f"nodename={n}", "state=resume")
         self.run("scancel", "--full", "-u", "root")
-        self.wait(lambda: self.run("sinfo", "-h", "-o", "%t %D").stdout.split() == ["idle", str(len(NODES))], 60,
+        self.wait(lambda: self.run("sinfo", "-h", "-o", "%t %D").stdout.split() == ["idle", str(len(self.nodes))], 60,
                   "nodes idle again")
 
     def stop(self) -> None:
-        stop_groups(self.procs.values(), grace=10)
+        stop_groups(self.procs.values(), grace=10)  # nothing when attached to a running cluster
+
+    @classmethod
+    def attach(cls, conf: Path) -> "SlurmCluster":
+        """A cluster already running with ``conf`` (its nodes node1..node4): used, never started or stopped."""
+        if not conf.is_file():
+            raise SlurmUnavailable(f"--slurm-conf {conf}: no such file")
+        return cls(conf.parent, conf)
 
 
 # -- the drill ------------------------------------------------------------------------------------
@@ -214,9 +231,31 @@ class SlurmDrill(drill.Drill):
 
     def __init__(self, args) -> None:
         super().__init__(args)
-        self.cluster = SlurmCluster(self.work / "slurm")
+        conf = args.slurm_conf
+        self.attached = conf is not None
+        # --topology: a topology.conf (topology/tree) for the cluster started here; the slurm backend
+        # reads it back through `scontrol show topology` to pick the spare
+        topology = Path(args.topology).read_text() if getattr(args, "topology", None) else None
+        self.cluster = SlurmCluster.attach(Path(conf)) if self.attached else SlurmCluster(self.work / "slurm",
+                                                                                          topology=topology)
         self.job_id = ""
         self.checks: dict[str, object] = {}
+        self.python = getattr(args, "job_python", "") or sys.executable
+        self.account = None
+        if getattr(args, "user", ""):
+            import pwd
+
+            self.account = pwd.getpwnam(args.user)  # KeyError: run_slurm_drill checks first
+            # the daemons' directories stay root's; the job writes only into a directory of its user's
+            self.work.chmod(0o755)
+            self.job_dir = self.work / "job"
+            self.job_dir.mkdir()
+            os.chown(self.job_dir, self.account.pw_uid, self.account.pw_gid)
+            self.progress = self.job_dir / "progress.jsonl"
+            self.snapshots = self.job_dir / "snapshots"
+
+    def ready_file(self, node) -> Path:
+        return self.job_dir / f"{node.name}-warm.json" if self.account else super().ready_file(node)
 
     def node_config(self, name: str) -> Path:
         node_root = self.work / name
@@ -250,12 +289,16 @@ class SlurmDrill(drill.Drill):
         torchrun = self.agent_argv(self.nodes[0])
         torchrun = torchrun[torchrun.index("--") + 1:]
         env = {**self.env, "SLURM_CONF": str(self.cluster.conf), "TRAIN_NODES": str(a.nodes),
-               "SENTINEL": f"{sys.executable} -m sentinel",
+               "SENTINEL": f"{self.python} -m sentinel",
                "SENTINEL_RUNTIME_DIR": str(self.work / "%n" / "run"), "SENTINEL_STATE_DIR": str(self.work / "%n" / "state")}
         nodelist = ",".join(n.name for n in self.nodes)
+        as_user: dict = {}
+        if self.account is not None:  # submitted by the user, as on a cluster: the job runs as them
+            env.update(HOME=str(self.job_dir), USER=self.account.pw_name, LOGNAME=self.account.pw_name)
+            as_user = {"user": self.account.pw_uid, "group": self.account.pw_gid, "extra_groups": []}
         r = subprocess.run(["sbatch", "--parsable", f"--nodes={len(self.nodes)}", f"--nodelist={nodelist}",
-                            f"--output={self.work / 'job-%j.out'}", f"--chdir={drill.repo_root()}", str(SBATCH), *torchrun],
-                           env=env, capture_output=True, text=True, timeout=60)
+                            f"--output={self.job_dir / 'job-%j.out'}", f"--chdir={drill.repo_root()}", str(SBATCH), *torchrun],
+                           env=env, capture_output=True, text=True, timeout=60, **as_user)
         if r.returncode != 0:
             raise drill.DrillError(f"sbatch failed: {r.stderr.strip()}")
         self.job_id = r.stdout.strip().split(";")[0]
@@ -270,7 +313,11 @@ class SlurmDrill(drill.Drill):
 
         a = self.args
         t_start = time.time()
-        self.cluster.start()
+        if self.attached:
+            self.cluster.wait(lambda: self.cluster.run("sinfo", "-h", "-o", "%t %D").stdout.split() == ["idle", str(len(NODES))],
+                              30, f"the 4 nodes of {self.cluster.conf} idle")
+        else:
+            self.cluster.start()
         self.start_store()
         self.nodes = [self.make_slurm_node(f"node{i + 1}", False) for i in range(a.nodes)]
         self.nodes += [self.make_slurm_node(f"node{a.nodes + i + 1}", True) for i in range(a.spares)]
@@ -297,6 +344,15 @@ class SlurmDrill(drill.Drill):
     def slurm_checks(self, victim) -> dict:
         c = self.cluster
         out: dict[str, object] = {"job_id": self.job_id, "job_state": self.job_state()}
+        job = c.run("scontrol", "show", "job", self.job_id, "-o").stdout
+        m = re.search(r"UserId=(\S+)", job)
+        out["job_user"] = m.group(1) if m else ""
+        if self.account is not None:
+            out["ok_job_ran_as_user"] = out["job_user"].startswith(f"{self.account.pw_name}(")
+            # the victim's daemon recorded the user's launcher (it could not write the pidfile itself)
+            out["victim_registrations"] = _metric(victim, "sentinel_channel_messages_total",
+                                                  {"kind": "register", "outcome": "ok"})
+            out["ok_agent_registered"] = (out["victim_registrations"] or 0) >= 1
         reasons = c.run("sinfo", "-R", "-h", "-N", "-o", "%N|%T|%E").stdout.splitlines()
         mine = [r for r in reasons if r.startswith(victim.name + "|")]
         out["sinfo_R"] = mine
@@ -329,14 +385,53 @@ class SlurmDrill(drill.Drill):
         self.cluster.stop()
 
 
+def _metric(node, name: str, labels: dict[str, str]) -> float | None:
+    """One sample from a node daemon's /metrics (None when absent or unreachable)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return None
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return None
+
+
 def run_slurm_drill(args) -> int:
     why = missing()
     if why:
         print(f"sentinel drill --scheduler slurm: needs {why}", file=sys.stderr)
         return 2
+    if getattr(args, "user", ""):
+        import pwd
+
+        try:
+            pw = pwd.getpwnam(args.user)
+        except KeyError:
+            print(f"sentinel drill: --user {args.user}: no such user", file=sys.stderr)
+            return 2
+        python = getattr(args, "job_python", "") or sys.executable
+        try:
+            r = subprocess.run([python, "-c", "import torch"], capture_output=True, text=True, timeout=120, cwd="/",
+                               user=pw.pw_uid, group=pw.pw_gid, extra_groups=[], env={**os.environ, "HOME": "/"})
+        except OSError as exc:
+            r = subprocess.CompletedProcess([python], 127, "", str(exc))
+        if r.returncode != 0:
+            print(f"sentinel drill: --user {args.user} cannot run {python} with torch ({r.stderr.strip()[-300:]}); "
+                  f"pass --job-python with an interpreter that user can run", file=sys.stderr)
+            return 2
     if args.nodes + args.spares > len(NODES) - 1:
         print(f"sentinel drill --scheduler slurm: --nodes + --spares must leave one of the {len(NODES)} Slurm nodes free "
               f"(the new job and the admin's drain use it)", file=sys.stderr)
+        return 2
+    if args.slurm_conf is not None and not Path(args.slurm_conf).is_file():
+        print(f"sentinel drill --scheduler slurm: --slurm-conf {args.slurm_conf}: no such file", file=sys.stderr)
         return 2
     d = SlurmDrill(args)
     try:

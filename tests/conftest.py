@@ -15,6 +15,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+# One Slurm cluster and one kube-apiserver per test session, started by the first test that asks
+# (registered here once: a module importing the fixture itself would get a cluster of its own)
+from kube_cluster import kube  # noqa: E402,F401
+from slurm_cluster import slurm  # noqa: E402,F401
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 _ci_skips: list[str] = []
 

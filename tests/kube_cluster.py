@@ -2,7 +2,8 @@
 `kubernetes` source package by scripts/setup-clusters into /var/cache/sentinel-ci/kube/bin) on
 free loopback ports, with token auth and RBAC, and four Node objects made Ready (no kubelet: the
 fixture patches Ready=True and removes the not-ready taint). Every wait is bounded; both
-processes are stopped by pid."""
+processes are stopped by pid. One apiserver per test session (the ``kube`` fixture, registered in
+conftest.py); a test that changes the nodes resets them (``reset_nodes``) after."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ import secrets
 import shutil
 import ssl
 import subprocess
+import tempfile
 import time
 import urllib.request
+import warnings
 from pathlib import Path
+
+import pytest
 
 from sentinel_tools.drill_slurm import free_ports, stop_groups
 
@@ -163,3 +168,19 @@ current-context: c
 
     def stop(self) -> None:
         stop_groups(self.procs.values(), grace=15)
+
+
+@pytest.fixture(scope="session")
+def kube():
+    why = missing()
+    if why:
+        pytest.skip(f"a kube-apiserver needs {why}")
+    warnings.filterwarnings("ignore", message="Unverified HTTPS request")
+    root = Path(tempfile.mkdtemp(prefix="sentinel-kube-", dir="/tmp"))
+    cluster = KubeCluster(root)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+        subprocess.run(["rm", "-rf", str(root)], check=False)

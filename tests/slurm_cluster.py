@@ -1,5 +1,6 @@
-"""The Slurm cluster fixture (the cluster itself lives in sentinel_tools/drill_slurm.py, which the
-drill uses too)."""
+"""The Slurm cluster fixture: one cluster per test session (the cluster itself lives in
+sentinel_tools/drill_slurm.py, which the drill uses too; the Slurm drill test runs on this one).
+Registered in conftest.py; a test that changes node states resets them (``reset_nodes``) after."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from sentinel_tools.drill_slurm import SlurmCluster, missing
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def slurm():
     why = missing()
     if why:

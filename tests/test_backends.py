@@ -14,7 +14,8 @@ from sentinel.backends import NAMES, make_backend
 from sentinel.backends.base import (Backend, BackendContext, BackendError, CordonReason, Fleet, Unreachable,
                                     UnknownNode)
 from sentinel.backends.breaker import decide
-from sentinel.channel import DaemonEndpoint, RankEndpoint
+from sentinel.channel import RankEndpoint
+from sentinel.daemon_endpoint import DaemonEndpoint
 from sentinel.config import BACKENDS, ActionsConfig
 from sentinel.migration import Migrator
 from sentinel.policy import Trip
@@ -181,7 +182,7 @@ def test_unknown_node_is_not_retried(tmp_path):
 
 
 class Crowded(Backend):
-    """Three of four nodes already cordoned by Sentinel a minute ago."""
+    """Two of four nodes already cordoned by Sentinel a minute ago: one more is over half."""
 
     name = "crowded"
     has_scheduler = True
@@ -190,25 +191,33 @@ class Crowded(Backend):
     def fleet(self, now):
         return Fleet(4, (("a", now - 60), ("b", now - 60)))
 
+    def claim_cordon(self, reason):
+        return decide(self.fleet(self.ctx.wall()), self.node, self.ctx.wall(), max_fraction=0.5, window_seconds=300)
+
 
 def test_a_restart_while_the_breaker_decides_asks_it_again(tmp_path):
     clock = Clock()
     rank = None
     m, ep = migrator(tmp_path, Crowded(ActionsConfig(), ctx(tmp_path)), clock)
-    m.workers = _Never()  # the breaker's query never returns before the "crash"
+    rank = RankEndpoint.open(tmp_path / "run")
+    m.workers = _Never()  # the breaker's claim never returns before the "crash"
     m.begin("r1", TRIP)
-    assert m.record.phase == "tripped"
+    assert m.record.phase == "requested"  # the snapshot request left first
+    clock.t += 2  # no ack: the deadline passes, the cordon (with its breaker claim) starts and hangs
+    m.tick([])
+    assert m.record.phase == "acknowledged"
     ep.close()
     m2, ep2 = migrator(tmp_path, Crowded(ActionsConfig(), ctx(tmp_path)), clock)
     try:
-        rank = RankEndpoint.open(tmp_path / "run")
-        m2.tick([])
+        m2.tick([])  # the claim is asked again ...
+        m2.tick([])  # ... and its refusal acted on
         assert m2.record.phase == "refused" and m2.record.request_id == "r1"
-        assert [r.type for r in rank.poll()] == ["snapshot"]
+        assert [(r.type, r.id) for r in rank.poll()] == [("migrate", "r1")]  # one request, before any count
+        assert not (tmp_path / "state" / "cordon.json").exists() and not m2.cordoned
+        assert m2.metric_counters()[("sentinel_breaker_refusals", (("backend", "crowded"),))] == 1
     finally:
         ep2.close()
-        if rank:
-            rank.close()
+        rank.close()
 
 
 class _Never(Inline):
@@ -216,3 +225,36 @@ class _Never(Inline):
         import concurrent.futures
 
         return concurrent.futures.Future()
+
+
+def test_settle_drain_then_recount():
+    from sentinel.backends.breaker import settle
+
+    now = 10_000.0
+    # 3 of 4 drained in the same second: the order is (time, name); the third loses, the first two wait
+    burst = Fleet(4, (("a", now), ("b", now), ("c", now)))
+    assert [settle(burst, n, now, max_fraction=0.5, window_seconds=300)[0] for n in "abc"] == ["wait", "wait", "lost"]
+    # once the loser resumed, both left win
+    after = Fleet(4, (("a", now), ("b", now)))
+    assert [settle(after, n, now, max_fraction=0.5, window_seconds=300)[0] for n in "ab"] == ["won", "won"]
+    # an older drain in the window ranks first: a newcomer past the slots loses at once
+    old = Fleet(4, (("z", now - 100), ("y", now - 50), ("a", now)))
+    outcome, verdict = settle(old, "a", now, max_fraction=0.5, window_seconds=300)
+    assert outcome == "lost" and not verdict.allowed and "75% > 50%" in verdict.why
+    # drains outside the window are not counted; no nodes in scope: the breaker does not apply
+    assert settle(Fleet(4, (("z", now - 301), ("y", now - 400), ("a", now))), "a", now, max_fraction=0.5,
+                  window_seconds=300)[0] == "won"
+    assert settle(Fleet(0, ()), "a", now, max_fraction=0.5, window_seconds=300)[0] == "won"
+
+
+def test_a_clock_skew_never_opens_the_breaker():
+    """The drains' stamps come from another clock (slurmctld's, another node's Lease entry): a
+    burst stamped 2 minutes ahead of this node's clock is counted, never left out."""
+    from sentinel.backends.breaker import settle
+
+    now = 10_000.0
+    burst = Fleet(4, (("a", now + 120), ("b", now + 120), ("c", now + 120)))
+    assert [settle(burst, n, now, max_fraction=0.5, window_seconds=300)[0] for n in "abc"] == ["wait", "wait", "lost"]
+    ahead = Fleet(4, (("x", now + 120), ("y", now + 3600)))
+    v = decide(ahead, "me", now, max_fraction=0.5, window_seconds=300)
+    assert not v.allowed and v.recent == 2

@@ -9,8 +9,9 @@ import time
 import pytest
 
 from sentinel import channel
-from conftest import register_agent
-from sentinel.channel import Ack, DaemonEndpoint, RankEndpoint, Request, decode
+from conftest import register_agent, wait_for
+from sentinel.channel import Ack, RankEndpoint, Request, decode
+from sentinel.daemon_endpoint import DaemonEndpoint
 
 
 def test_round_trip_and_ack(tmp_path):
@@ -76,7 +77,16 @@ def test_daemon_restart_keeps_ranks_reachable(tmp_path):
     d2 = DaemonEndpoint(tmp_path)  # a restarted daemon finds the rank's socket
     try:
         assert d2.request("snapshot", "after-restart", "") == 1
-        assert rank.poll()[0].id == "after-restart"
+        # the rank is still connected to the old daemon's socket (the kernel refuses the new one's
+        # datagram: EPERM) until its next poll reconnects; the daemon retries meanwhile
+        got = []
+
+        def arrived():
+            d2.poll_acks()  # retries the pending send
+            got.extend(rank.poll())
+            return got
+
+        assert [r.id for r in wait_for(arrived, 5, what="the request after the restart")] == ["after-restart"]
     finally:
         rank.close()
         d2.close()
@@ -104,14 +114,15 @@ def test_forged_request_from_a_non_root_user_is_refused(tmp_path):
                 os.setgid(65534)
                 os.setuid(65534)
                 with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-                    s.sendto(forged, str(rank.path))
-                code = 0
+                    try:
+                        s.sendto(forged, str(rank.path))
+                    except PermissionError:
+                        code = 0  # the rank's socket is 0600: nobody else may even send
             finally:
                 os._exit(code)
         _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0, "the unprivileged sender could not even send"
+        assert os.waitstatus_to_exitcode(status) == 0, "the unprivileged sender could send to the rank"
         assert rank.poll() == []
-        assert rank.counts["refused_sender"] == 1
         daemon.request("snapshot", "real", "from root")
         assert [r.id for r in rank.poll()] == ["real"]
     finally:

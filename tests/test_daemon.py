@@ -107,9 +107,7 @@ def test_bad_inputs_are_one_clear_sentence(tmp_path):
     r = run_cli("run", "--config", str(cfg), "--simulate", str(state))
     assert r.returncode == 2 and "policy.lead_time: unknown key" in r.stderr and "Traceback" not in r.stderr
 
-    r = run_cli("run", "--runtime-dir", str(tmp_path / "r"), "--port", "0")  # no GPU, no --simulate
-    assert r.returncode == 2
-    assert "NVML was not found" in r.stderr and "sentinel run --simulate" in r.stderr and "Traceback" not in r.stderr
+    # no GPU and no --simulate: the daemon stays up, blind to NVML (tests/test_nvml_down.py)
 
 
 def test_port_in_use_and_unwritable_runtime_dir(sim_state, tmp_path):

@@ -160,7 +160,7 @@ def test_index_healthz_and_unknown_paths(serve):
     server = serve()
     status, headers, body = get(server, "/")
     assert status == 200 and b'href="/metrics"' in body
-    assert get(server, "/healthz")[:3:2] == (200, b"ok\n")
+    assert get(server, "/healthz")[:3:2] == (200, b"ok\n")  # no health callable: nothing to be stuck on
     assert get(server, "/nope")[0] == 404
 
 
@@ -327,7 +327,10 @@ def test_basic_auth_accepts_the_right_password_and_rejects_others(serve, tmp_pat
         status, resp_headers, body = get(server, headers=headers)
         assert status == 401 and resp_headers["www-authenticate"].startswith('Basic realm="sentinel"'), headers
         assert b"sentinel_" not in body
-    assert get(server, "/healthz")[0] == 401  # every path is behind auth
+    assert get(server, "/")[0] == 401  # every path is behind auth but the probes (kubelet sends no credentials),
+    for probe in ("/livez", "/readyz", "/healthz"):  # which say ok or stuck and nothing else
+        status, _, body = get(server, probe)
+        assert status == 200 and b"sentinel_" not in body
     server.refresh()
     text = get(server, headers=basic("prometheus", "s3cret pass"))[2].decode()
     assert metric_value(text, "sentinel_exporter_rejected_connections_total", reason="unauthorized") == 7

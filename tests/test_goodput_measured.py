@@ -4,7 +4,6 @@ the published figure it must agree with (Llama 3)."""
 from __future__ import annotations
 
 import json
-import math
 import random
 import subprocess
 import sys
@@ -138,15 +137,14 @@ def test_write_time_grows_once_the_filesystem_ceiling_binds():
     assert big.write_h() * HOUR == pytest.approx(8.0)  # 1,000 nodes share 1 TB/s: 1 GB/s each
 
 
-def test_restart_curve_fits_recover_the_growth_and_extrapolate():
-    lin = {n: 3.0 + 0.5 * n for n in (2, 4, 8, 16)}
-    (form, a, b), fits = measured.fit_curve(lin)
-    assert form == "linear" and a == pytest.approx(3.0) and b == pytest.approx(0.5)
-    log = {n: 4.0 + 2.0 * math.log2(n) for n in (2, 4, 8, 16)}
-    (form, a, b), _ = measured.fit_curve(log)
-    assert form == "log2" and b == pytest.approx(2.0)
-    p = Params(gpus=2048 * 8, restart_curve=(form, a, b))
-    assert p.curve_seconds(2048) == pytest.approx(4.0 + 2.0 * 11)
+def test_protocol_curve_fit_recovers_the_growth_exponent_and_extrapolates():
+    flat = {n: 0.02 * n ** 0.1 for n in (8, 16, 64, 1024)}
+    a, b, rms = measured.fit_power(flat)
+    assert a == pytest.approx(0.02) and b == pytest.approx(0.1) and rms == pytest.approx(0.0, abs=1e-9)
+    p = Params(gpus=16384 * 8, restart_curve=("power", a, b))
+    assert p.curve_seconds(16384) == pytest.approx(0.02 * 16384 ** 0.1)
+    quadratic = {n: 1e-4 * n * n for n in (8, 16, 32)}
+    assert measured.fit_power(quadratic)[1] == pytest.approx(2.0)
 
 
 # -- measured inputs ---------------------------------------------------------------------------------
@@ -155,8 +153,8 @@ def test_measured_files_fill_inputs_say_where_from_and_typed_flags_override(tmp_
                                                             "stall_256mb_memcpy_seconds": 0.05})
     b = report(tmp_path / "mem.json", "memory_tier", {"memory_snapshot_overhead_fraction": 0.02, "restore_from_memory_seconds": 1.5,
                                                        "restore_from_peer_seconds": 4.0, "restore_from_disk_seconds": 9.0})
-    c = report(tmp_path / "rdzv.json", "rendezvous_scale", {"restart_n2_seconds": 5.0, "restart_n4_seconds": 6.0,
-                                                            "restart_n8_seconds": 7.0, "restart_n16_seconds": 8.0})
+    c = report(tmp_path / "rdzv.json", "replacement_scale", {f"replacement_protocol_n{n}_seconds": 0.01 * n ** 0.25
+                                                             for n in (8, 16, 256, 1024)})
     d = report(tmp_path / "stall2.json", "snapshot_stall", {"async_stall_seconds_per_gb": 0.4})
     reports = measured.load_all([a, b, c, d])
     defaults = {f: getattr(Params(), f) for f in ("stall_seconds_per_gb", "node_write_gbps", "memory_overhead_fraction",
@@ -168,7 +166,9 @@ def test_measured_files_fill_inputs_say_where_from_and_typed_flags_override(tmp_
     assert values["node_write_gbps"] == pytest.approx(2.0)
     assert values["memory_overhead_fraction"] == 0.02 and "memory_tier" in where["memory_overhead_fraction"]
     assert values["restore_peer_seconds"] == 7.0 and where["restore_peer_seconds"].startswith("typed")
-    assert values["restart_curve"][0] == "log2" and values["restart_curve"][2] == pytest.approx(1.0)
+    assert values["restart_curve"][0] == "power" and values["restart_curve"][2] == pytest.approx(0.25)
+    assert "replacement_protocol_n{8,16,256,1024}_seconds" in where["restart_curve"]
+    assert "extrapolated beyond the 1,024 measured" in where["restart_curve"]
     assert where["migrate_seconds"].startswith("default") and where["migrate_warm_seconds"].startswith("default")
     assert Params(**values).restore_disk_seconds == 9.0
 
@@ -283,3 +283,20 @@ def test_the_memory_tier_bench_file_is_taken_with_nulls_and_noise(tmp_path):
     assert values["memory_overhead_fraction"] == 0.0 and "within noise" in where["memory_overhead_fraction"]
     assert values["restore_peer_seconds"] == 1.1 and values["restore_memory_seconds"] == 0.4
     assert where["restore_disk_seconds"].startswith("default")
+
+
+@pytest.mark.parametrize("gpus", [16384, 100_000])
+def test_simulate_prints_the_measured_protocol_term_and_every_restart_term(tmp_path, capsys, gpus):
+    c = report(tmp_path / "rs.json", "replacement_scale", {f"replacement_protocol_n{n}_seconds": 0.004 * n ** 0.2
+                                                           for n in (8, 64, 1024)})
+    from sentinel_tools.sim import goodput
+
+    assert goodput.main(["--gpus", str(gpus), "--runs", "2", "--strategies", "async", "--interval-minutes", "5",
+                         "--measured", str(c)]) == 0
+    out = capsys.readouterr().out
+    nodes = gpus // 8
+    assert f"rendezvous protocol {0.004 * nodes ** 0.2:.3f} s at {nodes:,} nodes" in out
+    assert "replacement_scale: replacement_protocol_n{8,64,1024}_seconds" in out
+    assert "restart, term by term" in out and "extra 120 s (typed" in out
+    with pytest.raises(SystemExit):  # no choice of fit any more
+        goodput.main(["--gpus", str(gpus), "--restart-fit", "log2"])

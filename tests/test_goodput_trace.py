@@ -194,6 +194,13 @@ def test_a_job_larger_than_the_trace_repeats_it_over_disjoint_shifted_copies(tmp
     ('{"events": []}', r"time_unit missing"),
     ('[\n{"node": "a", "time_days": 1, "event": "fault_start", "class": "x"},\n'
      '{"node": "a", "time_days": 2, "event": "fault_start", "class": "x"}\n]', r"t.json:3: node a starts a fault while its fault of line 2"),
+    # the top-level keys: a NaN duration, an infinite, fractional, boolean or huge node count, a duration that is text
+    ('{"time_unit": "days", "duration": NaN, "events": [{"node": "a", "time": 1, "event": "fault_start", "class": "x"}]}', r"t.json: duration must be a finite number, not nan"),
+    ('{"time_unit": "days", "duration": "x", "events": [{"node": "a", "time": 1, "event": "fault_start", "class": "x"}]}', r"t.json: duration must be a finite number, not 'x'"),
+    ('{"time_unit": "days", "nodes": Infinity, "events": [{"node": "a", "time": 1, "event": "fault_start", "class": "x"}]}', r"t.json: nodes must be a count"),
+    ('{"time_unit": "days", "nodes": 2.7, "events": [{"node": "a", "time": 1, "event": "fault_start", "class": "x"}]}', r"t.json: nodes must be a count"),
+    ('{"time_unit": "days", "nodes": true, "events": [{"node": "a", "time": 1, "event": "fault_start", "class": "x"}]}', r"t.json: nodes must be a count"),
+    ('{"time_unit": "days", "nodes": 1000000000000, "events": [{"node": "a", "time": 1, "event": "fault_start", "class": "x"}]}', r"t.json: nodes must be a count"),
 ])
 def test_bad_json_traces_are_refused_naming_the_line(tmp_path, body, message):
     (tmp_path / "t.json").write_text(body)
@@ -207,6 +214,8 @@ def test_bad_json_traces_are_refused_naming_the_line(tmp_path, body, message):
     ("# time_unit: weeks\nnode,time,event,class\na,1,fault_start,x\n", r"t.csv:3: unknown time unit 'weeks'"),
     ("node,time_days,event,class\na,1,broke,x\n", r"t.csv:2: unknown event type 'broke'"),
     ("node,time_days,event,class\nb,1,fault_end,x\n", r"t.csv:2: fault_end for node b without a fault_start"),
+    ("# duration: nan\nnode,time_days,event,class\na,1,fault_start,x\n", r"t.csv: duration must be a finite number"),
+    ("# nodes: 1.5\nnode,time_days,event,class\na,1,fault_start,x\n", r"t.csv: nodes must be a count"),
 ])
 def test_bad_csv_traces_are_refused_naming_the_line(tmp_path, body, message):
     (tmp_path / "t.csv").write_text(body)

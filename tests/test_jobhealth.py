@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import time
 
 from conftest import register_agent
-from sentinel.channel import DaemonEndpoint, MalformedMessage, RankEndpoint, Report, decode
+from sentinel.channel import MalformedMessage, RankEndpoint, Report, decode
+from sentinel.daemon_endpoint import DaemonEndpoint
 from sentinel.jobhealth import JobHealth
 from sentinel.readings import GpuReading
 from sentinel.straggler import StragglerSettings
@@ -77,10 +80,14 @@ def test_reports_are_accepted_from_the_jobs_ranks_only(tmp_path, attacker, share
     rank = RankEndpoint.open(runtime)
     try:
         assert rank.report(hang(["node1"]))
-        forged = attacker.python(
-            "import socket,sys; s=socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM); "
-            f"s.sendto({hang(['node1']).encode()!r}, {str(runtime / 'daemon.sock')!r})")
-        assert forged.returncode == 0, forged.stderr
+        send = ("import socket,sys; s=socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM); "
+                f"s.sendto({hang(['node1']).encode()!r}, {str(runtime / 'daemon.sock')!r})")
+        # another user cannot reach daemon.sock at all (root:<the job's group> 0660)
+        forged = attacker.python(send)
+        assert forged.returncode != 0 and "PermissionError" in forged.stderr, forged.stderr
+        # a process that can reach it but is not one of the job's verified ranks is refused
+        other = subprocess.run([sys.executable, "-c", send], capture_output=True, text=True, timeout=30)
+        assert other.returncode == 0, other.stderr
         got = []
         deadline = time.monotonic() + 5
         while len(got) + daemon.rejected["report_not_a_rank"] < 2 and time.monotonic() < deadline:
@@ -94,13 +101,13 @@ def test_reports_are_accepted_from_the_jobs_ranks_only(tmp_path, attacker, share
 
 
 def test_status_lines_say_who_hung_and_why_a_node_is_slow():
-    from sentinel.cli import job_lines
+    from sentinel.jobhealth import status_lines
 
     jh = JobHealth("node1")
     jh.readings([gpu(0, throttle_reasons=8.0)], 0.0)
     jh.observe([hang(["node1"]), Report("straggler", 2, 50, {"relative": 1.5, "individual": 1.4,
                                                               "step_seconds": 1.5, "steps_left": 2})], 1.0)
-    lines = job_lines(jh.status())
+    lines = status_lines(jh.status())
     assert lines[0].startswith("hang: stopped at step 41: culprit rank(s) [3] on this node")
     assert "1.50x the job's median compute" in lines[1] and "GPU 0: hw_slowdown" in lines[1] and "-> alert" in lines[1]
-    assert job_lines({}) == []
+    assert status_lines({}) == []

@@ -196,33 +196,42 @@ def node_readings(*events):
     return NodeReadings(time=0, driver_version="t", gpus=(), kernel_events=tuple(events))
 
 
-def rank_signal(code, signal_name="SIGBUS"):
+def rank_signal(code, signal_name="SIGBUS", origin=None):
     from sentinel.readings import KernelEvent
 
-    return KernelEvent(kind="rank_signal", source="ebpf_rank_signals",
-                       detail={"pid": 4242, "signal": signal_name, "code": code, "sender_pid": 0, "comm": "python3"})
+    detail = {"pid": 4242, "signal": signal_name, "code": code, "sender_pid": 0, "comm": "python3"}
+    if origin is not None:
+        detail["memory_failure"] = origin
+    return KernelEvent(kind="rank_signal", source="ebpf_rank_signals", detail=detail)
 
 
-@pytest.mark.parametrize("code,action", [(4, "migrate"), (5, "migrate"), (0, "alert"), (-6, "alert"), (2, "alert"),
-                                         (1, "alert"), (None, "alert")])
-def test_sigbus_migrates_only_for_bus_mceerr(code, action):
+@pytest.mark.parametrize("code,origin,action", [(4, "kernel", "migrate"), (5, "kernel", "migrate"),
+                                                (4, "kernel_ras", "migrate"), (4, "forged", "alert"),
+                                                (5, "unconfirmed", "alert"), (4, None, "alert"), (0, None, "alert"),
+                                                (-6, None, "alert"), (2, None, "alert"), (1, None, "alert"),
+                                                (None, None, "alert"), (0, "kernel", "alert")])
+def test_sigbus_migrates_only_for_a_memory_failure_the_kernel_sent(code, origin, action):
     from sentinel.config import PolicyConfig
     from sentinel.policy import Policy, PolicyState
 
-    _, trips = Policy(PolicyConfig()).decide(PolicyState(), node_readings(rank_signal(code)), 100.0)
+    _, trips = Policy(PolicyConfig()).decide(PolicyState(), node_readings(rank_signal(code, origin=origin)), 100.0)
     assert [(t.rule, t.action) for t in trips] == [("rank_signal", action)]
     assert f"si_code {code}" in trips[0].message
+    if code in (4, 5) and action == "alert":
+        assert trips[0].cause == "rank_signal:SIGBUS:memory_failure_unconfirmed"
+        assert "did not send" in trips[0].message
 
 
 def test_a_non_memory_sigbus_does_not_swallow_a_later_memory_failure():
-    """A user's kill -BUS (an alert) must not put the memory-failure migrate into cooldown."""
+    """A user's kill -BUS or a forged memory-failure code (alerts) must not put the memory-failure
+    migrate into cooldown."""
     from sentinel.config import PolicyConfig
     from sentinel.policy import Policy, PolicyState
 
     policy = Policy(PolicyConfig())
-    state, first = policy.decide(PolicyState(), node_readings(rank_signal(0)), 100.0)
-    _, second = policy.decide(state, node_readings(rank_signal(4)), 101.0)
-    assert [t.action for t in first] == ["alert"] and [t.action for t in second] == ["migrate"]
+    state, first = policy.decide(PolicyState(), node_readings(rank_signal(0), rank_signal(4, origin="forged")), 100.0)
+    _, second = policy.decide(state, node_readings(rank_signal(4, origin="kernel")), 101.0)
+    assert [t.action for t in first] == ["alert", "alert"] and [t.action for t in second] == ["migrate"]
 
 
 CHILD = r"""
@@ -233,6 +242,17 @@ print(os.getpid(), flush=True)
 sys.stdin.readline()  # go: the probe watches this pid now
 if how == "tkill":
     signal.pthread_kill(threading.main_thread().ident, signal.SIGBUS)
+elif how in ("sigqueue", "tgsigqueue"):
+    # forge a hardware memory failure: SIGBUS, si_code BUS_MCEERR_AR, sent to oneself (allowed)
+    import ctypes, struct
+    libc = ctypes.CDLL(None, use_errno=True)
+    info = ctypes.create_string_buffer(128)
+    struct.pack_into("iiiiQ", info, 0, signal.SIGBUS, 0, 4, 0, 0x7F0000001000)  # signo errno code pad si_addr
+    if how == "sigqueue":
+        rc = libc.syscall(129, os.getpid(), signal.SIGBUS, info)  # rt_sigqueueinfo (x86-64)
+    else:
+        rc = libc.syscall(297, os.getpid(), threading.get_native_id(), signal.SIGBUS, info)  # rt_tgsigqueueinfo
+    print("syscall failed", ctypes.get_errno(), flush=True)
 elif how == "truncated_mmap":
     with open(path, "w+b") as f:
         f.write(b"\0" * 8192)
@@ -291,6 +311,85 @@ def test_sigbus_that_is_not_a_memory_failure_carries_its_code_and_never_migrates
             if c.poll() is None:
                 c.kill()
                 c.wait(timeout=10)
+
+
+@pytest.mark.needs_root
+@pytest.mark.needs_ebpf
+def test_a_self_sent_memory_failure_sigbus_is_counted_alerted_and_never_migrates(attacker, shared_tmp):
+    """The job's user forges a hardware memory failure: SIGBUS with si_code BUS_MCEERR_AR, sent to
+    itself through rt_sigqueueinfo and rt_tgsigqueueinfo. The probe reads the kernel stack where
+    the signal was generated: no force_sig_mceerr/send_sig_mceerr there, so the event is
+    "forged", counted as SIGBUS_memory_failure_unconfirmed, and the policy only alerts."""
+    require_ebpf("signal:signal_generate")
+    from sentinel.config import PolicyConfig
+    from sentinel.policy import Policy, PolicyState
+    from sentinel.sources.rank_signals import RankSignalSource
+
+    src = RankSignalSource(max_ranks=16)
+    src.start()
+    children = []
+    try:
+        events = []
+        for how in ("sigqueue", "tgsigqueue"):
+            child = attacker.popen([SYSTEM_PYTHON, "-c", CHILD, how, "-"], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True)
+            children.append(child)
+            pid = int(child.stdout.readline())
+            src.extra.add(pid)
+            src.drain()
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            assert child.wait(timeout=20) == -signal.SIGBUS, child.stdout.read()
+            got = wait_for(lambda: [e for e in src.drain()[1] if e.detail["pid"] == pid] or None, timeout=10,
+                           what=f"the SIGBUS of {how}")
+            assert [(e.detail["code"], e.detail["memory_failure"]) for e in got] == [(4, "forged")], how
+            events += got
+            src.extra.discard(pid)
+        counters = src.counters()
+        key = ("sentinel_kernel_events", (("source", "ebpf_rank_signals"), ("kind", "SIGBUS_memory_failure_unconfirmed")))
+        assert counters[key] == 2
+        assert ("sentinel_kernel_events", (("source", "ebpf_rank_signals"), ("kind", "SIGBUS_memory_failure"))) not in counters
+        state, trips = Policy(PolicyConfig()).decide(PolicyState(), node_readings(*events), 100.0)
+        assert [(t.action, t.cause) for t in trips] == [("alert", "rank_signal:SIGBUS:memory_failure_unconfirmed")] * 2
+    finally:
+        src.close()
+        for c in children:
+            if c.poll() is None:
+                c.kill()
+                c.wait(timeout=10)
+
+
+@pytest.mark.needs_root
+def test_a_memory_failure_sigbus_is_confirmed_only_by_the_kernel_s_own_record():
+    """How an event's kernel stack and the last ras:memory_failure_event are read: a stack through
+    force_sig_mceerr (its real address on this kernel) is the kernel's; the rt_sigqueueinfo
+    syscall's is forged; no stack and no record is unconfirmed; a memory_failure_event within
+    the window confirms. (No kernel here sends a real one: it has no CONFIG_MEMORY_FAILURE.)"""
+    import types
+
+    from sentinel.sources.rank_signals import RAS_WINDOW_NS, RankSignalSource
+
+    def kallsyms(name):
+        for line in Path("/proc/kallsyms").read_text().splitlines():
+            addr, _kind, sym = line.split()[:3]
+            if sym == name:
+                return int(addr, 16)
+        pytest.fail(f"{name} is not in /proc/kallsyms")
+
+    def event(frames, *, stack_bytes=None, mf=0, ts=10**12):
+        kstack = list(frames) + [0] * (24 - len(frames))
+        return types.SimpleNamespace(kstack=kstack, kstack_bytes=8 * len(frames) if stack_bytes is None else stack_bytes,
+                                     memory_failure_ts_ns=mf, ts_ns=ts)
+
+    src = RankSignalSource()
+    mceerr = kallsyms("force_sig_mceerr") + 0x20  # a return address inside it
+    queue = kallsyms("do_rt_sigqueueinfo") + 0x10
+    assert src.memory_failure_origin(event([queue, mceerr])) == "kernel"
+    assert src.memory_failure_origin(event([kallsyms("send_sig_mceerr") + 8])) == "kernel"
+    assert src.memory_failure_origin(event([queue])) == "forged"
+    assert src.memory_failure_origin(event([], stack_bytes=-14)) == "unconfirmed"
+    assert src.memory_failure_origin(event([queue], mf=10**12 - RAS_WINDOW_NS // 2)) == "kernel_ras"
+    assert src.memory_failure_origin(event([queue], mf=10**12 - 2 * RAS_WINDOW_NS)) == "forged"
 
 
 # -- (3) planted files cannot blind the probe -----------------------------------------------------

@@ -10,18 +10,16 @@ import concurrent.futures
 import os
 import subprocess
 import sys
-import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import pytest
 
 from conftest import REPO, register_agent, wait_for
-from kube_cluster import KubeCluster, missing
 from sentinel.backends import make_backend
 from sentinel.backends.base import BackendContext, CordonReason, PermissionDenied, Unreachable, UnknownNode
-from sentinel.channel import DaemonEndpoint, RankEndpoint
+from sentinel.channel import RankEndpoint
+from sentinel.daemon_endpoint import DaemonEndpoint
 from sentinel.config import ActionsConfig, KubernetesConfig
 from sentinel.migration import Migrator
 from sentinel.policy import Trip
@@ -30,32 +28,33 @@ pytestmark = pytest.mark.needs_kube
 DEPLOY = REPO / "deploy" / "kubernetes"
 REASON = CordonReason("ecc_uncorrected", 3, "DBE count 1 >= 1", "req1", uuid="GPU-1234")
 NEEDED = {("get", "nodes"), ("list", "nodes"), ("patch", "nodes"), ("patch", "nodes/status")}
+# the circuit breaker's Lease (coordination.k8s.io, namespace sentinel): (verb, lease name or None)
+LEASE_NEEDED = {("get", "sentinel-breaker"), ("update", "sentinel-breaker"), ("create", None)}
+LEASE_NOT_NEEDED = {("delete", "sentinel-breaker"), ("list", None), ("watch", None), ("get", "kube-scheduler"),
+                    ("update", "other"), ("patch", "sentinel-breaker")}
 # verbs a node-health daemon must not have (a sample of the dangerous ones)
 NOT_NEEDED = {("update", "nodes"), ("delete", "nodes"), ("create", "nodes"), ("watch", "nodes"), ("update", "nodes/status"),
               ("list", "pods"), ("delete", "pods"), ("create", "pods/eviction"), ("get", "secrets"), ("list", "secrets"),
               ("patch", "daemonsets"), ("get", "configmaps"), ("create", "serviceaccounts/token")}
 
 
-@pytest.fixture(scope="module")
-def kube():
-    why = missing()
-    if why:
-        pytest.skip(f"a kube-apiserver needs {why}")
-    warnings.filterwarnings("ignore", message="Unverified HTTPS request")
-    root = Path(tempfile.mkdtemp(prefix="sentinel-kube-", dir="/tmp"))
-    cluster = KubeCluster(root)
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.stop()
-        subprocess.run(["rm", "-rf", str(root)], check=False)
-
-
 @pytest.fixture
 def clean(kube):
     yield kube
     kube.reset_nodes()
+    reset_breaker(kube)
+
+
+def reset_breaker(kube) -> None:
+    """Remove the circuit breaker's Lease (its entries would count for the window)."""
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        client.CoordinationV1Api(kube.api).delete_namespaced_lease("sentinel-breaker", "sentinel")
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
 
 
 def docs(name: str) -> list[dict]:
@@ -165,12 +164,22 @@ def test_the_serviceaccount_can_do_exactly_what_the_backend_needs(kube, sa_kubec
     assert {vr for vr in NEEDED if allowed(*vr)} == NEEDED
     assert {vr for vr in NOT_NEEDED if allowed(*vr)} == set()
 
+    def lease_allowed(verb, name):
+        review = client.V1SubjectAccessReview(spec=client.V1SubjectAccessReviewSpec(
+            user=user, groups=["system:serviceaccounts", "system:serviceaccounts:sentinel", "system:authenticated"],
+            resource_attributes=client.V1ResourceAttributes(verb=verb, resource="leases", group="coordination.k8s.io",
+                                                            name=name, namespace="sentinel")))
+        return auth.create_subject_access_review(review).status.allowed
+
+    assert {vn for vn in LEASE_NEEDED if lease_allowed(*vn)} == LEASE_NEEDED
+    assert {vn for vn in LEASE_NOT_NEEDED if lease_allowed(*vn)} == set()
+
 
 def test_a_missing_verb_is_named_at_start_and_at_the_call(kube, sa_kubeconfig, tmp_path):
     from kubernetes import utils
 
     # the same role without nodes/status patch, bound to a second ServiceAccount
-    role, binding = docs("rbac.yaml")
+    role, binding = docs("rbac.yaml")[:2]  # the ClusterRole and its binding (not the breaker's Lease Role)
     role["metadata"]["name"] = "sentinel-no-status"
     role["rules"] = [r for r in role["rules"] if r["resources"] != ["nodes/status"]]
     binding["metadata"]["name"] = "sentinel-no-status"
@@ -235,8 +244,17 @@ def test_the_manifests_pass_server_side_dry_run(kube, sa_kubeconfig):
             seen.add(doc["kind"])
             if doc["kind"] != "PodMonitor":
                 apply(kube, path.name, dry_run="All")
-    assert seen == {"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet",
-                    "Service", "PodMonitor"}
+    assert seen == {"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "ConfigMap",
+                    "DaemonSet", "Service", "PodMonitor", "Deployment", "Job"}
+    # the example training job: the DaemonSet's runtime directory, its own pid namespace, not root
+    job = next(d for d in docs("training-job.yaml") if d["kind"] == "Job")
+    spec = job["spec"]["template"]["spec"]
+    ds_run = next(v for v in docs("daemonset.yaml")[0]["spec"]["template"]["spec"]["volumes"] if v["name"] == "run")
+    assert any(v.get("hostPath", {}).get("path") == ds_run["hostPath"]["path"] for v in spec["volumes"])
+    assert spec["hostPID"] is False and spec["securityContext"]["runAsNonRoot"] is True
+    (agent,) = spec["containers"]
+    assert agent["command"][:2] == ["sentinel", "launch"] and "--rdzv-conf=is_host=false,keep_alive_interval=1," \
+        "keep_alive_max_attempt=3" in agent["command"]
     ds = docs("daemonset.yaml")[0]
     pod = ds["spec"]["template"]
     (pm,) = docs("podmonitor.yaml")
@@ -267,28 +285,62 @@ def test_the_breaker_trips_at_the_threshold(clean, sa_kubeconfig, tmp_path):
     ep = DaemonEndpoint(run_dir)
     rank = RankEndpoint.open(run_dir)
     (tmp_path / "state").mkdir()
-    actions = ActionsConfig(backend="kubernetes", command_timeout_seconds=10.0,
+    actions = ActionsConfig(backend="kubernetes", command_timeout_seconds=10.0, ack_timeout_seconds=0.5,
                             kubernetes=KubernetesConfig(kubeconfig=str(sa_kubeconfig), node_selector="nvidia.com/gpu.present=true"))
     m = Migrator(actions, ep, state_dir=tmp_path / "state", runtime_dir=run_dir, node="node3",
                  signal_agent=lambda rec, sig: None, workers=concurrent.futures.ThreadPoolExecutor(2))
     try:
         trip = Trip(rule="xid", action="migrate", gpu=1, cause="xid:79", message="Xid 79 on GPU 1", values={})
         m.begin("k3", trip)
-        wait_for(lambda: (m.tick([]), m.record.phase)[1] != "tripped", timeout=30, what="breaker verdict")
+        assert rank.poll()[0].type == "migrate"  # the snapshot request left first, before any count
+        wait_for(lambda: (m.tick([]), m.record.phase)[1] in ("refused", "drained"), timeout=30, what="breaker verdict")
         assert m.record.phase == "refused"
-        assert rank.poll()[0].type == "snapshot"
         n = node(clean, "node3")
         assert not n.spec.unschedulable and not n.spec.taints
         assert m.metric_counters()[("sentinel_breaker_refusals", (("backend", "kubernetes"),))] == 1
         # the threshold is exact: with 1 of 4 cordoned, node3 makes 2/4 = 50 %, which is not more than 50 %
         backend(clean, sa_kubeconfig, "node2", tmp_path / "node2").uncordon()
         m.begin("k4", trip)
-        wait_for(lambda: (m.tick([]), m.record.phase)[1] != "tripped", timeout=30, what="breaker verdict")
-        assert m.record.phase == "requested"
+        wait_for(lambda: (m.tick([]), m.record.phase)[1] in ("refused", "drained"), timeout=30, what="breaker verdict")
+        assert m.record.phase == "drained" and m.record.scheduler_cordoned is True
+        assert node(clean, "node3").spec.unschedulable is True
+        # uncordon gives the node's place in the breaker's Lease back
+        said = backend(clean, sa_kubeconfig, "node3", tmp_path / "node3").uncordon()
+        assert "breaker lease entry removed" in said, said
     finally:
         m.close()
         ep.close()
         rank.close()
+
+
+def test_a_burst_of_trips_never_cordons_more_than_the_fraction(clean, sa_kubeconfig, tmp_path):
+    """3 of 4 nodes claim within ~0.25 s, five times, each on its own thread with its own client,
+    against the real API server: the resourceVersion-checked Lease lets at most half through."""
+    import random
+    import threading
+
+    rng = random.Random(24)
+    selector = "nvidia.com/gpu.present=true"
+    for rep in range(5):
+        names = rng.sample(["node1", "node2", "node3", "node4"], 3)
+        claimers = [backend(clean, sa_kubeconfig, n, tmp_path / f"{rep}-{n}", node_selector=selector) for n in names]
+        start = threading.Barrier(len(claimers))
+        delays = [rng.uniform(0, 0.25) for _ in claimers]
+
+        def claim(b, delay):
+            start.wait(10)
+            time.sleep(delay)
+            return b.claim_cordon(REASON)
+
+        with concurrent.futures.ThreadPoolExecutor(len(claimers)) as pool:
+            verdicts = list(pool.map(claim, claimers, delays))
+        tainted = {n.metadata.name for n in clean.core().list_node(label_selector=selector).items
+                   if any(t.key == "sentinel.dev/gpu-failure" for t in n.spec.taints or [])}
+        won = {b.node for b, v in zip(claimers, verdicts) if v.allowed}
+        assert len(tainted) <= 2, (rep, tainted, [v.why for v in verdicts])
+        assert tainted == won, (rep, tainted, won)  # a refused node was never cordoned
+        clean.reset_nodes()
+        reset_breaker(clean)
 
 
 def test_the_condition_message_carries_no_control_characters(clean, sa_kubeconfig, tmp_path):

@@ -12,9 +12,15 @@ from conftest import REPO, wait_for
 from sentinel.procs import read_agent_record
 
 
-def launch(*args, **kw):
-    return subprocess.Popen([sys.executable, "-m", "sentinel", "launch", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, **kw)
+# `python3 -I -m sentinel launch`, as the agent unit runs it, with this checkout (root's) as the
+# installed package: -I ignores PYTHONPATH, so the checkout goes on sys.path explicitly.
+ISOLATED = [sys.executable, "-I", "-c", "import sys; sys.path.insert(0, sys.argv.pop(1)); from sentinel.cli import main; "
+            "sys.exit(main(sys.argv[1:]))", str(REPO)]
+
+
+def launch(*args, env=None, **kw):
+    return subprocess.Popen([*ISOLATED, "launch", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})}, **kw)
 
 
 def test_the_agent_runs_as_the_user_and_the_root_owned_pidfile_names_it(attacker, shared_tmp):
@@ -42,9 +48,9 @@ def test_the_agent_runs_as_the_user_and_the_root_owned_pidfile_names_it(attacker
 def test_the_same_environment_variable_the_agent_unit_sets(attacker, shared_tmp):
     state = shared_tmp / "state"
     state.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "sentinel", "launch", "--pidfile", str(shared_tmp / "a.pid"),
+    proc = subprocess.run([*ISOLATED, "launch", "--pidfile", str(shared_tmp / "a.pid"),
                            "--state-dir", str(state), "--", "/usr/bin/id", "-u"], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "PYTHONPATH": str(REPO), "SENTINEL_AGENT_USER": attacker.name})
+                          timeout=60, env={**os.environ, "SENTINEL_AGENT_USER": attacker.name})
     assert proc.returncode == 0 and proc.stdout.strip() == str(attacker.uid), proc.stderr
 
 
@@ -87,7 +93,7 @@ def test_the_job_cannot_type_into_roots_terminal(attacker, shared_tmp):
              "    tty = f'no-tty-{e.errno}'\n"
              "print('RESULT', typed, tty, 'END', flush=True)\n")
     master, slave = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "sentinel", "launch", "--user", attacker.name, "--pidfile",
+    proc = subprocess.Popen([*ISOLATED, "launch", "--user", attacker.name, "--pidfile",
                              str(shared_tmp / "run" / "agent.pid"), "--state-dir", str(state), "--",
                              "/usr/bin/python3", "-c", agent],
                             stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
@@ -112,3 +118,34 @@ def test_the_job_cannot_type_into_roots_terminal(attacker, shared_tmp):
     result = seen.decode(errors="replace").split("RESULT", 1)[-1].split()
     assert result[:2] == [f"refused-{errno.EPERM}", f"no-tty-{errno.ENXIO}"], seen
     assert b"PWNED" not in seen  # nothing reached the terminal's input queue
+
+
+SITECUSTOMIZE = """
+import os
+open(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"imported-by-uid-{os.getuid()}"), "w").close()
+"""
+
+
+def test_a_pythonpath_the_job_controls_is_never_imported_as_root(attacker, shared_tmp):
+    """The env file gives the job a PYTHONPATH the job's user can write. The launcher (root) runs
+    isolated, so only the agent (the user) imports from it; a launcher that is not isolated is
+    refused before it starts anything."""
+    evil = shared_tmp / "pythonpath"
+    evil.mkdir()
+    os.chown(evil, attacker.uid, attacker.gid)
+    r = attacker.run(["sh", "-c", f"cat > {evil}/sitecustomize.py"], input=SITECUSTOMIZE)
+    assert r.returncode == 0, r.stderr
+    state = shared_tmp / "state"
+    state.mkdir()
+    proc = launch("--user", attacker.name, "--pidfile", str(shared_tmp / "a.pid"), "--state-dir", str(state), "--",
+                  "/usr/bin/python3", "-c", "print('agent ran')", env={"PYTHONPATH": str(evil)})
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and out.strip() == "agent ran", err
+    assert (evil / f"imported-by-uid-{attacker.uid}").exists()  # the job got its PYTHONPATH
+    assert not (evil / "imported-by-uid-0").exists()  # root never imported from it
+    # the console script's way (not isolated): refused, nothing run
+    marker = shared_tmp / "ran"
+    r = subprocess.run([sys.executable, "-m", "sentinel", "launch", "--user", attacker.name, "--pidfile",
+                        str(shared_tmp / "b.pid"), "--state-dir", str(state), "--", "touch", str(marker)],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 2 and "python3 -I -m sentinel launch" in r.stderr and not marker.exists()

@@ -8,7 +8,8 @@ import signal
 import subprocess
 
 from conftest import register_agent
-from sentinel.channel import Ack, DaemonEndpoint, RankEndpoint
+from sentinel.channel import Ack, RankEndpoint
+from sentinel.daemon_endpoint import DaemonEndpoint
 from sentinel.config import ActionsConfig
 from sentinel.migration import Migrator, uncordon
 from sentinel.policy import Trip

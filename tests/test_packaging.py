@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tomllib
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -43,11 +44,23 @@ def test_the_wheel_ships_the_bpf_programs_the_units_and_complete_metadata(built_
     assert re.search(r"^Project-URL: Source, https://", meta, re.M)
     assert re.search(r"^Requires-Dist: prometheus-client>=\d", meta, re.M)
     assert "sentinel = sentinel.cli:main" in entry_points
+    assert "[torchrun.handlers]" in entry_points and "sentinel = trainer.slot_rendezvous:torchrun_entry_point" in entry_points
 
 
 @pytest.fixture(scope="module")
-def wheel_venv(built_wheel, tmp_path_factory):
-    return make_venv(tmp_path_factory.mktemp("venv") / "v", str(built_wheel))
+def wheel_venv(built_wheel):
+    """The wheel in a venv under /opt, root's and visible to the units (`sentinel install` refuses an
+    installation under /tmp, which the unit's PrivateTmp= hides)."""
+    import shutil
+    import tempfile
+
+    os.makedirs("/opt", exist_ok=True)
+    top = Path(tempfile.mkdtemp(prefix="sentinel-test-", dir="/opt"))
+    os.chmod(top, 0o755)
+    try:
+        yield make_venv(top / "v", str(built_wheel))
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
 
 
 def test_installed_wheel_finds_its_programs_in_site_packages_and_loads_a_probe(wheel_venv, tmp_path):

@@ -20,7 +20,8 @@ import pytest
 
 from conftest import metric_value, register_agent, require_ebpf, wait_for
 from sentinel import procs
-from sentinel.channel import Ack, DaemonEndpoint, RankEndpoint
+from sentinel.channel import Ack, RankEndpoint
+from sentinel.daemon_endpoint import DaemonEndpoint
 
 pytestmark = pytest.mark.needs_root
 
@@ -148,12 +149,15 @@ def test_acks_from_anyone_but_the_ranks_asked_are_refused(attacker, runtime):
     try:
         assert ep.request("migrate", "m1", "test") == 1
         forged = Ack(id="m1", rank=0, step=1, ok=True).encode()
-        r = attacker.python(f"import socket; s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM); "
-                            f"s.sendto({forged!r}, {str(runtime / 'daemon.sock')!r})")
+        send = (f"import socket; s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM); "
+                f"s.sendto({forged!r}, {str(runtime / 'daemon.sock')!r})")
+        r = attacker.python(send)  # another user cannot reach daemon.sock at all
+        assert r.returncode != 0 and "PermissionError" in r.stderr
+        # a process of the job's user and group (here root) that was not asked: refused by pid
+        r = subprocess.run([sys.executable, "-c", send], capture_output=True, text=True, timeout=30)
         assert r.returncode == 0, r.stderr
-        time.sleep(0.1)
-        assert ep.poll_acks() == [] and not ep.complete("m1")
-        assert ep.rejected["ack_not_expected"] == 1
+        wait_for(lambda: ep.poll_acks() == [] and ep.rejected["ack_not_expected"] == 1, 5, what="the refusal")
+        assert not ep.complete("m1")
         rank.ack(Ack(id="m1", rank=0, step=1, ok=True))
         acks = wait_for(ep.poll_acks, 5, what="the genuine ack")
         assert acks[0].pid == os.getpid() and ep.complete("m1")
@@ -166,8 +170,6 @@ def test_a_squatted_rank_socket_is_reported_and_the_rank_still_reachable(attacke
     """The attacker squats the name of a rank that is about to start; the rank (a job running as
     an unprivileged user, here nobody: a root rank would simply take its name back) binds an
     unpredictable name, says so, and the daemon still reaches it."""
-    register_agent(runtime)
-    ep = DaemonEndpoint(runtime)
     code = textwrap.dedent(f"""
         import os, sys, time
         from pathlib import Path
@@ -187,8 +189,11 @@ def test_a_squatted_rank_socket_is_reported_and_the_rank_still_reachable(attacke
     rank = subprocess.Popen(["/usr/bin/python3", "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             user=65534, group=65534, extra_groups=[],
                             env={"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "PATH": "/usr/bin:/bin"})
+    ep = None
     try:
         pid = int(rank.stdout.readline())
+        register_agent(runtime, pid)  # the rank is the agent: the job is nobody's
+        ep = DaemonEndpoint(runtime)
         atk = bind_as(attacker, runtime / "ranks" / f"{pid}.sock")
         rank.stdin.write("go\n")
         rank.stdin.flush()
@@ -202,7 +207,8 @@ def test_a_squatted_rank_socket_is_reported_and_the_rank_still_reachable(attacke
         kill_attacker(atk)
     finally:
         rank.kill()
-        ep.close()
+        if ep is not None:
+            ep.close()
 
 
 def test_planted_files_cannot_blind_the_channel(attacker, runtime):
@@ -248,6 +254,59 @@ def test_planted_files_and_a_self_sigbus_neither_blind_nor_trigger_the_daemon(at
     assert d.stop() == 0
     d2 = start_daemon("--simulate", str(sim_state), "--state-dir", str(state), runtime_dir=runtime, ebpf=True)
     assert d2.proc.poll() is None
+
+
+FORGING_RANK = textwrap.dedent("""
+    import ctypes, os, signal, struct, sys, time
+    from pathlib import Path
+    from sentinel.channel import RankEndpoint
+    out = Path(sys.argv[2])
+    ep = RankEndpoint.open(Path(sys.argv[1]))
+    (out / "ready").write_text(str(os.getpid()))
+    end = time.time() + 60
+    while not (out / "go").exists() and time.time() < end:
+        ep.poll()
+        time.sleep(0.05)
+    info = ctypes.create_string_buffer(128)
+    struct.pack_into("iiiiQ", info, 0, signal.SIGBUS, 0, 4, 0, 0x7F0000001000)  # BUS_MCEERR_AR
+    ctypes.CDLL(None).syscall(129, os.getpid(), signal.SIGBUS, info)  # rt_sigqueueinfo to itself
+""")
+
+
+@pytest.mark.needs_ebpf
+def test_a_rank_that_forges_a_memory_failure_on_itself_drains_nothing(shared_tmp, sim_state, start_daemon):
+    """The job's own verified rank sends itself SIGBUS with si_code BUS_MCEERR_AR (rt_sigqueueinfo,
+    which the kernel allows): the daemon sees it (counted as an unconfirmed memory failure, the
+    alert's metric) and neither migrates nor cordons."""
+    require_ebpf("signal:signal_generate")
+    runtime, state, out = shared_tmp / "run", shared_tmp / "state", shared_tmp / "out"
+    out.mkdir()
+    d = start_daemon("--simulate", str(sim_state), "--state-dir", str(state), runtime_dir=runtime, ebpf=True)
+    job = subprocess.Popen([sys.executable, "-m", "sentinel", "launch", "--pidfile", str(runtime / "agent.pid"),
+                            "--state-dir", str(state), "--", sys.executable, "-c", FORGING_RANK, str(runtime), str(out)],
+                           env={**os.environ, "SENTINEL_RUNTIME_DIR": str(runtime)})
+    try:
+        wait_for(lambda: (out / "ready").exists() and (runtime / "agent.pid").exists(), 20, what="the rank")
+        t = d.status["time"]
+        wait_for(lambda: d.status["time"] > t + 2, 15, what="the daemon to watch the rank")
+        (out / "go").write_text("")
+        job.wait(timeout=30)
+
+        def counted():
+            return metric_value(d.scrape(), "sentinel_kernel_events_total", source="ebpf_rank_signals",
+                                kind="SIGBUS_memory_failure_unconfirmed")
+
+        assert wait_for(counted, 15, what="the forged signal to be counted") == 1
+        t = d.status["time"]
+        wait_for(lambda: d.status["time"] > t + 1, 15, what="the loop to go on")
+        assert d.status["migration"] is None and not d.status["cordoned"]
+        assert not (state / "cordon.json").exists() and not (state / "migration.json").exists()
+        assert metric_value(d.scrape(), "sentinel_kernel_events_total", source="ebpf_rank_signals",
+                            kind="SIGBUS_memory_failure") is None
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait(timeout=10)
 
 
 # -- 6. the agent pidfile ------------------------------------------------------------------------------

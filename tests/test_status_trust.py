@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -50,6 +51,27 @@ def test_a_status_file_another_user_wrote_is_not_believed(attacker, shared_tmp):
 def test_the_daemons_own_status_file_is_read(shared_tmp):
     run = shared_tmp / "run"
     run.mkdir()
-    (run / "status.json").write_text(json.dumps(FORGED))  # root's, as the daemon writes it
+    (run / "status.json").write_text(json.dumps({**FORGED, "time": time.time()}))  # root's, as the daemon writes it
     hc = healthcheck(str(run))
     assert hc.returncode == 0 and hc.stdout.startswith("SENTINEL OK - 1 GPU(s) healthy"), hc.stdout + hc.stderr
+
+
+@pytest.mark.needs_root
+def test_the_healthcheck_imports_nothing_from_its_working_directory(attacker, shared_tmp):
+    """slurmd, an NRPE agent or an admin's shell may start the healthcheck (as root) in a directory
+    another user can write; a json.py planted there is never imported (root would run it, and it
+    could answer OK for a node no daemon watches)."""
+    cwd = shared_tmp / "cwd"
+    cwd.mkdir()
+    os.chown(cwd, attacker.uid, attacker.gid)
+    pwned = shared_tmp / "pwned"
+    planted = (f"import os, sys\nopen({str(pwned)!r}, 'w').write(str(os.geteuid()))\n"
+               "print('0|forged: all GPUs healthy'); sys.exit()\n")
+    r = attacker.python(f"open({str(cwd / 'json.py')!r}, 'w').write({planted!r})")
+    assert r.returncode == 0, r.stderr
+    # the installed `sentinel` script never puts the working directory on sys.path; -P does the same here
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SENTINEL": f"{sys.executable} -P -m sentinel"}
+    hc = subprocess.run(["sh", str(REPO / "deploy" / "slurm" / "sentinel-healthcheck"), "--runtime-dir",
+                         str(shared_tmp / "no-daemon")], capture_output=True, text=True, timeout=60, env=env, cwd=cwd)
+    assert not pwned.exists(), "root imported the user's json.py"
+    assert hc.returncode == 3 and hc.stdout.startswith("SENTINEL UNKNOWN"), hc.stdout + hc.stderr

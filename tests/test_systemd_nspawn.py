@@ -28,10 +28,12 @@ UNIT = "sentinel.service"
 
 
 def shipped_unit(name: str, sentinel_bin: Path, simulate: Path | None = None) -> str:
-    """The unit file from systemd/, with the installed binary's path and (no GPU here) --simulate."""
+    """The unit file from systemd/, with the installed binary's path (and its venv's Python for the
+    agent unit's isolated launcher) and (no GPU here) --simulate."""
     lines = []
     for line in (REPO / "systemd" / name).read_text().splitlines():
         line = line.replace("/usr/local/bin/sentinel", str(sentinel_bin))
+        line = line.replace("/usr/bin/python3 -I -m sentinel", f"{sentinel_bin.parent / 'python'} -I -m sentinel")
         if simulate is not None and line.startswith("ExecStart="):
             line += f" --simulate {simulate}"
         lines.append(line)

@@ -11,6 +11,11 @@ Contract
 * Before a save into a step directory, rank 0 removes a marker left there (a failed save, or a
   corrupt one that could not be moved aside): it must not vouch for what is written now. Rank 0
   is in the save's first collective, so no rank writes before this unlink.
+* Private, whatever the umask: a step directory is created 0700 by the first rank to reach
+  :meth:`DiskTier._begin` (before any rank's DCP call can create it), so nothing in it is ever
+  reachable by another user; rank 0 makes every file in it 0600 before the marker (itself 0600)
+  commits it. A snapshot directory Sentinel creates is 0700 too (an existing one is left as the
+  operator made it). Like the memory tier's holder.
 * A snapshot that failed to load is renamed aside (``step-000000123.corrupt-<unix time>``), so a
   later save at the same step never inherits its marker. Kept, not deleted: someone may want to
   know why.
@@ -29,6 +34,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -46,6 +52,32 @@ log = logging.getLogger("sentinel.trainer")
 MARKER = "COMMITTED"
 PREFIX = "step-"
 CORRUPT = ".corrupt-"
+
+
+def _mkdir_private(path: Path, *, parents: bool = False) -> None:
+    """Create ``path`` 0700 whatever the umask; an existing one is left as it is, except that a
+    step directory this user owns is made 0700 (a failed save's, from before this rule)."""
+    if parents:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        if parents:
+            return
+    st = os.lstat(path)
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+
+
+def _private_files(path: Path) -> None:
+    """Every regular file under ``path`` 0600 (links are never followed; other users' files are
+    left alone, they cannot be in a 0700 directory of ours)."""
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            full = os.path.join(root, name)
+            st = os.lstat(full)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != 0o600:
+                os.chmod(full, 0o600)
 
 
 def snapshot_path(directory: Path, step: int) -> Path:
@@ -117,7 +149,7 @@ class DiskTier:
         self._stager = None
         self._pool: ThreadPoolExecutor | None = None
         if self.rank == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            _mkdir_private(self.directory, parents=True)
 
     # -- reading ----------------------------------------------------------------------------------
     def snapshots(self) -> list[tuple[int, Path]]:
@@ -165,6 +197,9 @@ class DiskTier:
     # -- writing ----------------------------------------------------------------------------------
     def _begin(self, step: int) -> Path:
         path = snapshot_path(self.directory, step)
+        # Every rank, before its own save: whoever comes first creates the directory 0700, so DCP
+        # (which creates it with the umask's mode) never does, and no file of it is ever exposed.
+        _mkdir_private(path)
         if self.rank == 0:
             # A directory left at this step (a failed save, or a corrupt one that could not be
             # moved aside) must not keep vouching for what is written now. Rank 0 is in the save's
@@ -239,9 +274,13 @@ class DiskTier:
     def _commit(self, write: DiskWrite, extra: Mapping[str, Any]) -> None:
         marker = {"step": write.step, "world_size": self.world, "time": time.time(), "blocked_seconds": write.blocked,
                   **extra}
+        _private_files(write.path)
         tmp = write.path / f".{MARKER}.tmp"
-        tmp.write_text(json.dumps(marker))
-        with open(tmp) as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o600)  # whatever the umask
+            f.write(json.dumps(marker))
+            f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, write.path / MARKER)
         self._retain(write.step)

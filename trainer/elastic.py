@@ -41,7 +41,13 @@ rendezvous handler; what differs answers one measured slow path of a node replac
   The random 0-0.3 s skew torch adds to a first join stays for the job's first start (it spreads
   thousands of agents) and is dropped for restarts and warm admissions.
 
-These reach into torch's private rendezvous internals (checked for torch 2.13); when they are
+* **--rdzv-backend sentinel: rank-preserving replacement** (:mod:`trainer.slot_rendezvous`,
+  registered in torch's ``rendezvous_handler_registry``): the job is N slots; a spare takes the
+  departed node's slot and group rank, and a survivor's re-rendezvous is 6 store operations
+  whatever N is. With ``--nnodes MIN:MAX`` (MIN < MAX) or ``--rdzv-conf slots=off`` it is torch's
+  dynamic rendezvous on the same store (docs/rendezvous.md).
+
+The c10d/etcd-v2 parts reach into torch's private rendezvous internals (checked for torch 2.13); when they are
 missing the agent logs a warning and runs with torch's own (slower, still correct) behaviour.
 """
 
@@ -109,6 +115,11 @@ class Rendezvous:
         self.lease_stop: Any = None
         self.skew = True  # torch's 0-0.3 s first-join skew: only for the job's first start
         self.problems: list[str] = []
+        from trainer.slot_rendezvous import SlotRendezvousHandler
+
+        if isinstance(handler, SlotRendezvousHandler):
+            self.kind = "slot"  # rank-preserving: its own leave(), no polling to tune
+            return
         try:
             from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
@@ -194,6 +205,8 @@ class Rendezvous:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 saved[sig] = signal.signal(sig, lambda signum, _frame: held.append(signum))
         try:
+            if self.kind == "slot":
+                return self.handler.leave()
             if self.kind == "dynamic":
                 return self._leave_dynamic()
             if self.kind == "etcd":
@@ -413,14 +426,15 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
-    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousGracefulExitError
     from torch.distributed.launcher.api import _get_addr_and_port
 
+    from trainer import slot_rendezvous
+
+    slot_rendezvous.register()  # --rdzv-backend sentinel
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_NoAgentTraceback())
     targs = torchrun.parse_args(torchrun_argv)
     if targs.standalone or targs.rdzv_backend == "static":
-        print("trainer.elastic: needs a shared rendezvous (--rdzv-backend c10d or etcd-v2 with --rdzv-endpoint)",
+        print("trainer.elastic: needs a shared rendezvous (--rdzv-backend sentinel, c10d or etcd-v2 with --rdzv-endpoint)",
               file=sys.stderr)
         return 2
     if targs.master_port is None:
@@ -477,7 +491,13 @@ def main(argv: list[str] | None = None) -> int:
                                 log_line_prefix_template=config.log_line_prefix_template,
                                 shutdown_timeout=config.shutdown_timeout,
                                 rendezvous=rdzv, draining=_draining_check(ours.state_dir))
+    return _run_agent(agent, rdzv)
+
+
+def _run_agent(agent: Any, rdzv: Rendezvous) -> int:
+    """Run the agent to its end; the exit status, with one line on stderr saying why it ended."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousGracefulExitError
 
     close_rendezvous = True
     try:

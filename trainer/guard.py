@@ -37,8 +37,8 @@ Contract
   :attr:`SnapshotGuard.channel_error`, in every :class:`SnapshotRecord` and in
   :meth:`SnapshotGuard.summary`: never a silent loss of the channel.
 
-The guard only coordinates (the channel, the agreement, the hold); the tiers store:
-:mod:`trainer.disk` (marker, async save, retention, set-aside) and :mod:`trainer.memory`.
+The guard only coordinates (the channel, the agreement, the hold); the tiers store (:mod:`trainer.disk`,
+:mod:`trainer.memory`); :mod:`trainer.progress` watches each step for hangs and stragglers.
 """
 
 from __future__ import annotations
@@ -61,11 +61,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from sentinel.channel import Ack, NullEndpoint, RankEndpoint, Request
 from trainer.disk import (  # noqa: F401 - re-exported: trainer.guard's names from before the split
-    CORRUPT, MARKER, PREFIX, DiskTier, DiskWrite, complete_snapshots, snapshot_path, staged_bytes,
-)
-from sentinel.hang import HangSettings
-from trainer.progress import JobWatch
+    CORRUPT, MARKER, PREFIX, DiskTier, DiskWrite, complete_snapshots, snapshot_path, staged_bytes)
 from trainer.memory import MemoryTier, MemoryTierError, RestoreResult, default_holder_dir
+from trainer.progress import JobWatch
 from trainer.state import ModelOptimState, StagingState  # noqa: F401 - ModelOptimState re-exported
 
 log = logging.getLogger("sentinel.trainer")
@@ -113,8 +111,7 @@ class SnapshotGuard:
                  memory_interval_steps: int = 0, memory_dir: str | os.PathLike | None = None,
                  memory_run_id: str | None = None, local_world_size: int | None = None,
                  replica_bytes_per_second: float = 0.0, memory_timeout: float = 120.0,
-                 migrate_ack: str = "durable", progress_every: int = 5, hang: HangSettings | None = None,
-                 total_steps: int | None = None) -> None:
+                 migrate_ack: str = "durable", progress: Mapping[str, Any] | None = None) -> None:
         if check_every < 1:
             raise ValueError("check_every must be >= 1")
         if keep < 1:
@@ -171,9 +168,7 @@ class SnapshotGuard:
                                             bytes_per_second=replica_bytes_per_second, timeout=memory_timeout)
         self.disk = DiskTier(self.directory, group=self.group, rank=self.rank, world=self.world, keep=keep,
                              async_save=async_save)
-        # Progress, hangs and stragglers (trainer.progress): a K-step exchange on the control
-        # group, a hang watch on the job's store; reports go to the node's daemon.
-        self.watch = JobWatch.open(self, every=progress_every, hang=hang, total_steps=total_steps)
+        self.watch = JobWatch.open(self, **(progress or {}))  # hangs, stragglers: trainer.progress (its options)
 
     def _open_memory(self, directory: str | os.PathLike | None, run_id: str | None, local_world: int | None,
                      **options: float) -> MemoryTier:
@@ -258,11 +253,9 @@ class SnapshotGuard:
     # -- the per-step hook ------------------------------------------------------------------------
     def step(self, step: int) -> None:
         self._step_failed = True  # until it returns: close() then writes nothing collective
-        before = self._inflight
         self._step(step)
         self._step_failed = False
-        # a disk snapshot started at this step: its stall is the guard's, not this node's speed
-        self.watch.on_step(step, snapshot=self._inflight is not None and self._inflight is not before)
+        self.watch.on_step(step)
 
     def _step(self, step: int) -> None:
         if self._inflight is not None and self._inflight.write.done():
@@ -560,12 +553,10 @@ class SnapshotGuard:
     def summary(self) -> dict[str, Any]:
         """What this rank's guard did, for logs and a job's final report."""
         return {
-            "rank": self.rank,
-            "channel_error": self.channel_error,
+            "rank": self.rank, "channel_error": self.channel_error,
             "resumed_from": str(self.resumed_from or ""),
             "skipped_on_resume": [str(p) for p in self.skipped_on_resume],
-            "snapshots": len(self.records),
-            "failed_snapshots": sum(not r.ok for r in self.records),
+            "snapshots": len(self.records), "failed_snapshots": sum(not r.ok for r in self.records),
             "requests_served": len(self._served),
             "last": asdict(self.records[-1]) if self.records else None,
             "memory": self.memory_summary(),

@@ -381,6 +381,8 @@ class JobWatch:
         self.stragglers: list[Any] = []
         self.hang_settings = hang or settings_from_env(os.environ)
         self.watch: HangWatch | None = None
+        self.inflight: Callable[[], Any] = lambda: None  # the guard's disk write in flight (JobWatch.open)
+        self._seen_inflight: Any = None
         if store is not None and world > 1:
             self.watch = HangWatch(self.progress, store, prefix, settings=self.hang_settings, on_verdict=self._on_verdict)
             self.watch.start()
@@ -403,10 +405,17 @@ class JobWatch:
             box = [os.urandom(8).hex()]
             dist.broadcast_object_list(box, src=0, group=guard.control_group)
             prefix = f"sentinel/hang/{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}/{box[0]}"
-        return cls(endpoint=guard.endpoint, rank=guard.rank, world=guard.world, control_group=guard.control_group,
-                   exclude=exclude, store=store, prefix=prefix, **kw)
+        watch = cls(endpoint=guard.endpoint, rank=guard.rank, world=guard.world, control_group=guard.control_group,
+                    exclude=exclude, store=store, prefix=prefix, **kw)
+        watch.inflight = lambda: getattr(guard, "_inflight", None)
+        return watch
 
-    def on_step(self, step: int, *, snapshot: bool = False) -> None:
+    def on_step(self, step: int, *, snapshot: bool | None = None) -> None:
+        """After the guard's step. ``snapshot``: a disk snapshot started at this step (its stall is
+        the guard's, not this node's speed); by default, whether the guard's write in flight is new."""
+        if snapshot is None:
+            now = self.inflight()
+            snapshot, self._seen_inflight = now is not None and now is not self._seen_inflight, now
         job = self.progress.on_step(step, snapshot=snapshot)
         if job is None:
             return

@@ -19,12 +19,18 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.fsdp import fully_shard
+# When this worker started, stamped by the process itself before it imports torch: a cold worker
+# pays its torch import after it; a worker forked from a warm forkserver runs this module afresh
+# (runpy), so this is the moment of its fork. Same clock as every other progress event, to the
+# microsecond (what /proc's start time is not: boot time in whole seconds plus clock ticks).
+PROCESS_STARTED = time.time()
 
-from trainer.guard import DEFAULT_MIGRATE_HOLD_SECONDS, ModelOptimState, NodeDrained, SnapshotGuard
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+
+from trainer.guard import DEFAULT_MIGRATE_HOLD_SECONDS, ModelOptimState, NodeDrained, SnapshotGuard  # noqa: E402
 
 
 class TinyTransformer(nn.Module):
@@ -82,19 +88,7 @@ def state_digests(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, s
     return out
 
 
-def _process_start_time() -> float | None:
-    """Wall-clock time this process started (a worker forked from a warm forkserver starts late
-    and fast; a cold one imports torch first): /proc/self/stat field 22 plus the boot time."""
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                     if line.startswith("btime "))
-        return btime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-
-
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--snapshot-dir", required=True)
@@ -120,8 +114,80 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--progress", help="append one JSON line per computed step (rank 0)")
     ap.add_argument("--final", help="write the final parameters' digest here (rank 0)")
     ap.add_argument("--pg-timeout", type=float, default=120.0, help="process-group timeout (s): a hung peer is noticed only then")
-    args = ap.parse_args(argv)
+    return ap
 
+
+def build_model(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The seeded model, each layer and the whole sharded with FSDP2, and its optimizer."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.manual_seed(args.seed)
+    model = TinyTransformer(args.vocab, args.dim, args.layers, args.heads).to(device)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def train_step(model: nn.Module, optim: torch.optim.Optimizer, loss_fn: nn.Module, args: argparse.Namespace,
+               step: int, device: torch.device) -> torch.Tensor:
+    """One optimizer step on global step ``step``'s batch (this rank's slice); the loss."""
+    x, y = batch_for(step, args.seed, args.global_batch, args.seq, args.vocab, dist.get_rank(), dist.get_world_size())
+    x, y = x.to(device), y.to(device)
+    logits = model(x)
+    loss = loss_fn(logits.reshape(-1, args.vocab), y.reshape(-1))
+    loss.backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    return loss
+
+
+class _GuardLog:
+    """Called after every step: one progress line per snapshot the guard finished, and the memory
+    tier's replica placement once it is agreed (at its first snapshot); rank 0 writes them."""
+
+    def __init__(self, guard: SnapshotGuard, rank: int, record) -> None:
+        self.guard, self.rank, self.record = guard, rank, record
+        self.reported = 0
+        self.placed = False
+
+    def __call__(self) -> None:
+        g = self.guard
+        for rec in g.records[self.reported:]:
+            if self.rank == 0:
+                self.record("snapshot", step=rec.step, ok=rec.ok, kind=rec.kind, path=rec.path, error=rec.error[:200])
+        self.reported = len(g.records)
+        if not self.placed and self.rank == 0 and g.memory is not None and g.memory.placement:
+            self.record("replica_placement", placement=g.memory.placement)
+            self.placed = True
+
+
+class _DrillFault:
+    """Drills only (``sentinel drill --fault hang/slow``): a file the drill writes into this node's
+    runtime directory. ``skip``: local rank 0 never enters the step's collectives (stuck before
+    them, as in a data loader or a deadlock of its own); ``slow=F``: every step takes F times as
+    long. Called before the step's clock starts, so the step padding cannot absorb the slowdown.
+    One stat() per step when the variable is set."""
+
+    def __init__(self, path: str, local_rank: int, step_seconds: float, record) -> None:
+        self.path, self.local_rank, self.step_seconds, self.record = path, local_rank, step_seconds, record
+
+    def __call__(self, step: int) -> None:
+        if not self.path or not os.path.exists(self.path):
+            return
+        try:
+            spec = Path(self.path).read_text().strip()
+        except OSError:
+            return
+        if spec == "skip" and self.local_rank == 0:
+            self.record("fault", step=step, spec=spec)
+            while True:
+                time.sleep(60)
+        if spec.startswith("slow="):
+            time.sleep(max(0.0, float(spec[5:]) - 1.0) * self.step_seconds)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     t_started = time.time()
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
@@ -139,24 +205,18 @@ def main(argv: list[str] | None = None) -> int:
     # who hosts this process group's store: the rank-0 agent ("agent", already listening) or the
     # rank-0 worker (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: the other workers' connects may be refused and retried)
     worker_store = {"True": "agent", "False": "worker"}.get(os.environ.get("TORCHELASTIC_USE_AGENT_STORE", ""), "")
-    record("admitted", started=t_started, process_started=_process_start_time(), worker_store=worker_store)
+    record("admitted", started=t_started, process_started=PROCESS_STARTED, worker_store=worker_store)
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     device = torch.device("cuda") if cuda else torch.device("cpu")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.manual_seed(args.seed)
-    model = TinyTransformer(args.vocab, args.dim, args.layers, args.heads).to(device)
-    for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optim = build_model(args, device)
     t_model = time.time()
     guard = SnapshotGuard(args.snapshot_dir, {"app": ModelOptimState(model, optim)},
                           interval_steps=args.interval_steps, keep=args.keep,
                           migrate_hold_seconds=args.migrate_hold_seconds,
                           memory_interval_steps=args.memory_interval_steps,
                           replica_bytes_per_second=args.replica_bytes_per_second,
-                          migrate_ack=args.migrate_ack, total_steps=args.steps)
+                          migrate_ack=args.migrate_ack, progress={"total_steps": args.steps})
     t_guard = time.time()
     start = guard.resume()
     # where the seconds from process start to the first step go (bench/migration.py's timeline)
@@ -166,39 +226,13 @@ def main(argv: list[str] | None = None) -> int:
            channel_error=guard.channel_error, skipped=[str(p) for p in guard.skipped_on_resume],
            restore=guard.restore_summary())
     loss_fn = nn.CrossEntropyLoss()
-    reported = 0
-
-    def record_snapshots() -> None:
-        """One progress line per snapshot this guard finished (rank 0: it writes the markers)."""
-        nonlocal reported
-        for rec in guard.records[reported:]:
-            if rank == 0:
-                record("snapshot", step=rec.step, ok=rec.ok, kind=rec.kind, path=rec.path, error=rec.error[:200])
-        reported = len(guard.records)
-
-    # Drills only (sentinel drill --fault hang/slow): a file the drill writes into this node's
-    # runtime directory. "skip": local rank 0 never enters the step's collectives; "slow=F": every
-    # step computes F times as long. One stat() per step when the variable is set.
-    fault_file = os.environ.get("SENTINEL_DRILL_FAULT_FILE", "")
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    record_snapshots = _GuardLog(guard, rank, record)
+    fault = _DrillFault(os.environ.get("SENTINEL_DRILL_FAULT_FILE", ""), int(os.environ.get("LOCAL_RANK", 0)),
+                        args.step_seconds, record)
     for step in range(start, args.steps):
+        fault(step)  # drills only: nothing unless SENTINEL_DRILL_FAULT_FILE names an existing file
         t0 = time.perf_counter()
-        if fault_file and os.path.exists(fault_file):
-            spec = Path(fault_file).read_text().strip()
-            if spec == "skip" and local_rank == 0:
-                record("fault", step=step, spec=spec)
-                while True:  # stuck before the collective (a data loader, a deadlock of its own)
-                    time.sleep(60)
-            if spec.startswith("slow="):  # outside the step padding below, which would absorb it
-                time.sleep(max(0.0, float(spec[5:]) - 1.0) * args.step_seconds)
-                t0 = time.perf_counter()
-        x, y = batch_for(step, args.seed, args.global_batch, args.seq, args.vocab, rank, world)
-        x, y = x.to(device), y.to(device)
-        logits = model(x)
-        loss = loss_fn(logits.reshape(-1, args.vocab), y.reshape(-1))
-        loss.backward()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
+        loss = train_step(model, optim, loss_fn, args, step, device)
         if rank == 0:
             record("step", step=step, loss=round(loss.item(), 6))
         try:

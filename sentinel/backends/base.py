@@ -22,6 +22,10 @@ Contract (each method may block; the daemon calls them on a worker thread, never
 * ``fleet(now)`` — for the circuit breaker: how many of the job's / partition's nodes there
   are and when Sentinel cordoned each of those it cordoned; ``None`` when the backend has no
   view of other nodes (file, command).
+* ``topology()`` — the :class:`sentinel.topology.Topology` from ``[actions.topology] file`` and
+  the scheduler's own (``scheduler_topology()``); raises :class:`sentinel.topology.TopologyError`
+  on a file it cannot read or a contradiction. ``start_spare()`` sets ``spare_choice`` (a
+  :class:`sentinel.topology.SpareChoice`) when it chose a spare by distance.
 
 Errors: :class:`Unreachable` (timeout, connection refused, 5xx: retried with backoff),
 :class:`PermissionDenied` and :class:`UnknownNode` (not retried: the message names the missing
@@ -37,9 +41,10 @@ import os
 import re
 import signal
 import subprocess
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from sentinel import procs
 from sentinel.fsutil import UnsafePath, read_trusted, write_json_atomic
@@ -104,6 +109,16 @@ class Fleet:
     sentinel_cordons: tuple[tuple[str, float], ...]  # (node, wall time cordoned)
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """The circuit breaker's answer for this node (:mod:`sentinel.backends.breaker`)."""
+
+    allowed: bool
+    recent: int  # Sentinel cordons in the window, this node excluded
+    nodes: int
+    why: str
+
+
 @dataclass
 class BackendContext:
     """What a backend may use; injectable so tests run fixture trees and fake processes."""
@@ -152,6 +167,8 @@ class Backend:
         self.pidfile = Path(actions.agent_pidfile) if actions.agent_pidfile else ctx.runtime_dir / "agent.pid"
         self.read_agent = ctx.read_agent or (lambda p: procs.read_agent_record(p, owners=frozenset({0, os.geteuid()})))
         self.notes: list[str] = []  # what the last call did, for the migration record
+        self.spare_choice = None  # the last start_spare's SpareChoice, when it chose by distance
+        self.domain_refusal = ""  # the level ("nvlink", "leaf") of the last claim's per-domain refusal
 
     @property
     def cordon_path(self) -> Path:
@@ -203,6 +220,50 @@ class Backend:
     def fleet(self, now: float) -> Fleet | None:
         return None
 
+    def claim_cordon(self, reason: CordonReason) -> Verdict:
+        """The scheduler's cordon under the circuit breaker, atomically: a backend with a fleet
+        view cordons only when that keeps Sentinel's recent cordons within
+        ``breaker_max_fraction`` however many nodes try at the same moment (Slurm: drain, then
+        recount, the deterministic loser resumes itself; Kubernetes: a resourceVersion-checked
+        Lease). A refusal leaves nothing of Sentinel's on the scheduler. Without a fleet view
+        the breaker does not apply and this is :meth:`cordon_scheduler`."""
+        self.cordon_scheduler(reason)
+        return Verdict(True, 0, 0, "no fleet view: the breaker does not apply")
+
+    def topology(self):
+        """The topology as the configured file and the scheduler describe it (merged; checked)."""
+        from sentinel import topology
+
+        tc = self.cfg.topology
+        readings = topology.read_file(tc.file) if tc.file else []
+        if tc.from_scheduler:
+            readings += self.scheduler_topology()
+        return topology.merge(readings)
+
+    def scheduler_topology(self) -> list:
+        """The scheduler's own topology readings (none here)."""
+        return []
+
+    def breaker_topology(self):
+        """The topology for the per-domain breaker (:func:`sentinel.topology.domain_settle`), or
+        None: no limit below 1, or a topology that cannot be read (noted; the fleet-wide breaker
+        still holds, and a failing node is never kept from draining by a topology file)."""
+        from sentinel import topology
+
+        tc = self.cfg.topology
+        self.domain_refusal = ""
+        if tc.breaker_max_nvlink_fraction >= 1 and tc.breaker_max_leaf_fraction >= 1:
+            return None
+        try:
+            return self.topology()
+        except (topology.TopologyError, BackendError) as exc:
+            self.notes.append(f"topology not used by the breaker: {exc}")
+            return None
+
+    def domain_limits(self) -> dict[str, float]:
+        tc = self.cfg.topology
+        return {"nvlink": tc.breaker_max_nvlink_fraction, "leaf": tc.breaker_max_leaf_fraction}
+
     # -- the scheduler's side (subclasses) --------------------------------------------------------
     def cordon_scheduler(self, reason: CordonReason) -> None:
         """Keep new work off the node in the scheduler; idempotent; never overwrites an admin's."""
@@ -235,19 +296,65 @@ class Backend:
         return removed
 
     def command(self, argv: list[str], what: str, timeout: float | None = None) -> subprocess.CompletedProcess:
-        """Run ``argv`` with the backend's timeout; a timeout or a missing program is
-        :class:`Unreachable` / :class:`BackendError`, never an exception of another kind."""
+        """Run ``argv`` under one total deadline (the backend's timeout: the child is killed when
+        it passes, however the output trickles in). stdout/stderr come back as ``str``, decoded
+        with replacement and cut to :data:`OUTPUT_LIMIT` characters: a byte a scheduler printed
+        that is not UTF-8 is a ``U+FFFD``, never an exception. A timeout is :class:`Unreachable`;
+        any other failure to run it is :class:`BackendError`, never an exception of another kind."""
+        limit = timeout or self.ctx.timeout
         try:
-            return self.ctx.run(argv, capture_output=True, text=True, timeout=timeout or self.ctx.timeout,
-                                env=self.ctx.env, stdin=subprocess.DEVNULL)
+            r = self.ctx.run(argv, capture_output=True, timeout=limit, env=self.ctx.env, stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:
-            raise Unreachable(f"{what}: `{' '.join(argv[:3])} ...` did not finish within "
-                              f"{timeout or self.ctx.timeout:g} s") from None
+            raise Unreachable(f"{what}: `{' '.join(argv[:3])} ...` did not finish within {limit:g} s") from None
         except FileNotFoundError:
             raise BackendError(f"{what}: {argv[0]} is not installed (not on PATH)") from None
         except OSError as exc:
             raise BackendError(f"{what}: cannot run {argv[0]}: {exc.strerror or exc}") from None
+        except Exception as exc:  # noqa: BLE001 - whatever the runner raised, it is a failed call
+            raise BackendError(f"{what}: `{argv[0]}` failed: {type(exc).__name__}: {str(exc)[:200]}") from None
+        rc = r.returncode if isinstance(r.returncode, int) else -1
+        return subprocess.CompletedProcess(r.args, rc, decoded(r.stdout), decoded(r.stderr))
 
+
+#: The most of a scheduler program's output that is read (characters); sinfo for 10,000 nodes is ~1 MB.
+OUTPUT_LIMIT = 16 << 20
+
+
+def decoded(data: bytes | str | None, limit: int = OUTPUT_LIMIT) -> str:
+    """A scheduler's output as text: bytes decoded as UTF-8 with replacement, cut to ``limit``."""
+    if data is None:
+        return ""
+    if isinstance(data, (bytes, bytearray)):
+        return bytes(data[:limit * 4]).decode("utf-8", "replace")[:limit]
+    return str(data)[:limit]
+
+
+def with_deadline(fn: Callable[[], Any], seconds: float, what: str,
+                  abandoned: list[threading.Thread] | None = None) -> Any:
+    """``fn()`` under a total deadline: it runs on its own daemon thread, and when ``seconds``
+    pass first the caller gets :class:`Unreachable` at once (the thread is abandoned and added
+    to ``abandoned``, so the caller can bound how many hang). Any exception ``fn`` raises is
+    re-raised as it is."""
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box["error"] = exc
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=target, name="sentinel-backend-call", daemon=True)
+    thread.start()
+    if not done.wait(seconds):
+        if abandoned is not None:
+            abandoned.append(thread)
+        raise Unreachable(f"{what}: no complete answer within {seconds:g} s (total deadline)")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
 
 def replace_node(argv: tuple[str, ...], node: str) -> list[str]:
     return [a.replace("{node}", node) for a in argv]

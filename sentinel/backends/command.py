@@ -40,9 +40,42 @@ class CommandBackend(Backend):
         return super().stop_agent()
 
     def start_spare(self) -> str:
-        if self.cfg.spare_command:
-            return self._run("spare", self.cfg.spare_command)
-        return "no spare_command configured"
+        """Run ``spare_command``. A line ``sentinel-spare-choice {"node": ..., "distance": ...,
+        "why": ...}`` in its output (the drill's claim-spare with a topology) is recorded as the
+        choice (:class:`sentinel.topology.SpareChoice`)."""
+        self.spare_choice = None
+        if not self.cfg.spare_command:
+            return "no spare_command configured"
+        args = replace_node(self.cfg.spare_command, self.node)
+        r = self.command(args, "spare command")
+        if r.returncode != 0:
+            raise BackendError(f"spare command {args[0]} exited {r.returncode}: {(r.stderr or r.stdout).strip()[-300:]}")
+        for line in r.stdout.splitlines():
+            if line.startswith(CHOICE_PREFIX):
+                self.spare_choice = _parse_choice(line[len(CHOICE_PREFIX):])
+        if self.spare_choice is not None:
+            c = self.spare_choice
+            return f"spare command {args[0]} ok: {c.node} ({c.distance}: {c.why})"
+        return f"spare command {args[0]} ok"
+
+
+CHOICE_PREFIX = "sentinel-spare-choice "
+
+
+def _parse_choice(text: str):
+    """A SpareChoice from the command's JSON line, or None when it is not one (never raises)."""
+    import json
+
+    from sentinel.topology import SpareChoice
+
+    try:
+        d = json.loads(text)
+        if not (isinstance(d, dict) and all(isinstance(d.get(k), str) for k in ("node", "distance", "why"))
+                and isinstance(d.get("rank"), int)):
+            return None
+        return SpareChoice(d["node"][:253], d["distance"][:32], d["rank"], d["why"][:1024])
+    except ValueError:
+        return None
 
 
 BACKEND = CommandBackend

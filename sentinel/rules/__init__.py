@@ -2,7 +2,8 @@
 
 Every module here except ``base`` defines ``RULE`` (see :mod:`sentinel.rules.base` for what a rule
 declares). :data:`REGISTRY` holds them in their declared ``order``; ``sentinel.policy`` runs them
-and ``sentinel.config`` validates ``policy.disabled_rules`` against :data:`RULE_NAMES`. Adding a rule
+and ``sentinel.config`` validates ``policy.disabled_rules`` against :data:`RULE_NAMES` and makes
+``PolicyConfig`` from :data:`CONFIG_KEYS`. Adding a rule
 is adding a module (and a scenario under ``tests/scenarios/`` that trips it); nothing else lists
 rules. Discovery imports this package's own modules only; it registers nothing anywhere else.
 """
@@ -13,7 +14,7 @@ import importlib
 import pkgutil
 from typing import Iterable
 
-from sentinel.rules.base import GpuRule, NodeRule, Rule
+from sentinel.rules.base import ConfigKey, GpuRule, NodeRule, Rule
 
 NOT_RULES = frozenset({"base"})  # modules of this package that hold shared code, not a rule
 
@@ -41,5 +42,18 @@ def discover(package: str = __name__, path: Iterable[str] = __path__) -> tuple[R
     return tuple(sorted(rules, key=lambda r: r.order))
 
 
+def config_keys(registry: Iterable[Rule]) -> tuple[ConfigKey, ...]:
+    """The ``[policy]`` keys the rules declare, each once, in rule order. Raises ValueError for
+    two different declarations of one key (its default and range are written in one place)."""
+    keys: dict[str, ConfigKey] = {}
+    for rule in registry:
+        for key in rule.config:
+            if keys.setdefault(key.name, key) != key:
+                raise ValueError(f"rule {rule.name!r} declares [policy] {key.name} differently from another rule: "
+                                 "import the one declaration instead")
+    return tuple(keys.values())
+
+
 REGISTRY: tuple[Rule, ...] = discover()
 RULE_NAMES: frozenset[str] = frozenset(r.name for r in REGISTRY)
+CONFIG_KEYS: tuple[ConfigKey, ...] = config_keys(REGISTRY)

@@ -7,8 +7,9 @@ or :class:`NodeRule`. It declares
 * ``fields``: the NVML fields it needs; on a GPU where one is unsupported the rule is inactive;
 * ``counters``: the monotonic fields whose previous value it reads (``ctx.increase``); the policy
   remembers them between polls and treats one going backwards as a counter reset;
-* ``config``: the ``PolicyConfig`` attributes it reads, each with its default and the default's
-  source (a test checks they exist on ``PolicyConfig`` with these defaults);
+* ``config``: the ``[policy]`` keys it reads (:class:`ConfigKey`: default, the default's source,
+  range); ``sentinel.config`` makes ``PolicyConfig`` from these declarations, so a key's default and
+  range are written nowhere else (a test checks ``systemd/sentinel.toml`` against them);
 * ``order``: its place among the trips of one poll (the first of the strongest action is the one
   the job is told about); unique across rules;
 * its documentation, as the class docstring: the condition, the action, and why;
@@ -23,7 +24,9 @@ passed in, never imported.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+
+from sentinel import settings
 
 from sentinel.readings import GpuReading, KernelEvent, XidEvent
 
@@ -35,20 +38,61 @@ ACTIONS = ("alert", "snapshot", "migrate")
 
 @dataclass(frozen=True)
 class ConfigKey:
-    """A ``PolicyConfig`` attribute a rule reads, its default, and where that default comes from."""
+    """A ``[policy]`` key a rule reads: its default, where that default comes from, and its range.
+
+    A number is checked against [``low``, ``high``] (``(low, high]`` with ``low_open``); any other
+    value by ``check(prefix, value)``, which raises :class:`sentinel.settings.ConfigError` naming
+    the key. ``type`` is the value's type as ``PolicyConfig`` declares it (default: the default's)."""
 
     name: str
     default: object
     source: str
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    check: Callable[[str, Any], None] | None = None
+    type: Any = None
+
+    @property
+    def hint(self) -> Any:
+        return self.type or type(self.default)
+
+    def validate(self, prefix: str, value: Any) -> None:
+        """Raise ConfigError naming ``<prefix>.<name>`` unless ``value`` is in range."""
+        if self.check is not None:
+            self.check(prefix, value)
+        elif self.hint is int:
+            settings.integer(prefix, self.name, value, int(self.low), int(self.high))
+        elif self.hint is float:
+            settings.number(prefix, self.name, value, self.low, self.high, low_open=self.low_open)
+
+    def range_text(self) -> str:
+        """The range as ``systemd/sentinel.toml`` states it: ``1..10000``, ``0 < x <= 1e12``."""
+        if self.low is None or self.high is None:
+            return ""
+        low, high = (_number_text(v) for v in (self.low, self.high))
+        return f"{low} < x <= {high}" if self.low_open else f"{low}..{high}"
+
+    def __post_init__(self) -> None:
+        if self.hint in (int, float) and self.check is None and (self.low is None or self.high is None):
+            raise TypeError(f"ConfigKey {self.name}: a number needs its range (low, high)")
+
+
+def _number_text(value: float) -> str:
+    if float(value).is_integer() and abs(value) < 1e9:
+        return str(int(value))
+    mantissa, _, exponent = f"{value:e}".partition("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
 
 
 # Keys several rules read; declared once so that their sources agree.
 DEBOUNCE_SAMPLES = ConfigKey(
     "debounce_samples", 3,
-    "Sentinel: a condition must hold on 3 polls in a row (DCGM's health watches also need a repeat)")
+    "Sentinel: a condition must hold on 3 polls in a row (DCGM's health watches also need a repeat)", 1, 10_000)
 LEAD_TIME_SECONDS = ConfigKey(
     "lead_time_seconds", 600.0,
-    "Sentinel: 10 minutes covers a full snapshot of a large job to a shared filesystem plus the drain")
+    "Sentinel: 10 minutes covers a full snapshot of a large job to a shared filesystem plus the drain",
+    0, 7 * settings.DAY, low_open=True)
 
 
 @dataclass(frozen=True)

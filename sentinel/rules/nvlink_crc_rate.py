@@ -6,7 +6,7 @@ from sentinel.rules.base import DEBOUNCE_SAMPLES, ConfigKey, Finding, GpuRule
 
 NVLINK_CRC_PER_SECOND_LIMIT = ConfigKey(
     "nvlink_crc_per_second_limit", 100.0,
-    "DCGM_LIMIT_MAX_NVLINK_CRC_ERROR 100.0 ('CRC errors only matter at rates of 100+ per second')")
+    "DCGM_LIMIT_MAX_NVLINK_CRC_ERROR 100.0 ('CRC errors only matter at rates of 100+ per second')", 0, 1e12, low_open=True)
 
 
 class NvlinkCrcRate(GpuRule):

@@ -8,7 +8,7 @@ PCIE_GTS = {1: 2.5, 2: 5.0, 3: 8.0, 4: 16.0, 5: 32.0, 6: 64.0}  # line rate per 
 PCIE_REPLAY_BER = ConfigKey(
     "pcie_replay_ber", 1e-12,
     "the issue's DCGM-derived formula (PCIe spec BER 1e-12); DCGM's own header fixes 8/min "
-    "(DCGM_LIMIT_MAX_PCIREPLAY_RATE): set pcie_replay_ber to match yours")
+    "(DCGM_LIMIT_MAX_PCIREPLAY_RATE): set pcie_replay_ber to match yours", 0, 1, low_open=True)
 
 
 class PcieReplayRate(GpuRule):

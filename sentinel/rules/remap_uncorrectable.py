@@ -5,7 +5,8 @@ from __future__ import annotations
 from sentinel.rules.base import ConfigKey, Finding, GpuRule
 
 REMAP_UNCORRECTABLE_LIMIT = ConfigKey(
-    "remap_uncorrectable_limit", 512, "the issue's limit (NVIDIA row remapping doc's RMA guidance)")
+    "remap_uncorrectable_limit", 512, "the issue's limit (NVIDIA row remapping doc's RMA guidance)",
+    1, 1_000_000)  # a limit of 0 on a ">=" rule would fail every healthy GPU
 
 
 class RemapUncorrectable(GpuRule):

@@ -7,7 +7,8 @@ from sentinel.rules.base import ConfigKey, Finding, GpuRule
 WEEK = 7 * 24 * 3600.0
 RETIRED_DBE_LIMIT = ConfigKey(
     "retired_dbe_limit", 15,
-    "DCGM's DCGM_LIMIT_MAX_RETIRED_PAGES_SOFT_LIMIT 15 and its 'new DBE retirement in the last week' health check")
+    "DCGM's DCGM_LIMIT_MAX_RETIRED_PAGES_SOFT_LIMIT 15 and its 'new DBE retirement in the last week' health check",
+    0, 1_000_000)
 
 
 class RetiredDbe(GpuRule):

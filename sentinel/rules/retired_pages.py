@@ -7,7 +7,8 @@ from sentinel.rules.base import ConfigKey, Finding, GpuRule
 RETIRED_PAGES_LIMIT = ConfigKey(
     "retired_pages_limit", 63,
     "the issue's DCGM limit; DCGM's dcgm_gpu_hardware_limits.h has DCGM_LIMIT_MAX_RETIRED_PAGES 60 and NVIDIA's "
-    "page-retirement doc caps retirement at 64 pages: 63 is one before the hard cap")
+    "page-retirement doc caps retirement at 64 pages: 63 is one before the hard cap",
+    1, 1_000_000)  # a limit of 0 on a ">=" rule would fail every healthy GPU
 
 
 class RetiredPages(GpuRule):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Iterable, Mapping
 
+from sentinel import settings
 from sentinel.rules.base import DEBOUNCE_SAMPLES, LEAD_TIME_SECONDS, ConfigKey, Finding, GpuRule
 from sentinel.rules.remap_uncorrectable import REMAP_UNCORRECTABLE_LIMIT
 from sentinel.rules.retired_dbe import RETIRED_DBE_LIMIT
@@ -30,7 +31,8 @@ TREND_POINTS = 64  # decimated history per counter
 MIN_INCREASES = 3  # distinct increases in the window before a trend can forecast
 
 TREND_WINDOW_SECONDS = ConfigKey(
-    "trend_window_seconds", 3600.0, "Sentinel: an hour of history, 64 points, for the Theil-Sen slope")
+    "trend_window_seconds", 3600.0, "Sentinel: an hour of history, 64 points, for the Theil-Sen slope",
+    0, 30 * settings.DAY, low_open=True)
 
 
 @dataclass(frozen=True)

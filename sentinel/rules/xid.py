@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from sentinel import settings
 from sentinel.rules.base import ConfigKey, Finding, GpuRule
 
 # NVIDIA Xid catalog resolution buckets (docs.nvidia.com/deploy/xid-errors).
@@ -14,11 +15,33 @@ XID_MIGRATE = frozenset({48, 61, 62, 64, 74, 79, 95, 119, 120, 140})
 XID_SNAPSHOT = frozenset({63, 94})
 XID_APPLICATION = frozenset({13, 31, 43, 45})
 
-XID_OVERRIDES = ConfigKey("xid_overrides", {}, "operator: Xid number -> migrate | snapshot | alert | ignore")
-XID_SKIP = ConfigKey("xid_skip", (), "operator: Xids never acted on")
+XID_ACTIONS = ("migrate", "snapshot", "alert", "ignore")
+XID_MIN, XID_MAX = 1, 65535
+
+
+def check_overrides(prefix: str, overrides: Mapping[str, str]) -> None:
+    for key, action in overrides.items():
+        where = f"{prefix}.xid_overrides.{settings.printable(key)}"
+        # str.isdigit() accepts "²" and "٣", which int() then rejects or misreads: ASCII only,
+        # and one spelling per Xid ("079" would silently duplicate "79").
+        if not (key.isascii() and key.isdigit() and key == str(int(key)) and XID_MIN <= int(key) <= XID_MAX):
+            raise settings.ConfigError(f"{where}: Xid keys are numbers {XID_MIN}..{XID_MAX} in plain ASCII digits, e.g. \"79\"")
+        if action not in XID_ACTIONS:
+            raise settings.ConfigError(f"{where}: action must be migrate, snapshot, alert or ignore (got {action!r})")
+
+
+def check_skip(prefix: str, skip: tuple[int, ...]) -> None:
+    for i, xid in enumerate(skip):
+        settings.integer(prefix, f"xid_skip[{i}]", xid, XID_MIN, XID_MAX)
+
+
+XID_OVERRIDES = ConfigKey("xid_overrides", {}, "operator: Xid number -> migrate | snapshot | alert | ignore",
+                          check=check_overrides, type=Mapping[str, str])
+XID_SKIP = ConfigKey("xid_skip", (), "operator: Xids never acted on", check=check_skip, type=tuple[int, ...])
 APP_XID_MAX_PER_HOUR = ConfigKey(
     "app_xid_max_per_hour", 30,
-    "Sentinel's conservative default; the Xid catalog lists 13, 31, 43, 45 as application errors (RESTART_APP)")
+    "Sentinel's conservative default; the Xid catalog lists 13, 31, 43, 45 as application errors (RESTART_APP)",
+    0, 1_000_000)
 
 
 def action_table(overrides: Mapping[str, str], skip: tuple[int, ...]) -> dict[int, str]:

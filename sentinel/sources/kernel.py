@@ -10,6 +10,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from sentinel.families import counter
 from sentinel.readings import KernelEvent, SourceHealth, XidEvent
 from sentinel.sources.ebpf import EbpfUnavailable, RingProbe
 
@@ -33,11 +34,16 @@ def path_via(path: str) -> str:
     return kind if sep and kind in ("ebpf", "sysfs") else path
 
 
+EBPF_EVENTS_LOST = counter("sentinel_ebpf_events_lost", "Events the kernel dropped before user space read them", "probe")
+KERNEL_EVENTS = counter("sentinel_kernel_events", "Kernel events seen, by source and kind", "source", "kind")
+
+
 class KernelSource:
     """Collects events from a reader thread; the daemon drains them once per poll (or at once,
     through ``wake``, so a fatal event never waits for the next poll)."""
 
     name = "kernel"
+    FAMILIES: tuple = (EBPF_EVENTS_LOST,)  # a subclass adds the families it counts
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -95,7 +101,7 @@ class KernelSource:
     def counters(self) -> dict[LabelKey, float]:
         out = {k: float(v) for k, v in self.counts.items()}
         for probe in self.probes:
-            out[("sentinel_ebpf_events_lost", (("probe", probe.name),))] = float(probe.lost())
+            out[EBPF_EVENTS_LOST.key(probe=probe.name)] = float(probe.lost())
         return out
 
     def close(self) -> None:

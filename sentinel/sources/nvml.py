@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 from sentinel import fields as nvml_fields
 from sentinel.readings import NVLINK_KINDS, GpuReading, XidEvent
+from sentinel.sources.nvml_worker import HUNG_GRACE, Hung, Job, PollRead, Worker
 from sentinel.pci import normalize_bus_id  # noqa: F401 - the one normaliser; re-exported for callers
 
 log = logging.getLogger("sentinel.nvml")
@@ -54,149 +55,6 @@ NVLINK_COUNTERS = {
 assert set(NVLINK_COUNTERS) == set(NVLINK_KINDS)
 
 
-# How far past the poll budget a poll waits to see whether a call in flight passes its own deadline
-# (that is, is hung rather than slow); at most a quarter of the deadline.
-_HUNG_GRACE = 0.1
-
-
-class _Hung(Exception):
-    """A call passed its deadline (internal)."""
-
-
-class _Superseded(Exception):
-    """A queued job that a newer poll replaced before it started (internal)."""
-
-
-@dataclass
-class _Job:
-    fn: Callable[[], Any]
-    done: threading.Event = field(default_factory=threading.Event)
-    result: Any = None
-    error: BaseException | None = None
-
-
-class _Worker:
-    """One thread per GPU; runs one job at a time and publishes when its current call began.
-
-    One job may wait behind the running one; submitting another replaces the waiting job, which
-    is then done (with :class:`_Superseded`) without running.
-    """
-
-    def __init__(self, name: str, clock: Callable[[], float]) -> None:
-        self._clock = clock
-        self._cv = threading.Condition()
-        self._job: _Job | None = None
-        self.call_started: float | None = None
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[[], Any]) -> _Job:
-        job = _Job(fn)
-        with self._cv:
-            replaced, self._job = self._job, job
-            self._cv.notify()
-        if replaced is not None:
-            replaced.error = _Superseded()
-            replaced.done.set()
-        return job
-
-    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run inside a job: marks the call's start so the deadline can be enforced."""
-        self.call_started = self._clock()
-        try:
-            return fn(*args)
-        finally:
-            self.call_started = None
-
-    def stuck_for(self) -> float:
-        """Seconds the call now running has run; 0 between calls."""
-        started = self.call_started
-        return 0.0 if started is None else self._clock() - started
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while self._job is None:
-                    self._cv.wait()
-                job = self._job
-                self._job = None
-            try:
-                job.result = job.fn()
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting poller
-                job.error = exc
-            job.done.set()
-
-    def wait(self, job: _Job, deadline: float) -> bool:
-        """Wait for ``job``; False when one of its calls has run past ``deadline`` seconds."""
-        while not job.done.wait(timeout=0.05 if self.call_started is None else
-                                max(0.001, deadline - (self._clock() - self.call_started))):
-            started = self.call_started
-            if started is not None and self._clock() - started >= deadline:
-                return False
-        return True
-
-
-class _PollRead:
-    """What one GPU's read has produced so far in one poll.
-
-    The worker adds results as its calls return; the poller closes the read when it reports the
-    GPU. After that the worker makes no further call for this poll. The result of the call that
-    was in flight at the close arrives late: it is kept aside and the GPU's next read reports
-    it (it is at most one call old), so a GPU whose calls are about as slow as the budget still
-    reports something every poll.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.closed = False
-        self.finished = False
-        self.position = 0  # index of the item read last (or being read)
-        self.position_done = False  # whether that call has returned
-        self.began = False  # whether any call was made for this read
-        self.now: dict[str, dict[Any, Any]] = {"values": {}, "errors": {}, "links": {}}
-        self.late: dict[str, dict[Any, Any]] = {"values": {}, "errors": {}, "links": {}}
-
-    def begin(self, position: int) -> bool:
-        """Before a call: False once the poll has reported this GPU (stop reading)."""
-        with self._lock:
-            if self.closed:
-                return False
-            self.position, self.position_done, self.began = position, False, True
-            return True
-
-    def put(self, kind: str, key: Any, value: Any) -> None:
-        """After a call: its result (``kind`` is values, errors or links)."""
-        with self._lock:
-            results = self.late if self.closed else self.now
-            results[kind][key] = value
-            if kind in ("values", "errors"):  # a field read again replaces its older outcome
-                results["errors" if kind == "values" else "values"].pop(key, None)
-            self.position_done = True
-
-    def finish(self) -> bool:
-        """After the last call: True when the read finished before the poll reported it."""
-        with self._lock:
-            self.finished = not self.closed
-            return self.finished
-
-    def close(self) -> tuple[bool, dict[str, float], dict[str, int], dict[tuple[int, str], int]]:
-        """Stop the read; (finished, values, errors, nvlink) as they stand now."""
-        with self._lock:
-            self.closed = True
-            return self.finished, dict(self.now["values"]), dict(self.now["errors"]), dict(self.now["links"])
-
-    def resume(self, into: _PollRead, items: int) -> int:
-        """For the GPU's next read, once this read's job has ended: hand over the late result and
-        return the item to start from (the one after the last call that returned)."""
-        with self._lock:
-            late = {kind: dict(results) for kind, results in self.late.items()}
-            start = self.position + 1 if self.position_done else self.position
-        for kind, results in late.items():
-            for key, value in results.items():
-                into.put(kind, key, value)
-        return start % items if items else 0
-
-
 @dataclass
 class _Gpu:
     index: int
@@ -205,7 +63,7 @@ class _Gpu:
     pci_bus_id: str
     name: str
     serial: str
-    worker: _Worker
+    worker: Worker
     supported: list[str] = field(default_factory=list)
     unsupported: set[str] = field(default_factory=set)
     nvlinks: list[int] = field(default_factory=list)
@@ -214,8 +72,8 @@ class _Gpu:
     batch: list[list[tuple[str, Any, tuple[int, int]]]] = field(default_factory=list)
     link_calls: list[tuple[int, str]] = field(default_factory=list)  # NVLink counters read one call each
     lost: bool = False
-    pending: _Job | None = None  # the latest job, until it is done
-    cut_short: _PollRead | None = None  # the last read, when the poll budget ended it
+    pending: Job | None = None  # the latest job, until it is done
+    cut_short: PollRead | None = None  # the last read, when the poll budget ended it
     counted_stuck_call: float | None = None  # start time of the stuck call already counted
 
 
@@ -270,13 +128,13 @@ class NvmlSource:
         self._xid_events: list[XidEvent] = []
         self._stop = threading.Event()
         self._event_thread: threading.Thread | None = None
-        self._control = _Worker("sentinel-nvml-init", clock)
+        self._control = Worker("sentinel-nvml-init", clock)
 
     # -- start --------------------------------------------------------------------------------
-    def _deadline_call(self, worker: _Worker, fn: Callable[..., Any], *args: Any) -> Any:
+    def _deadline_call(self, worker: Worker, fn: Callable[..., Any], *args: Any) -> Any:
         job = worker.submit(lambda: worker.call(fn, *args))
         if not worker.wait(job, self.deadline):
-            raise _Hung(getattr(fn, "__name__", "nvml call"))
+            raise Hung(getattr(fn, "__name__", "nvml call"))
         if job.error is not None:
             raise job.error
         return job.result
@@ -289,20 +147,20 @@ class NvmlSource:
         nvml = self.nvml
         try:
             self._deadline_call(self._control, nvml.nvmlInit)
-        except _Hung:
+        except Hung:
             raise NvmlUnavailable(f"nvmlInit did not return within {self.deadline:g} s") from None
         except nvml.NVMLError as exc:
             raise NvmlUnavailable(f"nvmlInit failed: {exc}") from None
         try:
             self.driver_version = _text(self._deadline_call(self._control, nvml.nvmlSystemGetDriverVersion))
             count = self._deadline_call(self._control, nvml.nvmlDeviceGetCount)
-        except _Hung:
+        except Hung:
             raise NvmlUnavailable(f"NVML device enumeration did not return within {self.deadline:g} s") from None
         except nvml.NVMLError as exc:
             raise NvmlUnavailable(f"NVML device enumeration failed ({exc})") from None
         probes = []
         for index in range(count):
-            worker = _Worker(f"sentinel-nvml-gpu{index}", self.clock)
+            worker = Worker(f"sentinel-nvml-gpu{index}", self.clock)
             gpu = _Gpu(index, None, f"unknown-{index}", "", "", "", worker)
             self.gpus.append(gpu)
             probes.append((gpu, worker.submit(lambda g=gpu: self._probe(g))))
@@ -417,7 +275,7 @@ class NvmlSource:
         gpu.batch = [kept[i:i + step] for i in range(0, len(kept), step)]
         return {key for what, key, _ in kept if what == "field"}, unsupported
 
-    def _read_batch(self, gpu: _Gpu, chunk: list[tuple[str, Any, tuple[int, int]]], read: _PollRead) -> bool:
+    def _read_batch(self, gpu: _Gpu, chunk: list[tuple[str, Any, tuple[int, int]]], read: PollRead) -> bool:
         """One nvmlDeviceGetFieldValues call; each entry's outcome is its field's. True when the GPU is lost."""
         nvml = self.nvml
         try:
@@ -444,7 +302,7 @@ class NvmlSource:
                 read.put("links", key, int(number))
         return lost
 
-    def _read_group(self, gpu: _Gpu, names: list[str], read: _PollRead) -> bool:
+    def _read_group(self, gpu: _Gpu, names: list[str], read: PollRead) -> bool:
         """One call for the fields that share it (each takes its part); True when the GPU is lost."""
         nvml = self.nvml
         first = self.declared[names[0]]
@@ -471,7 +329,7 @@ class NvmlSource:
             gpu.lost = True
 
     # -- poll ---------------------------------------------------------------------------------
-    def _read(self, gpu: _Gpu, read: _PollRead, cut_short: _PollRead | None) -> None:
+    def _read(self, gpu: _Gpu, read: PollRead, cut_short: PollRead | None) -> None:
         """One poll's read of one GPU, into ``read``; stops when the poll closes ``read``.
 
         Fields and NVLink counters are read as a ring. After a read cut short by the poll
@@ -537,26 +395,32 @@ class NvmlSource:
         ends is reported with what it read so far (the rest missing, never 0) and
         ``errors["poll_budget"] = NVML_ERROR_TIMEOUT``; its worker stops after the call in
         flight. It is ``hung`` only when one call has run past the deadline; the poll waits up
-        to ``_HUNG_GRACE`` past the budget to see a call that is about to cross that line.
+        to ``HUNG_GRACE`` past the budget to see a call that is about to cross that line.
         A GPU still inside such a call is skipped at once (``hung``) until the call returns.
         """
         deadline = self.deadline
         budget_end = self.clock() + deadline
-        reads: list[tuple[_Gpu, _Job | None, _PollRead | None]] = []
+        reads: list[tuple[_Gpu, Job | None, PollRead | None]] = []
         for gpu in self.gpus:
             if gpu.pending is not None and gpu.pending.done.is_set():
                 gpu.pending = None
             if gpu.pending is not None and gpu.worker.stuck_for() >= deadline:
                 reads.append((gpu, None, None))  # still inside a call that passed its deadline
                 continue
-            read = _PollRead()
+            read = PollRead()
             # A read cut short by the last poll may still be in its last call: this one waits behind it.
             gpu.pending = gpu.worker.submit(lambda g=gpu, r=read, c=gpu.cut_short: self._read(g, r, c))
             reads.append((gpu, gpu.pending, read))
+        self._wait(reads, budget_end, deadline)
+        return [self._reading(gpu, job, read, deadline) for gpu, job, read in reads]
+
+    def _wait(self, reads: list[tuple[_Gpu, Job | None, PollRead | None]], budget_end: float, deadline: float) -> None:
+        """Wait for the GPUs' reads until the budget ends, and up to ``HUNG_GRACE`` more for a
+        call that is about to pass its deadline (hung, not only slow)."""
         for _, job, _ in reads:  # the workers run in parallel: this waits once for all of them
             if job is not None:
                 job.done.wait(max(0.0, budget_end - self.clock()))
-        grace_end = budget_end + min(_HUNG_GRACE, deadline / 4)
+        grace_end = budget_end + min(HUNG_GRACE, deadline / 4)
         for gpu, job, _ in reads:
             started = gpu.worker.call_started
             if job is None or started is None or started + deadline > grace_end:
@@ -567,52 +431,39 @@ class NvmlSource:
                 if left <= 0:
                     break
                 job.done.wait(min(left, 0.005))
-        readings = []
-        for gpu, job, read in reads:
-            values: dict[str, float] = {}
-            errors: dict[str, int] = {}
-            links: dict[tuple[int, str], int] = {}
-            finished = failed = False
-            if read is not None:
-                finished, values, errors, links = read.close()
-                failed = job is not None and job.done.is_set() and job.error is not None
-                if failed:
-                    log.error("GPU %d read failed: %r", gpu.index, job.error)
-                    errors["read"] = -1
-                if finished or failed:
-                    gpu.cut_short = None
-                elif read.began:  # else it waited behind the last one all along: resume from that
-                    gpu.cut_short = read
-            hung = False
-            if not finished and not failed:
-                started = gpu.worker.call_started
-                hung = started is not None and self.clock() - started >= deadline
-                if hung and started != gpu.counted_stuck_call:
-                    gpu.counted_stuck_call = started
-                    self._count(("deadline", self.nvml.NVML_ERROR_TIMEOUT))
-                errors["poll_budget"] = self.nvml.NVML_ERROR_TIMEOUT
-                self._count(("poll_budget", self.nvml.NVML_ERROR_TIMEOUT))
-                if len(links) < gpu_link_count(gpu):
-                    links = {}  # the policy sums the counters over links: a partial sum would read as a jump
-            with self._xid_lock:
-                xids = dict(self._xid_counts.get(gpu.index, {}))
-            readings.append(
-                GpuReading(
-                    index=gpu.index,
-                    uuid=gpu.uuid,
-                    pci_bus_id=gpu.pci_bus_id,
-                    name=gpu.name,
-                    serial=gpu.serial,
-                    values=values,
-                    unsupported=frozenset(gpu.unsupported),
-                    errors=errors,
-                    nvlink=links,
-                    xid_counts=xids,
-                    lost=gpu.lost,
-                    hung=hung,
-                )
-            )
-        return readings
+
+    def _reading(self, gpu: _Gpu, job: Job | None, read: PollRead | None, deadline: float) -> GpuReading:
+        """Close one GPU's read and report what it has (see :meth:`poll`)."""
+        values: dict[str, float] = {}
+        errors: dict[str, int] = {}
+        links: dict[tuple[int, str], int] = {}
+        finished = failed = False
+        if read is not None:
+            finished, values, errors, links = read.close()
+            failed = job is not None and job.done.is_set() and job.error is not None
+            if failed:
+                log.error("GPU %d read failed: %r", gpu.index, job.error)
+                errors["read"] = -1
+            if finished or failed:
+                gpu.cut_short = None
+            elif read.began:  # else it waited behind the last one all along: resume from that
+                gpu.cut_short = read
+        hung = False
+        if not finished and not failed:
+            started = gpu.worker.call_started
+            hung = started is not None and self.clock() - started >= deadline
+            if hung and started != gpu.counted_stuck_call:
+                gpu.counted_stuck_call = started
+                self._count(("deadline", self.nvml.NVML_ERROR_TIMEOUT))
+            errors["poll_budget"] = self.nvml.NVML_ERROR_TIMEOUT
+            self._count(("poll_budget", self.nvml.NVML_ERROR_TIMEOUT))
+            if len(links) < gpu_link_count(gpu):
+                links = {}  # the policy sums the counters over links: a partial sum would read as a jump
+        with self._xid_lock:
+            xids = dict(self._xid_counts.get(gpu.index, {}))
+        return GpuReading(index=gpu.index, uuid=gpu.uuid, pci_bus_id=gpu.pci_bus_id, name=gpu.name, serial=gpu.serial,
+                          values=values, unsupported=frozenset(gpu.unsupported), errors=errors, nvlink=links,
+                          xid_counts=xids, lost=gpu.lost, hung=hung)
 
     def drain_xid_events(self) -> list[XidEvent]:
         with self._xid_lock:

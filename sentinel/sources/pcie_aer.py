@@ -15,6 +15,7 @@ from pathlib import Path
 
 from sentinel.readings import KernelEvent
 from sentinel.sources.ebpf import RingProbe
+from sentinel.families import counter
 from sentinel.sources.kernel import KernelSource, run_alone
 
 log = logging.getLogger("sentinel.pcie_aer")
@@ -36,8 +37,13 @@ def read_sysfs_aer(root: Path, bus_id: str) -> dict[str, int]:
     return out
 
 
+PCIE_AER_ERRORS = counter("sentinel_pcie_aer_errors",
+                          "PCIe AER errors by device and severity", "device", "severity")
+
+
 class PcieAerSource(KernelSource):
     name = "pcie_aer"
+    FAMILIES = KernelSource.FAMILIES + (PCIE_AER_ERRORS,)
 
     def __init__(self, *, use_ebpf: bool = True, sysfs_root: Path = Path("/sys/bus/pci/devices")) -> None:
         super().__init__()
@@ -65,7 +71,7 @@ class PcieAerSource(KernelSource):
 
     def _count(self, dev: str, severity: str, n: int) -> None:
         gpu = self.bus_to_gpu.get(dev)
-        self.counts[("sentinel_pcie_aer_errors", (("device", dev), ("severity", severity)))] += n
+        self.counts[PCIE_AER_ERRORS.key(device=dev, severity=severity)] += n
         self.push(event=KernelEvent(kind="aer", source="pcie_aer", gpu=gpu,
                                     detail={"device": dev, "severity": severity, "count": n}))
 

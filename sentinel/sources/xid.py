@@ -27,7 +27,8 @@ from sentinel import signatures
 from sentinel.pci import port_map
 from sentinel.readings import KernelEvent, XidEvent
 from sentinel.sources.ebpf import EbpfUnavailable, RingProbe, tracepoint_exists
-from sentinel.sources.kernel import KernelSource, run_alone
+from sentinel.families import counter
+from sentinel.sources.kernel import KERNEL_EVENTS, KernelSource, run_alone
 from sentinel.sources.kmsg import KmsgReader, KmsgUnavailable
 from sentinel.sources import xidparse
 
@@ -45,8 +46,15 @@ def prefix_cflags(prefixes: tuple[str, ...]) -> dict[str, str]:
     return {f"PREFIX_{i}": f'"{p}"' for i, p in enumerate(prefixes)}
 
 
+KMSG_MALFORMED_LINES = counter("sentinel_kmsg_malformed_lines",
+                               "Kernel log lines that looked like Xid reports but did not parse", "source")
+KMSG_RECORDS_LOST = counter("sentinel_kmsg_records_lost",
+                            "Kernel log records overwritten before the /dev/kmsg fallback read them (gaps in their sequence numbers)")
+
+
 class XidSource(KernelSource):
     name = "xid"
+    FAMILIES = KernelSource.FAMILIES + (KERNEL_EVENTS, KMSG_MALFORMED_LINES, KMSG_RECORDS_LOST)
 
     def __init__(self, *, use_ebpf: bool = True, kmsg_fallback: bool = True, kmsg_path: str = "/dev/kmsg",
                  kmsg_read: Callable[[int, int], bytes] = os.read, catalog: signatures.Catalog | None = None,
@@ -119,7 +127,7 @@ class XidSource(KernelSource):
         dev = bytes(event.dev).split(b"\0", 1)[0].decode("utf-8", "replace")
         msg = bytes(event.msg).split(b"\0", 1)[0].decode("utf-8", "replace")
         if not xidparse.is_pci_name(dev):
-            self.counts[("sentinel_kmsg_malformed_lines", (("source", "ebpf_xid"),))] += 1
+            self.counts[KMSG_MALFORMED_LINES.key(source="ebpf_xid")] += 1
             return
         self._on_line(f"{xidparse.XID_MARKER}PCI:{dev}): {int(event.error_code)}, {msg}", "ebpf_xid")
 
@@ -143,12 +151,12 @@ class XidSource(KernelSource):
     def _on_line(self, text: str, source: str = "kmsg") -> None:
         """One kernel message text (no record header, no timestamp). A report counts only at the
         start of the text: anywhere else it is user text the kernel echoed, and is ignored."""
-        self.counts[("sentinel_kernel_events", (("source", source), ("kind", "line")))] += 1
+        self.counts[KERNEL_EVENTS.key(source=source, kind="line")] += 1
         match = self.catalog.classify(text)
         if match is None or match.kind == "xid":
             self._on_xid_text(text, source)
             return
-        self.counts[("sentinel_kernel_events", (("source", source), ("kind", match.kind)))] += 1
+        self.counts[KERNEL_EVENTS.key(source=source, kind=match.kind)] += 1
         gpu = self.gpu_of(match)
         self.push(event=KernelEvent(kind="kernel_log", source=source, gpu=gpu, detail={
             "signature": match.signature, "kind": match.kind, "severity": match.severity, "action": match.action,
@@ -161,11 +169,11 @@ class XidSource(KernelSource):
         report = xidparse.parse_message(text)
         if report is None:
             if text.lstrip().startswith("NVRM: Xid"):
-                self.counts[("sentinel_kmsg_malformed_lines", (("source", source),))] += 1
+                self.counts[KMSG_MALFORMED_LINES.key(source=source)] += 1
             else:
-                self.counts[("sentinel_kernel_events", (("source", source), ("kind", "xid_not_at_start")))] += 1
+                self.counts[KERNEL_EVENTS.key(source=source, kind="xid_not_at_start")] += 1
             return
-        self.counts[("sentinel_kernel_events", (("source", source), ("kind", "xid")))] += 1
+        self.counts[KERNEL_EVENTS.key(source=source, kind="xid")] += 1
         gpu = self.bus_to_gpu.get(report.pci_bus_id)
         self.push(XidEvent(gpu=gpu, xid=report.xid, source=source, pci_bus_id=report.pci_bus_id,
                            pid=report.pid, process=report.process, message=report.message))
@@ -173,7 +181,7 @@ class XidSource(KernelSource):
     def counters(self):
         out = super().counters()
         if self.kmsg is not None:  # exact: counted from the gaps in the records' sequence numbers
-            out[("sentinel_kmsg_records_lost", ())] = float(self.kmsg.lost)
+            out[KMSG_RECORDS_LOST.key()] = float(self.kmsg.lost)
         return out
 
     def close(self) -> None:

@@ -177,7 +177,11 @@ class Params:
         return self.stage_hours if self.stage_hours is not None else self.stall_seconds_per_gb * self.state_gb_per_gpu / H
 
     def curve_seconds(self, nodes: int) -> float:
+        """The rendezvous protocol of a replacement at ``nodes``: measured (``power``: a * N^b,
+        bench/replacement_scale.py), or a typed/default ``linear``/``log2`` a + b * f(N)."""
         form, a, b = self.restart_curve
+        if form == "power":
+            return max(0.0, a * max(1, nodes) ** b)
         return max(0.0, a + b * CURVES[form](nodes))
 
     def restore_disk_h(self) -> float:
@@ -204,7 +208,7 @@ class Params:
         return max(measured, measured + growth) / H
 
 
-CURVES = {"linear": float, "log2": lambda n: math.log2(max(1, n))}
+CURVES = {"linear": float, "log2": lambda n: math.log2(max(1, n)), "power": None}
 
 
 @dataclass(frozen=True)
@@ -800,11 +804,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--stall-seconds-per-gb", type=float, help="async snapshot stall per GB of state per rank")
     g.add_argument("--write-minutes", type=float, help="fix the checkpoint write time (overrides the bandwidth model)")
     g.add_argument("--detect-seconds", type=float)
-    g.add_argument("--restart-fit", choices=("log2", "linear", "best"), default="log2",
-                   help="growth form of the measured restart curve (default log2: the linear growth measured on one "
-                        "machine is CPU contention, an upper bound; best: the lower residual; docs/goodput.md)")
     g.add_argument("--restart-extra-seconds", type=float, default=120.0,
-                   help="restart cost one machine cannot measure: scheduler, NCCL init at scale, warm-up")
+                   help="typed, GPU-only and cluster terms one machine cannot measure: scheduler, NCCL communicator "
+                        "set-up at scale, data loader and compile warm-up (docs/goodput.md)")
     g.add_argument("--restart-minutes", type=float, help="fix the whole restart from disk (overrides the parts)")
     g.add_argument("--restore-memory-seconds", type=float)
     g.add_argument("--restore-peer-seconds", type=float)
@@ -850,7 +852,7 @@ def params_from(args: argparse.Namespace) -> tuple[Params, dict[str, str], bool]
     defaults = {f.name: getattr(base, f.name) for f in fields(Params)}
     gpus_per_node = base.gpus_per_node
     reports = measured.load_all(args.measured)
-    values, where = measured.resolve(reports, typed, defaults, max(1, args.gpus // gpus_per_node), args.restart_fit)
+    values, where = measured.resolve(reports, typed, defaults, max(1, args.gpus // gpus_per_node))
     p = Params(gpus=args.gpus, days=args.days, rate_per_node_day=PRESETS[args.preset],
                interval_hours=(args.interval_minutes or 30.0) / 60,
                memory_interval_steps=args.memory_interval_steps or 1, step_seconds=args.step_seconds,
@@ -881,13 +883,15 @@ def provenance(p: Params, where: dict[str, str]) -> str:
         "restore_peer_seconds": f"{p.restore_peer_seconds:.2f} s",
         "restore_disk_seconds": f"{p.restore_disk_seconds:.2f} s -> {p.restore_disk_h() * H:.1f} s at {p.nodes:,} nodes",
         "detect_seconds": f"{p.detect_seconds:.3f} s",
-        "restart_curve": f"{p.curve_seconds(p.nodes):.1f} s at {p.nodes:,} nodes (+ extra {p.restart_extra_seconds:g} s, typed "
-                         f"assumption) -> restart from disk {p.restart_h('disk') * H:.0f} s, peer {p.restart_h('peer') * H:.0f} s, "
-                         f"memory {p.restart_h('memory') * H:.0f} s",
+        "restart_curve": f"rendezvous protocol {p.curve_seconds(p.nodes):.3f} s at {p.nodes:,} nodes",
     }
     lines = ["inputs:"]
     for name, text in shown.items():
         lines.append(f"  {name:<25} {text:<62} <- {where.get(name, 'default')}")
+    lines.append(f"  {'restart, term by term':<25} detect {p.detect_seconds:.2f} s + protocol {p.curve_seconds(p.nodes):.3f} s "
+                 f"(measured curve) + extra {p.restart_extra_seconds:g} s (typed: scheduler, NCCL set-up, warm-up) + restore "
+                 f"(disk {p.restore_disk_h() * H:.1f} / peer {p.restore_peer_seconds:.1f} / memory {p.restore_memory_seconds:.1f} s)"
+                 f" = disk {p.restart_h('disk') * H:.0f} s, peer {p.restart_h('peer') * H:.0f} s, memory {p.restart_h('memory') * H:.0f} s")
     for name in ("write_hours", "restart_hours"):
         if name in where:
             lines.append(f"  {name:<25} {getattr(p, name) * 60:.2f} min  <- {where[name]}")
@@ -916,6 +920,9 @@ def main_args(args: argparse.Namespace) -> int:
     print(f"closed-form periodic ETTR: {closed_form_ettr(p):.4f} (at {p.interval_hours * 60:.0f} min); "
           f"Young/Daly interval: {young_daly(p) * 60:.1f} min; P(both replica holders lost | sudden node loss, "
           f"{p.placement}): {double_failure_probability(p):.2e}")
+    from sentinel_tools.sim import placement  # what a far spare and a same-rack replica cost (docs/topology.md)
+
+    print("\n".join(placement.summary_lines(p, runs=min(args.runs, 5), seed=args.seed)))
     if args.size_spares:
         for s in strategies:
             print(f"spares for P(pool dry) < 1 % ({s}): {min_spares(p, runs=args.runs, seed=args.seed, strategy=s)}")

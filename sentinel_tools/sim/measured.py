@@ -22,7 +22,8 @@ MAX_BYTES = 8 << 20
 NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 REPORT_KEYS = {"bench", "version", "created", "host", "figures"}
 BUNDLE_KEYS = {"kind", "version", "created", "host", "reports", "inputs", "notes"}
-CURVE_FIGURE = re.compile(r"^restart_n(\d+)_seconds$")
+# the rendezvous protocol of a one-node replacement over N (bench/replacement_scale.py, Sentinel's handler)
+PROTOCOL_FIGURE = re.compile(r"^replacement_protocol_n(\d+)_seconds$")
 
 
 class MeasuredError(ValueError):
@@ -78,7 +79,7 @@ INPUTS: tuple[Input, ...] = (
           "assumed 1 s"),
 )
 BY_FIELD = {i.field: i for i in INPUTS}
-CURVE_NOTE = "assumed a flat 10 s (log2 form, no growth)"
+CURVE_NOTE = "assumed a flat 10 s (no growth): run bench/replacement_scale.py --json"
 
 
 def _fail(path: str, what: str) -> MeasuredError:
@@ -153,7 +154,7 @@ def load(path: str | Path) -> list[Report]:
 def uses(report: Report) -> list[str]:
     """The simulator inputs this report measures."""
     got = [i.field for i in INPUTS if any(name in report.figures for name, _ in i.figures)]
-    if sum(1 for name in report.figures if CURVE_FIGURE.match(name)) >= 2:
+    if sum(1 for name in report.figures if PROTOCOL_FIGURE.match(name)) >= 2:
         got.append("restart_curve")
     return got
 
@@ -166,35 +167,27 @@ def load_all(paths: list[str]) -> list[Report]:
         if not any(uses(r) for r in reports):
             benches = ", ".join(sorted({r.bench for r in reports}))
             raise _fail(path, f"{benches} measures none of the simulator's inputs; it takes "
-                              f"{', '.join(sorted({n for i in INPUTS for n, _ in i.figures}))} and restart_n<N>_seconds for "
-                              "two or more N (bench/rendezvous_scale.py)")
+                              f"{', '.join(sorted({n for i in INPUTS for n, _ in i.figures}))} and replacement_protocol_n<N>_seconds "
+                              "for two or more N (bench/replacement_scale.py)")
         out.extend(reports)
     return out
 
 
-def fit_curve(points: dict[int, float], form: str = "best") -> tuple[tuple[str, float, float], dict[str, tuple[float, float, float]]]:
-    """Least-squares restart curves a + b*f(N) through (nodes, seconds); returns the chosen
-    (form, a, b) and every fit as form -> (a, b, rms). ``best`` picks the lower rms."""
-    transforms = {"linear": float, "log2": math.log2}
-    ns = sorted(points)
-    fits = {}
-    for name, tf in transforms.items():
-        xs, ys = [tf(n) for n in ns], [points[n] for n in ns]
-        mx, my = statistics.fmean(xs), statistics.fmean(ys)
-        sxx = sum((x - mx) ** 2 for x in xs)
-        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
-        a = my - b * mx
-        rms = math.sqrt(statistics.fmean((a + b * x - y) ** 2 for x, y in zip(xs, ys)))
-        fits[name] = (a, b, rms)
-    chosen = min(fits, key=lambda k: fits[k][2]) if form == "best" else form
-    if chosen not in fits:
-        raise ValueError(f"restart fit must be best, linear or log2, not {form!r}")
-    a, b, _ = fits[chosen]
-    return (chosen, a, b), fits
+def fit_power(points: dict[int, float]) -> tuple[float, float, float]:
+    """Least squares of log y = log a + b log N through (nodes, seconds): the measured protocol
+    curve as a * N^b. Returns (a, b, rms of the log residual). No choice of form: the exponent is
+    what the measurement says (close to 0 for a protocol whose cost does not grow)."""
+    pts = [(math.log(n), math.log(max(v, 1e-6))) for n, v in sorted(points.items())]
+    mx, my = statistics.fmean(x for x, _ in pts), statistics.fmean(y for _, y in pts)
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    b = sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx else 0.0
+    la = my - b * mx
+    rms = math.sqrt(statistics.fmean((la + b * x - y) ** 2 for x, y in pts))
+    return math.exp(la), b, rms
 
 
-def resolve(reports: list[Report], typed: dict[str, object], defaults: dict[str, object], nodes: int,
-            curve_form: str = "best") -> tuple[dict[str, object], dict[str, str]]:
+def resolve(reports: list[Report], typed: dict[str, object], defaults: dict[str, object],
+            nodes: int) -> tuple[dict[str, object], dict[str, str]]:
     """Params values for every measurable input and a line per input saying where it came from."""
     values: dict[str, object] = {}
     where: dict[str, str] = {}
@@ -228,19 +221,20 @@ def resolve(reports: list[Report], typed: dict[str, object], defaults: dict[str,
     points: dict[int, float] = {}
     source = None
     for report in reports:
-        pts = {int(m.group(1)): v for name, v in report.figures.items() if (m := CURVE_FIGURE.match(name))}
+        pts = {int(m.group(1)): v for name, v in report.figures.items() if (m := PROTOCOL_FIGURE.match(name))}
         if len(pts) >= 2:
             points, source = pts, report
     if source is None:
         values["restart_curve"], where["restart_curve"] = defaults["restart_curve"], f"default: {CURVE_NOTE}"
         return values, where
     for n, v in points.items():
-        if n < 1 or v < 0:
-            raise _fail(source.path, f"restart_n{n}_seconds = {v!r}: nodes and seconds must be positive")
-    curve, fits = fit_curve(points, curve_form)
-    values["restart_curve"] = curve
-    at = {k: a + b * (n if k == "linear" else math.log2(max(1, n))) for k, (a, b, _) in fits.items() for n in [nodes]}
-    where["restart_curve"] = (f"measured: {source.path} ({source.bench}: restart_n{{{','.join(map(str, sorted(points)))}}}_seconds), "
-                              f"{curve[0]} fit {curve[1]:.2f} + {curve[2]:.3f}*{'N' if curve[0] == 'linear' else 'log2 N'}; "
-                              f"at {nodes:,} nodes: " + ", ".join(f"{k} {v:,.1f} s (rms {fits[k][2]:.2f})" for k, v in at.items()))
+        if n < 1 or v <= 0:
+            raise _fail(source.path, f"replacement_protocol_n{n}_seconds = {v!r}: nodes and seconds must be positive")
+    a, b, rms = fit_power(points)
+    values["restart_curve"] = ("power", a, b)
+    top = max(points)
+    at = a * nodes ** b
+    where["restart_curve"] = (f"measured: {source.path} ({source.bench}: replacement_protocol_n{{{','.join(map(str, sorted(points)))}}}"
+                              f"_seconds), {a:.4g} * N^{b:.2f} (rms {rms:.2f} in log); at {nodes:,} nodes {at:.3f} s"
+                              + (f", extrapolated beyond the {top:,} measured" if nodes > top else ""))
     return values, where

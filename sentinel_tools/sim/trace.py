@@ -53,6 +53,7 @@ KINDS = ("predicted", "sudden", "process", "none")
 UNITS = {"seconds": 1 / 3600, "hours": 1.0, "days": 24.0}  # to hours
 EVENTS = ("fault_start", "fault_end")
 MAX_BYTES = 64 << 20
+MAX_NODES = 1_000_000  # a declared node count (each quiet node is a row of the layout)
 _NORM = re.compile(r"[^a-z0-9]+")
 _NATURAL = re.compile(r"(\d+)")
 
@@ -169,11 +170,12 @@ def natural_key(node: str) -> tuple:
 def load_trace(path: str) -> Trace:
     """Read and check a trace; every fault is a TraceError naming the file and line."""
     try:
-        raw = Path(path).read_bytes()
+        with open(path, "rb") as f:
+            raw = f.read(MAX_BYTES + 1)  # never more: a FIFO or /dev/zero is refused, not read for ever
     except OSError as exc:
         raise TraceError(f"{path}: cannot read the trace: {exc.strerror}") from None
     if len(raw) > MAX_BYTES:
-        raise TraceError(f"{path}: {len(raw):,} bytes, more than the {MAX_BYTES:,} a trace may have")
+        raise TraceError(f"{path}: more than the {MAX_BYTES:,} bytes a trace may have")
     text = raw.decode("utf-8", errors="replace")
     if text.lstrip().startswith(("[", "{")):
         rows, unit, duration, nodes = _json_rows(path, text)
@@ -191,10 +193,12 @@ def _declared_nodes(path: str, nodes, trace: Trace) -> list[str]:
         if not all(isinstance(n, (str, int)) and not isinstance(n, bool) and str(n) for n in nodes):
             raise TraceError(f"{path}: nodes must be a count or a list of node ids")
         return [str(n) for n in nodes]
-    try:
-        count = int(nodes)
-    except (TypeError, ValueError):
-        raise TraceError(f"{path}: nodes must be a count or a list of node ids, not {nodes!r}") from None
+    if isinstance(nodes, str) and nodes.strip().isdigit() and len(nodes.strip()) <= 9:  # a CSV '# nodes: 512'
+        nodes = int(nodes)
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or not 0 <= nodes <= MAX_NODES:
+        raise TraceError(f"{path}: nodes must be a count (a whole number up to {MAX_NODES:,}) or a list of node ids, "
+                         f"not {nodes!r}")
+    count = nodes
     named = {e.node for e in trace.events}
     if count < len(named):
         raise TraceError(f"{path}: nodes = {count}, but the events name {len(named)} nodes")
@@ -313,6 +317,9 @@ def _check(path: str, rows: list[tuple[int, dict]], unit: str | None, duration: 
         events.append(e)
     if not events:
         raise TraceError(f"{path}: no events")
+    if duration is not None and (isinstance(duration, bool) or not isinstance(duration, (int, float))
+                                 or not math.isfinite(duration)):
+        raise TraceError(f"{path}: duration must be a finite number, not {duration!r}")
     span = last if duration is None else float(duration) * UNITS[unit or "hours"]
     if span < last or span <= 0:
         raise TraceError(f"{path}: duration {duration!r} ends before the last event")

@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -38,13 +39,16 @@ def main() -> int:
     ap.add_argument("--exit-at", type=int, default=-1)
     ap.add_argument("--slow-rank", type=int, default=-1, help="this rank's replica copy is throttled")
     ap.add_argument("--slow-bytes-per-second", type=float, default=20_000.0)
+    ap.add_argument("--hold-copies", action="store_true",
+                    help="--slow-rank's replica copies wait until the last step is done (a partner that never "
+                         "keeps up, whatever the load on this host: every memory snapshot after the first is late)")
     ap.add_argument("--step-seconds", type=float, default=0.0)
     ap.add_argument("--slow-disk-seconds", type=float, default=0.0,
                     help="every disk snapshot write takes this much longer (a slow shared filesystem)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=180))  # --hold-copies: peers wait in a receive
     if args.slow_disk_seconds > 0:
         import torch.distributed.checkpoint as dcp
 
@@ -56,6 +60,17 @@ def main() -> int:
 
         dcp.save = slow_save
     rank, world = dist.get_rank(), dist.get_world_size()
+    copies_released = threading.Event()
+    if args.hold_copies and rank == args.slow_rank:
+        from trainer.memory.replicator import Replicator
+
+        exchange = Replicator._exchange
+
+        def held(self, pairs):
+            copies_released.wait(120)
+            return exchange(self, pairs)
+
+        Replicator._exchange = held
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.manual_seed(1234)
     model = TinyTransformer(256, 64, 2, 4)
@@ -87,6 +102,7 @@ def main() -> int:
         pad = args.step_seconds - (time.perf_counter() - t0)
         if pad > 0:
             time.sleep(pad)
+    copies_released.set()
     guard.close()  # writes a disk snapshot still owed at the end: the summary comes after it
     summary = {"rank": rank, "start": start, "restore": guard.restore_summary(), "memory": guard.memory_summary(),
                "resumed_from": str(guard.resumed_from or ""), "max_step_seconds": max(step_times, default=0.0),

@@ -17,7 +17,8 @@ Parts, one per concern (each imports only those above it):
 * :mod:`~trainer.memory.slot` — the slot format: header, names, :class:`SlotInfo` (pure);
 * :mod:`~trainer.memory.plan` — restore planning and ring placement (pure: no torch, no I/O);
 * :mod:`~trainer.memory.layout` — a state dict as tensors at fixed offsets of a slot;
-* :mod:`~trainer.memory.holder` — a node's tmpfs directory, its inventory and the mapped slots;
+* :mod:`~trainer.memory.place` — where a node's holder is: its directory, its owner, its id (pure);
+* :mod:`~trainer.memory.holder` — a holder's inventory and the mapped slots;
 * :mod:`~trainer.memory.replicator` — the background copy to the ring partner and the agreement;
 * :mod:`~trainer.memory.tier` — :class:`MemoryTier`, one rank's side: setup, snapshot, restore.
 
@@ -34,9 +35,10 @@ _EXPORTS = {
     "slot": ("MAGIC", "VERSION", "EMPTY", "WRITING", "COMPLETE", "FIXED_LEN", "ALIGN", "OWN_SLOTS", "REPLICA_SLOTS",
              "META_ROOM", "OWN", "REPLICA", "MemoryTierError", "MemoryBudgetError", "SlotInfo", "slot_name",
              "parse_name", "data_offset"),
-    "plan": ("DISK", "RestorePlan", "plan_restore", "ring_partners"),
+    "plan": ("DISK", "RestorePlan", "placed_partners", "plan_restore", "ring_partners"),
     "layout": ("Leaf", "Layout"),
-    "holder": ("MADV_POPULATE_WRITE", "Slot", "default_holder_dir", "ensure_holder", "holder_id", "inventory"),
+    "place": ("default_holder_dir", "ensure_holder", "holder_id"),
+    "holder": ("MADV_POPULATE_WRITE", "Slot", "inventory"),
     "replicator": ("CHUNK", "HEAD_BYTES", "Replicator"),
     "tier": ("RestoreResult", "MemoryTier"),
 }

@@ -17,13 +17,13 @@ import mmap
 import os
 import stat
 import struct
-import threading
 import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from trainer.memory.place import default_holder_dir, ensure_holder, holder_id  # noqa: F401 - the old names
 from trainer.memory.slot import (
     COMPLETE, EMPTY, FIXED, FIXED_LEN, MAGIC, VERSION, WRITING, MemoryBudgetError, MemoryTierError, SlotInfo,
     data_offset, parse_header, parse_name,
@@ -121,55 +121,6 @@ def _populate(mm: mmap.mmap, buf: torch.Tensor) -> None:
         if buf.numel():
             buf[::mmap.PAGESIZE].sum()
 
-
-
-def default_holder_dir() -> Path:
-    env = os.environ.get("SENTINEL_MEMORY_DIR")
-    return Path(env) if env else Path("/dev/shm") / f"sentinel-{os.geteuid()}"
-
-
-def ensure_holder(path: Path) -> Path:
-    """Create the holder directory (0700) or check an existing one: ours, a real directory, not
-    writable by anyone else. /dev/shm is world-writable: another user may have planted the name."""
-    path = Path(os.path.abspath(path))
-    try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-    except OSError as exc:
-        raise MemoryTierError(f"cannot create the memory holder {path}: {exc.strerror}") from None
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise MemoryTierError(f"memory holder {path} is not a directory (a symlink?); remove it or set SENTINEL_MEMORY_DIR")
-    if st.st_uid != os.geteuid():
-        raise MemoryTierError(f"memory holder {path} is owned by uid {st.st_uid}, not {os.geteuid()}; "
-                              f"remove it or set SENTINEL_MEMORY_DIR")
-    if st.st_mode & 0o077:
-        raise MemoryTierError(f"memory holder {path} is open to others (mode {stat.S_IMODE(st.st_mode):04o}); "
-                              f"fix: chmod 700 {path}")
-    return path
-
-
-def holder_id(path: Path) -> str:
-    """A stable id of one node's holder: its random id file (created once)."""
-    idfile = path / "holder-id"
-    if not os.path.lexists(idfile):
-        # Every rank of the node gets here at once: the id is written to a private temporary file
-        # and linked into place (atomic, fails if present), so no rank ever reads a half-written id.
-        tmp = path / f".holder-id.{os.getpid()}.{threading.get_native_id()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(os.urandom(12).hex())
-        try:
-            os.link(tmp, idfile)
-        except FileExistsError:
-            pass  # another rank of this node was first: its id is the node's
-        finally:
-            os.unlink(tmp)
-    fd = os.open(idfile, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    with os.fdopen(fd) as f:
-        text = f.read(64).strip()
-    if not text or any(c not in "0123456789abcdef" for c in text):
-        raise MemoryTierError(f"{idfile} is not a holder id; remove it")
-    return text
 
 
 def inventory(path: Path, *, run: str, world: int) -> tuple[list[SlotInfo], dict[str, int]]:

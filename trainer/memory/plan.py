@@ -3,13 +3,15 @@ shard has. No torch and no I/O: it decides from the holders' inventories and the
 
 Placement: rank ``r`` on node ``n`` (``n = r // L``, ``L`` ranks per node, torchrun's order)
 sends its shard to the rank with the same local rank on node ``(n + 1) mod N`` and holds the shard
-of the same local rank on node ``(n - 1) mod N`` (:func:`ring_partners`).
+of the same local rank on node ``(n - 1) mod N`` (:func:`ring_partners`) — or, with a topology
+(``SENTINEL_TOPOLOGY``), on the node :func:`sentinel.topology.replica_plan` picks: another rack
+or power domain, as near in the network as that allows (:func:`placed_partners`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from trainer.memory.slot import OWN, SlotInfo
 
@@ -90,3 +92,11 @@ def ring_partners(rank: int, world: int, local_world: int) -> tuple[int, int]:
     node, local = divmod(rank, local_world)
     return ((node + 1) % nodes) * local_world + local, ((node - 1) % nodes) * local_world + local
 
+
+
+def placed_partners(rank: int, world: int, local_world: int, holder_of_node: Sequence[int]) -> tuple[int, int]:
+    """(send to, receive from) when node ``n``'s replicas live on node ``holder_of_node[n]`` (a
+    permutation without fixed points, :class:`sentinel.topology.ReplicaPlan`): same local rank."""
+    node, local = divmod(rank, local_world)
+    source = holder_of_node.index(node) if len(holder_of_node) > 1 else node
+    return holder_of_node[node] * local_world + local, source * local_world + local

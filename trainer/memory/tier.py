@@ -3,10 +3,13 @@ replicator, and restore (collective) from this node's memory or a peer's replica
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import socket
 import stat
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,9 +18,10 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from trainer.memory.holder import Slot, ensure_holder, holder_id, inventory
+from trainer.memory.holder import Slot, inventory
+from trainer.memory.place import ensure_holder, holder_id
 from trainer.memory.layout import Layout, copy_all, encode, get_path, local, path_key, walk
-from trainer.memory.plan import DISK, RestorePlan, plan_restore, ring_partners
+from trainer.memory.plan import DISK, RestorePlan, placed_partners, plan_restore
 from trainer.memory.replicator import CHUNK, Job, Replicator, collective
 from trainer.memory.slot import (
     COMPLETE, EMPTY, OWN, OWN_SLOTS, REPLICA, REPLICA_SLOTS, MemoryBudgetError, MemoryTierError, data_offset,
@@ -55,14 +59,21 @@ class MemoryTier:
 
     def __init__(self, directory: str | os.PathLike, *, run_id: str, rank: int, world: int, local_world: int,
                  group: Any, bytes_per_second: float = 0.0, timeout: float = 120.0,
-                 metrics_file: str | os.PathLike | None = None) -> None:
+                 metrics_file: str | os.PathLike | None = None, node_name: str | None = None,
+                 topology_file: str | os.PathLike | None = None) -> None:
         if local_world < 1 or world % local_world:
             raise MemoryTierError(f"world size {world} is not a whole number of nodes of {local_world} ranks")
         self.dir = ensure_holder(Path(directory))
         self.holder = holder_id(self.dir)
         self.run, self.rank, self.world, self.local_world = run_id, rank, world, local_world
         self.nodes = world // local_world
-        self.send_to, self.recv_from = ring_partners(rank, world, local_world)
+        # where each node's replicas go: the ring (n + 1) mod N until setup() agrees on a topology's plan
+        self.node_name = node_name or os.environ.get("SENTINEL_NODE") or socket.gethostname()
+        topology_file = topology_file if topology_file is not None else os.environ.get("SENTINEL_TOPOLOGY", "")
+        self.topology_file = str(topology_file)
+        self.node_holder: list[int] = [(n + 1) % self.nodes for n in range(self.nodes)]
+        self.placement: list[str] = []  # the agreed placement, one line per node (printed by rank 0 at setup)
+        self.send_to, self.recv_from = placed_partners(rank, world, local_world, self.node_holder)
         self.group = group
         self.bytes_per_second = bytes_per_second
         self.timeout = timeout
@@ -100,16 +111,19 @@ class MemoryTier:
         reusable = sum(self._existing(slot_name(OWN, self.rank, i)) for i in range(OWN_SLOTS))
         st = os.statvfs(self.dir)
         free = st.f_bavail * st.f_frsize
-        mine = (self.holder, str(self.dir), layout.data_len, free, reusable)
+        topology_bytes, topology_problem = self._read_topology()
+        digest = hashlib.sha256(topology_bytes).hexdigest() if topology_bytes else topology_problem
+        mine = (self.holder, str(self.dir), layout.data_len, free, reusable, self.node_name, digest)
         everyone = self._gather(mine)
         self.holders = [e[0] for e in everyone]
+        self._place(everyone, topology_bytes)
         replica_len = everyone[self.recv_from][2]
         for r, e in enumerate(everyone):  # every rank judges every holder: one verdict everywhere
-            everyone[r] = (*e, everyone[ring_partners(r, self.world, self.local_world)[1]][2])
+            everyone[r] = (*e, everyone[self.partners(r)[1]][2])
         short = []
         for h in dict.fromkeys(self.holders):
             on_h = [e for e in everyone if e[0] == h]
-            need = sum(self.need_bytes(e[2], e[5]) for e in on_h)
+            need = sum(self.need_bytes(e[2], e[7]) for e in on_h)
             have = on_h[0][3] + sum(e[4] for e in on_h)
             if need > have:
                 short.append(f"{on_h[0][1]} (node of rank(s) {[r for r in range(self.world) if self.holders[r] == h]}) "
@@ -128,6 +142,56 @@ class MemoryTier:
         self.replicator = Replicator(self.group, self.send_to, self.recv_from, self.replicas,
                                      bytes_per_second=self.bytes_per_second, timeout=self.timeout)
         self._write_metrics()
+
+    def partners(self, rank: int) -> tuple[int, int]:
+        """(send to, receive from) of ``rank`` under the agreed placement."""
+        return placed_partners(rank, self.world, self.local_world, self.node_holder)
+
+    def _read_topology(self) -> tuple[bytes, str]:
+        if not self.topology_file:
+            return b"", ""
+        try:
+            with open(self.topology_file, "rb") as f:
+                return f.read(16 << 20), ""
+        except OSError as exc:
+            return b"", f"unreadable: {exc.strerror or exc}"
+
+    def _place(self, everyone: list[tuple], topology_bytes: bytes) -> None:
+        """Every rank decides from the same gathered facts (node names, the topology file's
+        digest as each rank read it), so every rank reaches the same plan: the topology's when
+        every rank read the same file and it places the nodes, else the ring."""
+        from sentinel import topology
+
+        names = [everyone[n * self.local_world][5] for n in range(self.nodes)]
+        digests = {e[6] for e in everyone}
+        why = ""
+        plan = None
+        if not self.topology_file or self.nodes < 2:
+            return
+        if len(digests) != 1:
+            why = f"the ranks read different topology files ({len(digests)} versions; {self.topology_file})"
+        elif not topology_bytes:
+            why = f"{self.topology_file}: {next(iter(digests))}"
+        elif len(set(names)) != len(names):
+            why = f"node names are not unique ({names}): set SENTINEL_NODE on each node"
+        else:
+            try:
+                topo = topology.merge(topology.parse_text(topology_bytes.decode(), self.topology_file))
+            except (topology.TopologyError, UnicodeDecodeError) as exc:
+                why = f"the topology cannot be used: {exc}"
+            else:
+                plan = topology.replica_plan(topo, names)
+                if not plan.topology_used:
+                    why = f"{self.topology_file} places none of the job's nodes {names}"
+        if plan is not None and plan.topology_used:
+            self.node_holder = list(plan.holder)
+            self.placement = plan.lines(topo) + [f"replica kept in its own failure domain (no room elsewhere): {n}"
+                                                 for n in plan.shared]
+        else:
+            self.placement = [f"ring (n + 1) mod N: {why}"]
+        self.send_to, self.recv_from = self.partners(self.rank)
+        if self.rank == 0:  # printed at start, once per job (re)start
+            print("sentinel memory tier: replica placement\n  " + "\n  ".join(self.placement), file=sys.stderr, flush=True)
 
     def _existing(self, name: str) -> int:
         try:
@@ -267,7 +331,7 @@ class MemoryTier:
             return  # one rank per node cleans
         for r in local_ranks:
             keep |= {slot_name(OWN, r, i) for i in range(OWN_SLOTS)}
-            keep |= {slot_name(REPLICA, ring_partners(r, self.world, self.local_world)[1], i) for i in range(REPLICA_SLOTS)}
+            keep |= {slot_name(REPLICA, self.partners(r)[1], i) for i in range(REPLICA_SLOTS)}
         for name in os.listdir(self.dir):
             if parse_name(name) is not None and name not in keep:
                 try:

@@ -1,0 +1,117 @@
+"""The root textfile recipe (deploy/node_exporter/sentinel-memory-textfile) exports only what a
+job's user wrote into that user's own holder: planted directories named like a holder, links and
+other users' files are skipped, and only lines of the one metric are copied, with the uid."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import REPO, SYSTEM_PYTHON
+
+pytestmark = pytest.mark.needs_root
+
+SCRIPT = REPO / "deploy" / "node_exporter" / "sentinel-memory-textfile"
+JOB_UID = 65534  # nobody: the job's user
+LINE = 'sentinel_trainer_memory_snapshot_bytes{rank="%d",copy="own"} %d\n'
+
+
+def as_user(user, argv):
+    if user is None:
+        r = subprocess.run(argv, user=JOB_UID, group=JOB_UID, extra_groups=[], capture_output=True, text=True, timeout=30)
+    else:
+        r = user.run(argv)
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+def test_the_recipe_exports_only_holders_their_users_own(attacker, shared_tmp):
+    shm = shared_tmp / "shm"
+    shm.mkdir()
+    shm.chmod(0o1777)  # as /dev/shm
+    run_user = shared_tmp / "run-user"
+    run_user.mkdir()
+    out = shared_tmp / "textfile"
+    out.mkdir()
+    a = attacker.uid
+    # the job's own holder (what trainer.memory creates) and its /run/user one
+    as_user(None, ["sh", "-c", f"mkdir -m 700 {shm}/sentinel-{JOB_UID} && printf '{LINE % (0, 111)}' > {shm}/sentinel-{JOB_UID}/metrics-rank0.prom"])
+    (run_user / str(JOB_UID)).mkdir(mode=0o700)
+    os.chown(run_user / str(JOB_UID), JOB_UID, JOB_UID)
+    as_user(None, ["sh", "-c", f"mkdir -m 700 {run_user}/{JOB_UID}/sentinel && printf '{LINE % (1, 222)}' > {run_user}/{JOB_UID}/sentinel/metrics-rank1.prom"])
+    # the attacker: holders named for the job's uid, a link to the real one, its own open directory,
+    # a name that is not a holder, and its own holder with a foreign series in it
+    plant = " && ".join([
+        f"mkdir -m 700 {shm}/sentinel-{JOB_UID}-deadbeef",
+        f"printf '{LINE % (0, 999)}' > {shm}/sentinel-{JOB_UID}-deadbeef/metrics-rank0.prom",
+        f"ln -s {shm}/sentinel-{JOB_UID}-deadbeef {shm}/sentinel-{JOB_UID}-cafe",
+        f"mkdir -m 755 {shm}/sentinel-{a}-00",
+        f"printf '{LINE % (0, 998)}' > {shm}/sentinel-{a}-00/metrics-rank0.prom",
+        f"mkdir -m 700 {shm}/sentinel-evil",
+        f"printf '{LINE % (0, 997)}' > {shm}/sentinel-evil/metrics-rank0.prom",
+        f"mkdir -m 700 {shm}/sentinel-{a}",
+        f"printf '{LINE % (3, 333)}node_load1 999\\n' > {shm}/sentinel-{a}/metrics-rank3.prom",
+        f"ln -s /etc/passwd {shm}/sentinel-{a}/metrics-rank4.prom",
+    ])
+    as_user(attacker, ["sh", "-c", plant])
+    r = subprocess.run([str(SCRIPT), str(out)], capture_output=True, text=True, timeout=60,
+                       env={"PATH": "/usr/bin:/bin", "SENTINEL_SHM": str(shm), "SENTINEL_RUN_USER": str(run_user)})
+    assert r.returncode == 0, r.stderr
+    text = (out / "sentinel_memory.prom").read_text()
+    samples = sorted(line for line in text.splitlines() if not line.startswith("#"))
+    assert samples == sorted([
+        f'sentinel_trainer_memory_snapshot_bytes{{uid="{JOB_UID}",rank="0",copy="own"}} 111',
+        f'sentinel_trainer_memory_snapshot_bytes{{uid="{JOB_UID}",rank="1",copy="own"}} 222',
+        f'sentinel_trainer_memory_snapshot_bytes{{uid="{a}",rank="3",copy="own"}} 333',  # its own job, as itself
+    ])
+    assert (out / "sentinel_memory.prom").stat().st_mode & 0o777 == 0o644
+    assert [p.name for p in out.iterdir()] == ["sentinel_memory.prom"]  # no temporary left behind
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is needed to check the exposition (apt-get install prometheus)"
+    check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_a_file_swapped_for_a_link_after_the_checks_is_read_with_the_users_rights(attacker, shared_tmp):
+    """The user owns its holder, so it can swap a checked file for a link between the recipe's
+    checks and its read. Root then read the link's target: here a root-only file whose line
+    would be exported (a /dev/zero or FIFO there would have grown or stalled root's job). The
+    file is read as its owner, at most 4 KiB, with a time limit."""
+    shm = shared_tmp / "shm"
+    shm.mkdir()
+    shm.chmod(0o1777)
+    out = shared_tmp / "textfile"
+    out.mkdir()
+    secret_dir = shared_tmp / "root-only"
+    secret_dir.mkdir(mode=0o700)
+    secret = secret_dir / "x.prom"
+    secret.write_text(LINE % (9, 424242))
+    holder = shm / f"sentinel-{attacker.uid}"
+    stop = shared_tmp / "stop"
+    swapper = attacker.popen([SYSTEM_PYTHON, "-c", f"""
+import os, time
+d, f = {str(holder)!r}, {str(holder / 'metrics-rank0.prom')!r}
+os.mkdir(d, 0o700)
+end = time.monotonic() + 60
+while time.monotonic() < end and not os.path.exists({str(stop)!r}):
+    with open(d + "/tmp", "w") as t:
+        t.write({LINE % (0, 1)!r})
+    os.replace(d + "/tmp", f)
+    os.symlink({str(secret)!r}, d + "/lnk")
+    os.replace(d + "/lnk", f)
+"""])
+    try:
+        leaked = 0
+        for _ in range(40):
+            r = subprocess.run([str(SCRIPT), str(out)], capture_output=True, text=True, timeout=60,
+                               env={"PATH": "/usr/bin:/bin", "SENTINEL_SHM": str(shm),
+                                    "SENTINEL_RUN_USER": str(shared_tmp / "none")})
+            assert r.returncode == 0, r.stderr
+            leaked += "424242" in (out / "sentinel_memory.prom").read_text()
+        assert leaked == 0, f"root exported a root-only file's line through a swapped link in {leaked} of 40 runs"
+    finally:
+        stop.touch()
+        swapper.wait(timeout=90)

@@ -1,0 +1,559 @@
+"""Rank-preserving rendezvous: a replacement costs each survivor a constant number of store ops.
+
+    python -m trainer.elastic -- --rdzv-backend sentinel --nnodes N:N --rdzv-endpoint HOST:PORT ...
+
+torch's dynamic rendezvous (``c10d``, ``etcd-v2``) keeps the whole membership in one blob that every
+agent reads, changes and compare-and-sets: a membership change is a round of O(N) retries of O(N)
+bytes each (O(N^2) store work) and re-numbers the ranks. Here the job's membership is N **slots**:
+
+* slot ``i`` is group rank ``i`` for as long as the job runs; a spare that replaces a departed
+  node takes the departed node's slot (same group rank, so the same local/global worker ranks and
+  the same ring and tree neighbours);
+* membership changes in **generations**. Generation ``f`` is committed when every slot has
+  *arrived* in it: an arrival is one ``compare_set`` of the node's own key ``g<f>/s<slot>`` (no
+  other node writes it, so it never conflicts) plus one ``add`` of the counter ``g<f>/n``; the
+  arrival that brings the counter to N writes the record ``g<f>`` and ``latest``. Everyone else
+  learns the generation with one ``wait`` on ``g<f>`` and one ``get`` of it.
+* a survivor's next rendezvous is: ``get latest``, ``compare_set`` its arrival, ``add``,
+  ``wait``, ``get`` — 5 store operations whatever N is (6 when it was behind by a generation);
+* a node that leaves (``leave()``, the agent does it when drained) marks its slot in the forming
+  generation ``LEFT:<id>`` and posts a vacancy; the k-th vacancy goes to the spare holding the
+  k-th spare ticket, which ``compare_set``-s the slot from ``LEFT:<id>`` to itself. Several
+  departures in one generation are several vacancies of the same generation: the generation
+  commits once all are filled.
+
+Recovery (off the fast path, done by one *watcher*: the first arrival of a generation, or anyone
+who waited 3 x ``admission_timeout``): after ``admission_timeout`` seconds without a commit it
+re-offers a vacancy whose spare did not claim it (a spare that died mid-admission) and declares
+vacant a slot that neither arrived nor advanced its heartbeat over a whole timeout (a node that
+died without leaving; one that never beat gets ``NO_BEAT_PASSES`` timeouts). That costs the watcher
+O(N) ``check`` operations, once per timeout. Never in generation 1 (nodes may still be starting):
+``join_timeout`` bounds the first join, as torch's does.
+
+A node whose slot was given away (it was declared dead, or replaced, and came back) is refused
+with :class:`SlotTakenError` (a ``RendezvousGracefulExitError``: its agent exits, the job goes on).
+
+**When torch's handler is used instead** (``create_handler`` returns torch's
+``DynamicRendezvousHandler`` on the same store): when ``--nnodes`` is a range (``MIN < MAX``: an
+elastic job that shrinks and grows needs re-numbering, which slots deliberately do not do), or
+with ``--rdzv-conf slots=off``. The job's first join uses this module's own counter protocol (one
+``add`` for a slot number, then an arrival), not torch's.
+
+Store: torch's c10d TCPStore, through torch's own c10d backend factory (``is_host``,
+``store_type`` and timeouts as for ``--rdzv-backend c10d``). etcd is not supported by this handler.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable
+
+from torch.distributed import PrefixStore, Store, TCPStore
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousGracefulExitError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+    rendezvous_handler_registry,
+)
+
+log = logging.getLogger("sentinel.rendezvous")
+
+BACKEND = "sentinel"
+LEFT = "LEFT:"
+NO_BEAT_PASSES = 10
+
+
+class SlotTakenError(RendezvousGracefulExitError):
+    """This node's slot belongs to another node in a newer generation (it was replaced or declared
+    dead): it must not re-join. Its agent exits; the job goes on without it."""
+
+
+@dataclass
+class OpStats:
+    """Store operations one handler made (every protocol op goes through :class:`CountingStore`)."""
+
+    ops: dict[str, int] = field(default_factory=dict)
+    bytes_out: int = 0
+    bytes_in: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+    def snapshot(self) -> tuple[int, int, int]:
+        return self.total, self.bytes_out, self.bytes_in
+
+
+class CountingStore:
+    """A c10d store seen through the operations the protocol makes: counts ops and bytes.
+    Thread-safe counters (the heartbeat thread counts into the same stats)."""
+
+    def __init__(self, store: Any, stats: OpStats | None = None) -> None:
+        self.store = store
+        self.stats = stats or OpStats()
+        self._lock = threading.Lock()
+
+    def _count(self, op: str, out: int, got: int = 0) -> None:
+        with self._lock:
+            self.stats.ops[op] = self.stats.ops.get(op, 0) + 1
+            self.stats.bytes_out += out
+            self.stats.bytes_in += got
+
+    def get(self, key: str) -> bytes:
+        v = self.store.get(key)
+        self._count("get", len(key), len(v))
+        return v
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.store.set(key, value)
+        self._count("set", len(key) + len(value))
+
+    def add(self, key: str, n: int) -> int:
+        v = self.store.add(key, n)
+        self._count("add", len(key) + 8, 8)
+        return v
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        v = self.store.compare_set(key, expected, desired)
+        self._count("compare_set", len(key) + len(expected) + len(desired), len(v))
+        return v
+
+    def check(self, keys: list[str]) -> bool:
+        v = self.store.check(keys)
+        self._count("check", sum(map(len, keys)), 1)
+        return v
+
+    def wait(self, keys: list[str], timeout: timedelta) -> None:
+        try:
+            self.store.wait(keys, timeout)
+        finally:
+            self._count("wait", sum(map(len, keys)), 1)
+
+    def clone(self, stats: OpStats | None = None) -> "CountingStore":
+        """A second connection (its own socket: a heartbeat is never queued behind a wait)."""
+        clone = getattr(self.store, "clone", None)
+        return CountingStore(clone() if clone is not None else self.store, stats)
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    return "timeout" in str(exc).lower() or "timed out" in str(exc).lower()
+
+
+class SlotRendezvousHandler(RendezvousHandler):
+    """N slots, generations, one wait per survivor (module docstring). Blocking calls take at
+    most ``join_timeout`` and raise ``RendezvousTimeoutError``; every wait is cut into chunks of
+    ``admission_timeout`` so a closed rendezvous (``RendezvousClosedError``) and recovery are seen."""
+
+    def __init__(self, store: Store, run_id: str, nodes: int, *, local_addr: str | None = None,
+                 join_timeout: float = 600.0, keep_alive_interval: float = 5.0, keep_alive_max_attempt: int = 3,
+                 admission_timeout: float | None = None, node_id: str | None = None,
+                 server_factory: Callable[[str], Any] | None = None) -> None:
+        if not run_id:
+            raise ValueError("the run id must be a non-empty string")
+        if nodes < 1:
+            raise ValueError(f"nodes must be >= 1, not {nodes}")
+        if join_timeout <= 0 or keep_alive_interval <= 0 or keep_alive_max_attempt < 1:
+            raise ValueError("join_timeout and keep_alive_interval must be > 0, keep_alive_max_attempt >= 1")
+        self._raw = store
+        self.stats = OpStats()  # the protocol's operations
+        self.heartbeat_stats = OpStats()  # keep-alives, counted apart
+        self._store = CountingStore(store, self.stats)
+        self.run_id = run_id
+        self.nodes = nodes
+        self.addr = local_addr or socket.getfqdn()
+        self.node_id = node_id or f"{self.addr}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.join_timeout = join_timeout
+        self.keep_alive_interval = keep_alive_interval
+        self.admission_timeout = admission_timeout or keep_alive_interval * keep_alive_max_attempt
+        self.slot: int | None = None
+        self.gen = 0
+        self._p = f"sentinel.rdzv.{run_id}"
+        self._servers: dict[int, Any] = {}  # generation -> the workers' TCPStore server (slot 0 hosts it)
+        self._server_factory = server_factory or self._tcp_server
+        self._hb_stop: threading.Event | None = None
+        self._hb_thread: threading.Thread | None = None
+        self._hb_count = 0
+        self._hb_store: CountingStore | None = None
+        self._next_server: tuple[threading.Thread, dict[str, Any]] | None = None
+        self._forming = 0
+        self._first = False
+        self._no_beat: dict[int, int] = {}
+        self._arrived: tuple[int, int] | None = None
+        self.last_round: dict[str, Any] = {}
+
+    # -- keys ------------------------------------------------------------------------------------------
+    def _k(self, *parts: object) -> str:
+        return "/".join([self._p, *map(str, parts)])
+
+    # -- RendezvousHandler -------------------------------------------------------------------------
+    def get_backend(self) -> str:
+        return BACKEND
+
+    @property
+    def use_agent_store(self) -> bool:
+        """Workers connect to the store slot 0's agent starts for each generation (no prefix needed:
+        a new store per generation)."""
+        return True
+
+    def get_run_id(self) -> str:
+        return self.run_id
+
+    def is_closed(self) -> bool:
+        return self._store.check([self._k("closed")])
+
+    def set_closed(self) -> None:
+        self._store.set(self._k("closed"), "1")
+
+    def shutdown(self) -> bool:
+        self._stop_heartbeats()
+        try:
+            self.set_closed()
+            return True
+        except RuntimeError as exc:  # the store is gone: nothing left to close
+            log.warning("could not close the rendezvous: %s", exc)
+            return False
+
+    def num_nodes_waiting(self) -> int:
+        """Nodes that arrived in the next generation (a spare that claimed a slot, a peer that
+        restarts): one ``add(key, 0)``. A healthy agent that sees > 0 restarts its workers."""
+        if self.slot is None:
+            return 0
+        return int(self._store.add(self._k(f"g{self.gen + 1}", "n"), 0))
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        t0 = time.monotonic()
+        before = self.stats.snapshot()
+        deadline = t0 + self.join_timeout
+        self._stop_heartbeats()
+        if self.is_closed():
+            raise RendezvousClosedError(f"rendezvous {self.run_id} is closed")
+        role = "survivor"
+        if self.slot is None:
+            role = self._join_or_wait_as_spare(deadline)
+            f = self._forming
+        else:
+            f = self._survivor_arrive()
+        record = self._await(f, deadline)
+        self.gen = f
+        self._servers = {g: s for g, s in self._servers.items() if g >= f}
+        self._start_heartbeats()
+        if self.slot == 0:
+            self._prepare_server()  # for the next generation
+        after = self.stats.snapshot()
+        self.last_round = {"role": role, "generation": f, "slot": self.slot, "seconds": time.monotonic() - t0,
+                           "ops": after[0] - before[0], "bytes": after[1] + after[2] - before[1] - before[2]}
+        log.info("generation %d: slot %d of %d (%s, %d store ops, %.3f s)", f, self.slot, self.nodes, role,
+                 self.last_round["ops"], self.last_round["seconds"])
+        store = PrefixStore(self._k(f"g{f}", "agents"), self._raw)
+        return RendezvousInfo(store, self.slot, self.nodes,
+                              RendezvousStoreInfo(record["master_addr"], int(record["master_port"])))
+
+    # -- arrivals ------------------------------------------------------------------------------------
+    def _info(self, f: int) -> str:
+        if self.slot != 0:
+            return json.dumps({"id": self.node_id})
+        server = self._servers.get(f)
+        if server is None:
+            server = self._servers[f] = self._take_server()
+        return json.dumps({"id": self.node_id, "addr": self.addr, "port": server.port})
+
+    def _prepare_server(self) -> None:
+        """Start the next generation's workers' store now, in a thread: starting a TCPStore server
+        connects to itself, and a connect took 5 s in 1 of 40 tries on a loaded host (c10d's
+        connect retry) — on the critical path of every waiting node if done inside the round."""
+        if self._next_server is not None:
+            return
+        box: dict[str, Any] = {}
+
+        def make() -> None:
+            try:
+                box["server"] = self._server_factory(self.addr)
+            except RuntimeError as exc:  # taken inline again, where its error is raised
+                box["error"] = exc
+
+        thread = threading.Thread(target=make, name="sentinel-rdzv-next-store", daemon=True)
+        thread.start()
+        self._next_server = (thread, box)
+
+    def _take_server(self) -> Any:
+        if self._next_server is not None:
+            thread, box = self._next_server
+            self._next_server = None
+            thread.join()
+            if "server" in box:
+                return box["server"]
+        return self._server_factory(self.addr)
+
+    @staticmethod
+    def _tcp_server(addr: str) -> Any:
+        return TCPStore(host_name=addr, port=0, is_master=True, multi_tenant=True, wait_for_workers=False)
+
+    def _claim(self, f: int, expected: str) -> bool:
+        """Claim this node's slot in generation ``f`` (``expected``: "" or the departed node's
+        ``LEFT:`` mark): one compare_set of a key only this slot's claimants write, one add. True
+        when the slot is ours; a re-arrival (the same node calling again in the same generation)
+        finds its own mark and does not count twice."""
+        self._forming = f
+        info = self._info(f)
+        got = self._store.compare_set(self._k(f"g{f}", f"s{self.slot}"), expected, info).decode()
+        if got != info:
+            return False
+        if self._arrived != (f, self.slot):
+            self._arrived = (f, self.slot)
+            n = self._store.add(self._k(f"g{f}", "n"), 1)
+            self._first = n == 1
+            if n == self.nodes:
+                self._commit(f)
+        return True
+
+    def _commit(self, f: int) -> None:
+        host = json.loads(self._info(f) if self.slot == 0 else self._store.get(self._k(f"g{f}", "s0")))
+        record = json.dumps({"gen": f, "nodes": self.nodes, "master_addr": host["addr"], "master_port": host["port"]})
+        self._store.set(self._k(f"g{f}"), record)
+        self._store.set(self._k("latest"), str(f))
+
+    def _survivor_arrive(self) -> int:
+        latest = int(self._store.get(self._k("latest")))
+        if latest != self.gen:  # behind: still a member of the latest generation?
+            mark = self._store.get(self._k(f"g{latest}", f"s{self.slot}")).decode()
+            if mark.startswith(LEFT) or json.loads(mark).get("id") != self.node_id:
+                raise SlotTakenError(f"slot {self.slot} belongs to another node since generation {latest}")
+        f = latest + 1
+        if not self._claim(f, ""):
+            raise SlotTakenError(f"slot {self.slot} was given to another node in generation {f}")
+        return f
+
+    def _join_or_wait_as_spare(self, deadline: float) -> str:
+        if not self._store.check([self._k("latest")]):
+            t = self._store.add(self._k("join"), 1)
+            if t <= self.nodes:
+                self.slot = t - 1
+                if not self._claim(1, ""):
+                    raise SlotTakenError(f"slot {self.slot} of the first generation is taken")
+                return "first join"
+        return self._spare(deadline)
+
+    def _spare(self, deadline: float) -> str:
+        """Wait for a vacancy (the one matching this spare's ticket) and claim its slot."""
+        self._prepare_server()  # in case the slot is 0
+        while True:
+            t = self._store.add(self._k("spares"), 1)
+            vkey = self._k("vacancy", t)
+            self._wait_key(vkey, deadline, f"a vacancy for spare ticket {t}")
+            vac = json.loads(self._store.get(vkey))
+            self.slot = vac["slot"]
+            f = vac["gen"]
+            if self._claim(f, vac["left"]):
+                if self.slot != 0:
+                    self._next_server = None  # never hosts the workers' store: let it go
+                return "spare"
+            log.info("vacancy %d (slot %d) was filled by another spare; taking a new ticket", t, self.slot)
+            self._servers.pop(f, None)
+            self.slot = None
+
+    # -- waiting, recovery ------------------------------------------------------------------------------
+    def _wait_key(self, key: str, deadline: float, what: str) -> None:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RendezvousTimeoutError(f"rendezvous {self.run_id}: no {what} within {self.join_timeout:g} s")
+            try:
+                self._store.wait([key], timedelta(seconds=min(left, self.admission_timeout)))
+                return
+            except RuntimeError as exc:
+                if not _is_timeout(exc):
+                    raise
+            if self.is_closed():
+                raise RendezvousClosedError(f"rendezvous {self.run_id} is closed")
+
+    def _await(self, f: int, deadline: float) -> dict:
+        key = self._k(f"g{f}")
+        start = time.monotonic()
+        watch: dict[int, bytes | None] = {}
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RendezvousTimeoutError(f"rendezvous {self.run_id}: generation {f} not complete within "
+                                             f"{self.join_timeout:g} s")
+            try:
+                self._store.wait([key], timedelta(seconds=min(left, self.admission_timeout)))
+                return json.loads(self._store.get(key))
+            except RuntimeError as exc:
+                if not _is_timeout(exc):
+                    raise
+            if self.is_closed():
+                raise RendezvousClosedError(f"rendezvous {self.run_id} is closed")
+            # generation 1 has no recovery: its nodes may still be starting (importing torch, being
+            # scheduled) and never had a heartbeat; join_timeout bounds it, as with torch's first join
+            if f > 1 and (self._first or time.monotonic() - start >= 3 * self.admission_timeout):
+                watch = self._recover(f, watch)
+
+    def _recover(self, f: int, seen: dict[int, bytes | None]) -> dict[int, bytes | None]:
+        """The watcher's pass over generation ``f`` (O(N) checks, once per admission timeout):
+        re-offer an unclaimed vacancy whose spare ticket was taken, declare vacant a slot that did
+        not arrive and whose heartbeat did not move since the last pass. Returns heartbeats seen."""
+        now: dict[int, bytes | None] = {}
+        tickets = int(self._store.add(self._k("spares"), 0))
+        vacancies = int(self._store.add(self._k("vacancies"), 0))
+        for s in range(self.nodes):
+            key = self._k(f"g{f}", f"s{s}")
+            if self._store.check([key]):
+                mark = self._store.get(key).decode()
+                if mark.startswith(LEFT) and tickets >= vacancies:
+                    # its vacancy went to a spare ticket, and nobody claimed it: that spare is gone
+                    log.warning("generation %d: slot %d still vacant after %g s: offering it again", f, s,
+                                self.admission_timeout)
+                    self._post_vacancy(s, f, mark)
+                    vacancies += 1
+                continue
+            hb_key = self._k("hb", s)
+            hb = self._store.get(hb_key) if self._store.check([hb_key]) else None
+            now[s] = hb
+            # unchanged over a whole pass; a slot with no heartbeat at all (its first beat connects
+            # in the background) gets NO_BEAT_PASSES passes before it counts as dead
+            if hb is None:
+                self._no_beat[s] = self._no_beat.get(s, 0) + 1
+            if s in seen and seen[s] == hb and (hb is not None or self._no_beat[s] >= NO_BEAT_PASSES):
+                mark = LEFT + (hb.decode().rsplit(":", 1)[0] if hb else "unknown")
+                got = self._store.compare_set(key, "", mark).decode()
+                if got == mark:
+                    log.warning("generation %d: slot %d neither arrived nor sent a heartbeat for %g s: vacant",
+                                f, s, self.admission_timeout)
+                    self._post_vacancy(s, f, mark)
+                    vacancies += 1
+        return now
+
+    def _post_vacancy(self, slot: int, f: int, mark: str) -> None:
+        v = self._store.add(self._k("vacancies"), 1)
+        self._store.set(self._k("vacancy", v), json.dumps({"slot": slot, "gen": f, "left": mark}))
+
+    # -- leaving ----------------------------------------------------------------------------------------
+    def leave(self) -> str:
+        """Give this node's slot up: mark it ``LEFT`` in the forming generation and post a vacancy
+        for a spare. If this node had already arrived there, the vacancy is for the generation
+        after (that one commits with this node in it, its workers never start, and the next
+        generation takes the spare). Says what it did."""
+        self._stop_heartbeats()
+        if self.slot is None:
+            return "was not in a slot"
+        latest = int(self._store.get(self._k("latest")))
+        mark = LEFT + self.node_id
+        for f in (latest + 1, latest + 2):
+            got = self._store.compare_set(self._k(f"g{f}", f"s{self.slot}"), "", mark).decode()
+            if got == mark:
+                self._post_vacancy(self.slot, f, mark)
+                slot, self.slot = self.slot, None
+                return f"left slot {slot}: vacant in generation {f}"
+            if got.startswith(LEFT):
+                return f"slot {self.slot} already vacant in generation {f}"
+        return f"slot {self.slot}: generation {latest + 2} already claimed (not left)"
+
+    # -- heartbeats -----------------------------------------------------------------------------------
+    def _start_heartbeats(self) -> None:
+        """A thread that sets ``hb/<slot>`` every ``keep_alive_interval``, on a second connection
+        made once, by the thread (a connect can take seconds under load: never inside a round)."""
+        self._stop_heartbeats()
+        stop = threading.Event()
+        key, slot, node = self._k("hb", self.slot), self.slot, self.node_id
+
+        def beat() -> None:
+            failures = 0
+            while True:
+                self._hb_count += 1
+                try:
+                    if self._hb_store is None:
+                        self._hb_store = self._store.clone(self.heartbeat_stats)
+                    self._hb_store.set(key, f"{node}:{self._hb_count}")
+                except RuntimeError as exc:  # the store is unreachable: the watcher decides, not us
+                    failures += 1
+                    if failures == 1:
+                        log.warning("slot %d: heartbeat failed (said once): %s", slot, exc)
+                if stop.wait(self.keep_alive_interval):
+                    return
+
+        self._hb_stop = stop
+        self._hb_thread = threading.Thread(target=beat, name=f"sentinel-rdzv-hb-{slot}", daemon=True)
+        self._hb_thread.start()
+
+    def _stop_heartbeats(self) -> None:
+        if self._hb_stop is not None:
+            self._hb_stop.set()
+            self._hb_stop = None
+
+
+# -- creation through torch's registry ------------------------------------------------------------------
+def _seconds(params: RendezvousParameters, key: str, default: float) -> float:
+    raw = params.get(key, default)
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"--rdzv-conf {key}={raw!r}: not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:  # nan would make every deadline never pass
+        raise ValueError(f"--rdzv-conf {key}={raw!r}: must be a finite number > 0")
+    return value
+
+
+def _count(params: RendezvousParameters, key: str, default: int) -> int:
+    raw = params.get(key, default)
+    text = str(raw).strip()
+    if isinstance(raw, bool) or not text.isdigit() or len(text) > 6 or int(text) < 1:
+        raise ValueError(f"--rdzv-conf {key}={raw!r}: must be a whole number >= 1")
+    return int(text)
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """``--rdzv-backend sentinel``: the slot handler on torch's c10d store, or torch's own
+    ``DynamicRendezvousHandler`` on the same store when the job's size is a range or
+    ``--rdzv-conf slots=off`` (module docstring)."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend, create_backend
+
+    slots = str(params.get("slots", "on")).lower()
+    if slots not in ("on", "off"):
+        raise ValueError(f"--rdzv-conf slots={slots!r}: must be on or off")
+    _, store = create_backend(params)
+    if slots == "off" or params.min_nodes != params.max_nodes:
+        why = "slots=off" if slots == "off" else f"--nnodes {params.min_nodes}:{params.max_nodes} is a range"
+        log.info("rendezvous: torch's dynamic rendezvous (%s)", why)
+
+        class FallbackBackend(C10dRendezvousBackend):
+            """torch's c10d backend (same state key, same protocol) under this backend's name, which
+            torch's registry checks against ``--rdzv-backend``."""
+
+            @property
+            def name(self) -> str:
+                return BACKEND
+
+        return dynamic_rendezvous.create_handler(store, FallbackBackend(store, params.run_id), params)
+    return SlotRendezvousHandler(
+        store, params.run_id, params.max_nodes, local_addr=params.local_addr,
+        join_timeout=_seconds(params, "join_timeout", 600.0),
+        keep_alive_interval=_seconds(params, "keep_alive_interval", 5.0),
+        keep_alive_max_attempt=_count(params, "keep_alive_max_attempt", 3),
+        admission_timeout=_seconds(params, "admission_timeout", 0.0) if params.get("admission_timeout") else None)
+
+
+def register() -> None:
+    """Make ``--rdzv-backend sentinel`` known to torch's registry (idempotent)."""
+    try:
+        rendezvous_handler_registry.register(BACKEND, create_handler)
+    except ValueError:
+        pass  # already registered (by this function, or torchrun's entry point)
+
+
+def torchrun_entry_point() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """The ``torchrun.handlers`` entry point: plain torchrun finds ``--rdzv-backend sentinel``."""
+    return create_handler
