@@ -76,3 +76,35 @@ def test_split_from_step_boundaries_and_collective_times():
     bounds = [(0, 0, False), (1, 10 * s, False), (2, 20 * s, True)]
     created = {1: 2 * s, 2: 7 * s, 3: 12 * s, 4: 19 * s}
     assert split_steps(bounds, created) == [(1, 10.0, 7.0, False), (2, 10.0, 9.0, True)]
+
+
+def test_a_collective_that_fails_after_the_verdict_leaves_as_the_verdict_says(store):
+    """A peer that left on the verdict closes its connections first; this rank's training
+    collective then raises before its own watch has left. The exception waits for the verdict
+    and the rank leaves with EXIT_HANG (an undecided verdict leaves the exception to Python)."""
+    import sys
+
+    from sentinel.hang import Verdict
+    from trainer.progress import EXIT_HANG, JobWatch
+
+    exits, shown = [], []
+    job = JobWatch(endpoint=None, rank=0, world=1, control_group=None, exit=exits.append,
+                   hang=HangSettings(timeout_seconds=10, gather_seconds=0.2))
+    clock, verdicts = Clock(), []
+    prog, job.watch = make(store, clock, 0, 2, verdicts, prefix="x")
+    job.watch.tick = 0.01  # the wait for the watch thread to leave (it never does here) stays short
+    before = sys.excepthook
+    sys.excepthook = lambda kind, value, tb: shown.append(kind)  # what Python would do: print it
+    try:
+        job._hold_exceptions()  # what the watch calls on suspicion
+        job.watch.verdict = Verdict("stopped", (1,), ("n1",), "rank 1 did not answer")
+        sys.excepthook(RuntimeError, RuntimeError("Connection closed by peer"), None)
+        assert exits == [EXIT_HANG] and shown == []
+        job.watch.verdict = Verdict("unknown", (), (), "every rank in one collective")
+        sys.excepthook(RuntimeError, RuntimeError("timeout"), None)
+        assert exits == [EXIT_HANG] and shown == [RuntimeError]
+        job.close()
+        sys.excepthook(ValueError, ValueError("after close"), None)
+        assert exits == [EXIT_HANG] and shown == [RuntimeError, ValueError]
+    finally:
+        sys.excepthook = before

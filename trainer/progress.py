@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections import deque
@@ -260,12 +261,13 @@ class HangWatch:
 
     def __init__(self, progress: Progress, store: Any, prefix: str, *, settings: HangSettings = HangSettings(),
                  on_verdict: Callable[[Verdict], None] | None = None, tick: float = 0.5,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, on_suspect: Callable[[], None] | None = None) -> None:
         self.progress = progress
         self.store = store
         self.prefix = prefix.rstrip("/") + "/"
         self.settings = settings
         self.on_verdict = on_verdict
+        self.on_suspect = on_suspect
         self.tick = tick
         self.clock = clock
         self.suspected_at: float | None = None
@@ -316,6 +318,8 @@ class HangWatch:
             self.suspected_at = self.clock()
             log.error("no step completed for %.1f s (T = %.1f s) after step %d: suspecting a hang", idle,
                       self.timeout, p.last_step)
+            if self.on_suspect is not None:
+                self.on_suspect()
             mine = p.entered()
             for r in (round_, round_ + 1):  # a rank that finished a step more than we did looks in r+1
                 self.store.set(self._key(f"report/{r}/{p.rank}"), mine.encode())
@@ -384,8 +388,10 @@ class JobWatch:
         self.inflight: Callable[[], Any] = lambda: None  # the guard's disk write in flight (JobWatch.open)
         self._seen_inflight: Any = None
         if store is not None and world > 1:
-            self.watch = HangWatch(self.progress, store, prefix, settings=self.hang_settings, on_verdict=self._on_verdict)
+            self.watch = HangWatch(self.progress, store, prefix, settings=self.hang_settings, on_verdict=self._on_verdict,
+                                   on_suspect=self._hold_exceptions)
             self.watch.start()
+        self._excepthook: Any = None  # the hook _hold_exceptions replaced
 
     @classmethod
     def open(cls, guard: Any, **kw: Any) -> "JobWatch":
@@ -454,6 +460,33 @@ class JobWatch:
         logging.shutdown()
         self.exit(EXIT_HANG)
 
+    def _hold_exceptions(self) -> None:
+        """On suspicion (the training thread is stuck in a collective): a peer that leaves on the
+        verdict first closes its connections, and this rank's collective then fails before its own
+        watch has left. That failure must not pre-empt the verdict: the training thread's uncaught
+        exception waits for the watch to decide and leave (:data:`EXIT_HANG`, after reporting)."""
+        if self._excepthook is None:
+            self._excepthook = sys.excepthook
+            sys.excepthook = self._after_verdict
+
+    def _after_verdict(self, kind: type, value: BaseException, tb: Any) -> None:
+        watch = self.watch
+        wait = self.hang_settings.gather_seconds * 2 + (watch.tick * 4 if watch is not None else 0.0)
+        deadline = time.monotonic() + wait
+        while watch is not None and time.monotonic() < deadline:  # the watch thread leaves the process
+            if watch.verdict is not None and not watch.verdict.decided:
+                break
+            time.sleep(0.05)
+        if watch is not None and watch.verdict is not None and watch.verdict.decided:
+            log.error("the training collective failed after the hang verdict (%s); leaving (exit %d)", kind.__name__,
+                      EXIT_HANG)
+            logging.shutdown()
+            self.exit(EXIT_HANG)
+            return
+        (self._excepthook or sys.__excepthook__)(kind, value, tb)
+
     def close(self) -> None:
+        if self._excepthook is not None and sys.excepthook == self._after_verdict:
+            sys.excepthook = self._excepthook
         if self.watch is not None:
             self.watch.stop()
