@@ -47,13 +47,13 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300))
     from sentinel.channel import NullEndpoint
     from sentinel.hang import HangSettings
-    from trainer.progress import JobWatch, group_key
+    from trainer.progress import JobWatch
 
     control = dist.new_group(backend="gloo")
     watch = JobWatch(endpoint=NullEndpoint(), rank=rank, world=world, control_group=control,
                      # T of an hour: the "off" blocks call no on_step, which must not look like a hang;
                      # the watch thread polls the store all the same
-                     exclude=(group_key(control),), every=args.every, hang=HangSettings(timeout_seconds=3600), store=store,
+                     every=args.every, hang=HangSettings(timeout_seconds=3600), store=store,
                      prefix="sentinel/hang/bench", node=f"node{rank // 2}")
     a = torch.randn(128, 128)
     grads = torch.randn(64 * 1024)

@@ -271,9 +271,10 @@ class GroupTrace:
 
 
 def parse_flight_recorder(dump: str | bytes | Mapping[str, Any]) -> dict[str, GroupTrace]:
-    """``torch._C._distributed_c10d._dump_fr_trace_json()`` (or its already parsed dict) -> per
-    process group what this rank last entered. Keys are the group names (``default_pg`` for the
-    world group; torch names other groups by their id). Raises ValueError for anything else.
+    """``torch._C._distributed_c10d._dump_fr_trace_json()`` (or its parsed dict, or the unpickled
+    ``_dump_fr_trace()``, which has tuples for lists) -> per process group what this rank last
+    entered. Keys are the group names (``default_pg`` for the world group; torch names other
+    groups by their id). Raises ValueError for anything else.
 
     Entries in state ``scheduled`` were entered; NCCL also records ``started`` and ``completed``
     (``time_discovered_completed_ns`` > 0); gloo only records ``scheduled`` entries, with
@@ -291,7 +292,7 @@ def parse_flight_recorder(dump: str | bytes | Mapping[str, Any]) -> dict[str, Gr
             continue
         seq = e.get("collective_seq_id")
         pg = e.get("process_group")
-        if not isinstance(seq, int) or not isinstance(pg, list) or len(pg) != 2:
+        if not isinstance(seq, int) or not isinstance(pg, (list, tuple)) or len(pg) != 2:
             raise ValueError(f"flight recorder entry without collective_seq_id/process_group: {dict(e)}")
         pg_id, name = str(pg[0]), str(pg[1])
         key = name if name not in ("", "undefined") else pg_id

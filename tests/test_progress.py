@@ -71,11 +71,22 @@ def test_all_in_one_collective_is_said_but_not_stored(store):
     assert not store.check(["q/verdict/7"])
 
 
-def test_split_from_step_boundaries_and_collective_times():
+def test_compute_is_the_step_less_the_waits_for_the_last_rank_to_enter():
+    """Two steps of 10 s; this rank entered collectives at 2 s and 7 s of step 1 (the last rank
+    entered them at 6 s and 7 s: it waited 4 s) and at 19 s of step 2 (it was the last)."""
+    from sentinel.hang import GroupTrace
+    from trainer.progress import FR_SLOTS, window_entries
+
     s = 1_000_000_000
     bounds = [(0, 0, False), (1, 10 * s, False), (2, 20 * s, True)]
-    created = {1: 2 * s, 2: 7 * s, 3: 12 * s, 4: 19 * s}
-    assert split_steps(bounds, created) == [(1, 10.0, 7.0, False), (2, 10.0, 9.0, True)]
+    traces = {"default_pg": GroupTrace("0", "default_pg", 4, "gloo:all_reduce", 4, {1: 2 * s, 2: 7 * s, 3: 19 * s, 4: 21 * s}),
+              "5": GroupTrace("5", "5", 9, "gloo:all_gather", 9, {9: 3 * s})}
+    mine = window_entries(bounds, traces, exclude={"5"})
+    assert mine == {1: 2 * s, 2: 7 * s, 3: 19 * s}  # seq 4 is after the window; group 5 is a background one
+    assert window_entries(bounds, traces)[5 * FR_SLOTS + 9] == 3 * s  # the same slot on every rank
+    latest = {1: 6.0 * s, 2: 7.0 * s, 3: 19.0 * s}
+    assert split_steps(bounds, mine, latest) == [(1, 10.0, 6.0, False), (2, 10.0, 10.0, True)]
+    assert split_steps(bounds, {}, {}) == []  # no collective compared: the step is left out
 
 
 def test_a_collective_that_fails_after_the_verdict_leaves_as_the_verdict_says(store):

@@ -12,11 +12,17 @@ Contract
   communication time over the window.
 * Compute vs communication comes from torch's flight recorder where it is on
   (``TORCH_FR_BUFFER_SIZE`` or ``TORCH_NCCL_TRACE_BUFFER_SIZE`` > 0 when the process group was
-  created; gloo and NCCL alike in torch 2.13): a rank's *compute* time in a step is from the step
-  boundary to the moment it entered the step's last training collective; the rest is
-  communication (mostly waiting for the slowest rank). Without the recorder the split is unknown
-  and the step time stands in for compute (the scores then only see a slow node through its
-  individual score). The guard's own groups are excluded.
+  created; gloo and NCCL alike in torch 2.13). Every collective a rank entered in the window has
+  its entry time there; one all_reduce MAX on the control group gives each the job's latest
+  entry, so each rank knows how long it waited in every collective for the last rank to enter.
+  A rank's *compute* time in a step is the step time less those waits: the slowest rank, whom
+  everyone waits for, keeps its whole step. (Entry times are wall clocks: ranks on different
+  hosts compare them to within their clock sync, NTP's milliseconds or PTP's microseconds.)
+  Without the recorder the split is unknown and the step time stands in for compute (the scores
+  then only see a slow node through its individual score). The groups the guard uses from
+  background threads (disk save, memory replica) are excluded; the control group, used by the
+  training thread, counts. The dump is budgeted (``fr_budget`` of the window's time): the ranks
+  agree to skip the same windows when it costs more, and a skipped window is not scored.
 * :class:`HangWatch` is a daemon thread. When no step completed on this rank for T
   (:func:`sentinel.hang.hang_timeout`), it writes what this rank last entered (its last completed
   step, the flight recorder's last collective per group) into the job's rendezvous store (a key
@@ -32,7 +38,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import pickle
 import socket
 import sys
 import threading
@@ -51,7 +59,8 @@ from sentinel.hang import (Entered, HangSettings, Verdict, find_culprit, hang_ti
 log = logging.getLogger("sentinel.trainer.progress")
 
 EXIT_HANG = 76  # the exit status of a rank that abandoned a hung collective
-FIELDS = ("step", "step_seconds", "compute_seconds", "comm_seconds", "samples", "snapshot_steps", "since_start")
+FIELDS = ("step", "step_seconds", "compute_seconds", "comm_seconds", "samples", "snapshot_steps", "since_start",
+          "fr_skip")
 
 
 def flight_recorder_on() -> bool:
@@ -67,12 +76,12 @@ def dump_flight_recorder() -> dict[str, Any] | None:
     if not flight_recorder_on():
         return None
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json
+        from torch._C._distributed_c10d import _dump_fr_trace
     except ImportError:
         return None
-    try:
-        return json.loads(_dump_fr_trace_json(True, True))
-    except (RuntimeError, ValueError) as exc:
+    try:  # torch's own bytes from this process; no stack traces (about 0.2 ms for 64 entries)
+        return pickle.loads(_dump_fr_trace(True, False, False))
+    except (RuntimeError, ValueError, pickle.UnpicklingError) as exc:
         log.debug("flight recorder dump failed: %s", exc)
         return None
 
@@ -88,22 +97,45 @@ def group_key(group: Any) -> str:
     return name
 
 
-def split_steps(boundaries: list[tuple[int, int, bool]], created_ns: Mapping[int, int]) -> list[tuple[int, float, float, bool]]:
-    """Pure: (step, step seconds, compute seconds, snapshot) per step from the step boundaries
-    ``(step, wall ns at the end of that step, snapshot)`` in order, and the training group's
-    collectives' creation times (seq -> ns). Compute is from the previous boundary to the last
-    collective entered before this one; a step without a collective is left out."""
+FR_SLOTS = 64  # collectives per group per window whose entry times the ranks compare
+FR_GROUPS = 8  # groups compared (by pg id modulo this)
+
+
+def window_entries(boundaries: list[tuple[int, int, bool]], traces: Mapping[str, Any],
+                   exclude: set[str] = frozenset()) -> dict[int, int]:
+    """Pure: slot -> entry wall ns of each collective this rank entered within the window (after
+    the first step boundary, up to the last), from :func:`sentinel.hang.parse_flight_recorder`'s
+    traces. A slot is ``(pg id % FR_GROUPS) * FR_SLOTS + seq % FR_SLOTS``: the same collective has
+    the same slot on every rank (the last FR_SLOTS of each group in the window)."""
+    if len(boundaries) < 2:
+        return {}
+    lo, hi = boundaries[0][1], boundaries[-1][1]
+    out: dict[int, int] = {}
+    for name, t in traces.items():
+        if name in exclude or not str(t.pg_id).isdigit():
+            continue
+        seqs = sorted(q for q, ns in t.created_ns.items() if lo < ns <= hi)[-FR_SLOTS:]
+        for q in seqs:
+            out[(int(t.pg_id) % FR_GROUPS) * FR_SLOTS + q % FR_SLOTS] = t.created_ns[q]
+    return out
+
+
+def split_steps(boundaries: list[tuple[int, int, bool]], mine: Mapping[int, int],
+                latest: Mapping[int, float]) -> list[tuple[int, float, float, bool]]:
+    """Pure: (step, step seconds, compute seconds, snapshot) per step, from the step boundaries
+    ``(step, wall ns at the end of that step, snapshot)`` in order, this rank's collective entry
+    times (slot -> ns, :func:`window_entries`) and the latest entry of each over the job's ranks.
+    A rank waits in a collective until the last rank enters it: compute is the step time less
+    those waits, so the slowest rank (whom everyone waits for) keeps its whole step, and a rank
+    that waited for it does not. A step without a compared collective is left out."""
     out = []
-    times = sorted(created_ns.values())
-    j = 0
     for (_, start, _), (step, end, snap) in zip(boundaries, boundaries[1:]):
-        last = None
-        while j < len(times) and times[j] < end:
-            if times[j] >= start:
-                last = times[j]
-            j += 1
-        if last is not None and end > start:
-            out.append((step, (end - start) / 1e9, (last - start) / 1e9, snap))
+        inside = [(ns, latest.get(slot)) for slot, ns in mine.items() if start < ns <= end]
+        if not inside or end <= start:
+            continue
+        wait = sum(max(0.0, last - ns) for ns, last in inside if last is not None and math.isfinite(last)) / 1e9
+        step_s = (end - start) / 1e9
+        out.append((step, step_s, max(0.0, step_s - wait), snap))
     return out
 
 
@@ -156,7 +188,8 @@ class Progress:
         self.fr = flight_recorder_on()
         self.fr_budget = fr_budget
         self._fr_skip = 0
-        self._last_split: list[tuple[int, float, float, bool]] = []
+        self._want_skip = 0
+        self._dumped = False
 
     def on_step(self, step: int, *, snapshot: bool = False) -> JobProgress | None:
         """Record a completed step; collective every ``every`` steps (returns the job's progress then)."""
@@ -173,52 +206,65 @@ class Progress:
             return None
         return self.exchange(step)
 
-    def local_figures(self) -> list[float]:
-        """This rank's compact progress: FIELDS, in order."""
-        bounds = list(self.boundaries)
-        steps = [b for b in bounds[1:]]
-        split: list[tuple[int, float, float, bool]] = []
-        if self.fr and self._fr_skip > 0:
+    def _entries(self, bounds: list[tuple[int, int, bool]]) -> dict[int, int] | None:
+        """This rank's collective entries in the window, from its flight recorder; None when it is
+        off, failed, or this window is skipped (the dump budget, agreed by every rank)."""
+        self._dumped = False
+        if not self.fr:
+            return None
+        if self._fr_skip > 0:
             self._fr_skip -= 1
-            split = self._last_split  # the dump costs more than its budget: the previous split stands
-        elif self.fr:
-            t0 = time.perf_counter()
-            dump = dump_flight_recorder()
-            if dump is not None:
-                try:
-                    traces = parse_flight_recorder(dump)
-                except ValueError:
-                    traces = {}
-                train = [t for k, t in traces.items() if k not in self.exclude]
-                created: dict[int, int] = {}
-                for i, t in enumerate(train):  # every training group's collectives, by time
-                    for seq, ns in t.created_ns.items():
-                        created[i * 1_000_000_000 + seq] = ns
-                split = split_steps(bounds, created)
-                self._last_split = split
-            # A dump walks the whole ring (about 0.2 ms an entry on the loaded 2-CPU host): keep it under fr_budget
-            # of the window's time by dumping only every n-th exchange.
-            cost = time.perf_counter() - t0
-            window = sum(list(self.step_seconds)[-self.every:])
-            if window > 0 and cost > self.fr_budget * window:
-                self._fr_skip = min(64, int(cost / (self.fr_budget * window)))
-        plain = [s for s in split if not s[3]]
-        if plain:
-            step_s = median(s[1] for s in plain)
-            compute = median(s[2] for s in plain)
+            return None
+        t0 = time.perf_counter()
+        self._dumped = True
+        dump = dump_flight_recorder()
+        try:
+            traces = parse_flight_recorder(dump) if dump is not None else None
+        except ValueError:
+            traces = None
+        entries = None if traces is None else window_entries(bounds, traces, self.exclude)
+        # A dump walks the whole ring: keep it under fr_budget of the window's time by dumping only
+        # every n-th window (the ranks agree on n after the exchange: every rank skips the same ones).
+        cost = time.perf_counter() - t0
+        window = sum(list(self.step_seconds)[-self.every:])
+        self._want_skip = min(64, int(cost / (self.fr_budget * window))) if window > 0 and cost > self.fr_budget * window else 0
+        return entries
+
+    def _latest(self, entries: dict[int, int] | None) -> dict[int, float]:
+        """Slot -> the latest entry over the job's ranks (one all_reduce MAX on the control group,
+        every exchange on every rank, whatever each rank has to compare)."""
+        vec = torch.full((FR_GROUPS * FR_SLOTS,), -math.inf, dtype=torch.float64)
+        for slot, ns in (entries or {}).items():
+            vec[slot] = float(ns)
+        if self.group is not None and self.world > 1:
+            dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group)
+        return {slot: float(vec[slot]) for slot in (entries or {})}
+
+    def local_figures(self, bounds: list[tuple[int, int, bool]], entries: dict[int, int] | None,
+                      latest: Mapping[int, float]) -> list[float]:
+        """This rank's compact progress: FIELDS, in order."""
+        steps = bounds[1:]
+        if entries is not None:
+            plain = [x for x in split_steps(bounds, entries, latest) if not x[3]]
+            step_s = median(x[1] for x in plain) if plain else 0.0
+            compute = median(x[2] for x in plain) if plain else 0.0
             samples = len(plain)
-        else:
+        elif self.fr:  # a window the dump budget skipped: no figures, it is not scored
+            step_s = compute = 0.0
+            samples = 0
+        else:  # no flight recorder: the step time stands in for compute
             recent = [x for x, b in zip(list(self.step_seconds)[-len(steps):], steps) if not b[2]] if steps else []
-            step_s = median(recent) if recent else 0.0
-            compute = step_s
+            step_s = compute = median(recent) if recent else 0.0
             samples = len(recent)
         snaps = sum(1 for b in steps if b[2])
         return [float(self.last_step), step_s, compute, max(0.0, step_s - compute), float(samples), float(snaps),
-                float(self.steps_since_start)]
+                float(self.steps_since_start), float(self._want_skip if self._dumped else 0)]
 
     def exchange(self, step: int) -> JobProgress:
         t0 = time.perf_counter()
-        mine = torch.tensor(self.local_figures(), dtype=torch.float64)
+        bounds = list(self.boundaries)
+        entries = self._entries(bounds)
+        mine = torch.tensor(self.local_figures(bounds, entries, self._latest(entries)), dtype=torch.float64)
         if self.nodes is None:
             if self.group is not None and self.world > 1:
                 names: list[Any] = [None] * self.world
@@ -234,6 +280,8 @@ class Progress:
         job = JobProgress(step, dict(self.nodes))
         for r, t in enumerate(out):
             job.figures[r] = dict(zip(FIELDS, t.tolist()))
+        if self._dumped:  # every rank that dumped this window takes the largest skip any asked for
+            self._fr_skip = int(max(f["fr_skip"] for f in job.figures.values()))
         self.job = job
         self.exchanges += 1
         self.exchange_seconds.append(time.perf_counter() - t0)
@@ -396,10 +444,9 @@ class JobWatch:
     @classmethod
     def open(cls, guard: Any, **kw: Any) -> "JobWatch":
         """For ``guard`` (a SnapshotGuard): its control group, the flight-recorder names of its
-        own groups (left out of the compute/communication split), the job's store and a key
+        background groups (left out of the compute/communication split), the job's store and a key
         prefix agreed by every rank (collective, once)."""
-        groups = [getattr(guard, "control_group", None), getattr(guard, "group", None),
-                  getattr(getattr(guard, "memory", None), "group", None)]
+        groups = [getattr(guard, "group", None), getattr(getattr(guard, "memory", None), "group", None)]
         exclude = tuple(k for k in (group_key(g) for g in groups if g is not None) if k)
         store = None
         prefix = ""

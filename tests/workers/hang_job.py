@@ -26,7 +26,7 @@ import torch.distributed as dist  # noqa: E402
 
 from sentinel.channel import NullEndpoint  # noqa: E402
 from sentinel.hang import HangSettings  # noqa: E402
-from trainer.progress import JobWatch, group_key  # noqa: E402
+from trainer.progress import JobWatch  # noqa: E402
 
 
 class Recorder(NullEndpoint):
@@ -58,7 +58,7 @@ def main() -> int:
         os._exit(code)
 
     hang = HangSettings(timeout_seconds=float(timeout), gather_seconds=1.0) if timeout else HangSettings()
-    watch = JobWatch(endpoint=endpoint, rank=rank, world=world, control_group=control, exclude=(group_key(control),),
+    watch = JobWatch(endpoint=endpoint, rank=rank, world=world, control_group=control,
                      every=5, hang=hang, store=store, prefix="sentinel/hang/test", node=f"node{rank // per_node}",
                      total_steps=steps, exit=leave)
     t = torch.ones(16)
