@@ -55,7 +55,7 @@ class StragglerConfigError(ValueError):
 class StragglerSettings:
     window_steps: int = 10
     min_windows: int = 3
-    relative_threshold: float = 1.3
+    relative_threshold: float = 1.4
     individual_threshold: float = 1.3
     warmup_steps: int = 5
     pcie_replays_per_minute: float = 10.0

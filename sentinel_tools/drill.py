@@ -118,7 +118,7 @@ class Drill:
         # rank's compute from its waiting (docs/hangs-and-stragglers.md); 64 entries hold a
         # progress window of this job's collectives and keep a dump cheap
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": _pythonpath(),
-                    "TORCH_FR_BUFFER_SIZE": os.environ.get("TORCH_FR_BUFFER_SIZE", "64")}
+                    "TORCH_FR_BUFFER_SIZE": os.environ.get("TORCH_FR_BUFFER_SIZE", "256")}
         if args.agent == "torchrun":
             self.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         else:
@@ -567,11 +567,15 @@ class Drill:
             out["ok"] = (mig.get("rule") == "hang" and out["last_completed_step_to_handover_seconds"] is not None
                          and out["last_completed_step_to_handover_seconds"] <= 60)
         else:
-            out["steps_to_detect"] = sum(1 for t, _ in steps if t_fault <= t <= tripped) if tripped else None
+            # a trip before the fault is a false straggler, not a detection; the cause must be named
+            out["steps_to_detect"] = sum(1 for t, _ in steps if t_fault <= t <= tripped) if tripped and tripped > t_fault else None
+            out["step_seconds_slowed"] = med([b - a for (a, _), (b, _) in zip(steps, steps[1:])
+                                              if tripped and t_fault <= a and b <= tripped])
+            out["cause_named"] = "hw_slowdown" in str(mig.get("reason", ""))
             b, a = out["step_seconds_before"], out["step_seconds_after"]
             out["after_over_before"] = round(a / b, 3) if a and b else None
             out["ok"] = (mig.get("rule") == "straggler" and out["steps_to_detect"] is not None
-                         and out["steps_to_detect"] <= 20 and out["after_over_before"] is not None
+                         and out["steps_to_detect"] <= 20 and out["cause_named"] and out["after_over_before"] is not None
                          and out["after_over_before"] <= 1.10)
         return out
 

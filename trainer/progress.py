@@ -215,7 +215,7 @@ class Progress:
         if self._fr_skip > 0:
             self._fr_skip -= 1
             return None
-        t0 = time.perf_counter()
+        t0 = time.thread_time()  # this thread's CPU: what the dump costs the step, not the host's load
         self._dumped = True
         dump = dump_flight_recorder()
         try:
@@ -225,9 +225,9 @@ class Progress:
         entries = None if traces is None else window_entries(bounds, traces, self.exclude)
         # A dump walks the whole ring: keep it under fr_budget of the window's time by dumping only
         # every n-th window (the ranks agree on n after the exchange: every rank skips the same ones).
-        cost = time.perf_counter() - t0
+        cost = time.thread_time() - t0
         window = sum(list(self.step_seconds)[-self.every:])
-        self._want_skip = min(64, int(cost / (self.fr_budget * window))) if window > 0 and cost > self.fr_budget * window else 0
+        self._want_skip = min(8, int(cost / (self.fr_budget * window))) if window > 0 and cost > self.fr_budget * window else 0
         return entries
 
     def _latest(self, entries: dict[int, int] | None) -> dict[int, float]:
@@ -280,8 +280,8 @@ class Progress:
         job = JobProgress(step, dict(self.nodes))
         for r, t in enumerate(out):
             job.figures[r] = dict(zip(FIELDS, t.tolist()))
-        if self._dumped:  # every rank that dumped this window takes the largest skip any asked for
-            self._fr_skip = int(max(f["fr_skip"] for f in job.figures.values()))
+        if self._dumped:  # every rank that dumped takes the same skip: the median asked (one rank's spike is not the cost)
+            self._fr_skip = int(median(f["fr_skip"] for f in job.figures.values()))
         self.job = job
         self.exchanges += 1
         self.exchange_seconds.append(time.perf_counter() - t0)
@@ -419,7 +419,7 @@ class JobWatch:
     An undecided verdict (every rank in the same collective) is reported and the watch goes on."""
 
     def __init__(self, *, endpoint: Any, rank: int, world: int, control_group: Any, exclude: tuple[str, ...] = (),
-                 every: int = 10, hang: HangSettings | None = None, total_steps: int | None = None,
+                 every: int = 5, hang: HangSettings | None = None, total_steps: int | None = None,
                  straggler: Any = None, store: Any = None, prefix: str = "", node: str | None = None,
                  exit: Callable[[int], None] = os._exit) -> None:
         from sentinel.straggler import StragglerSettings, StragglerTracker
