@@ -14,7 +14,7 @@ warm-up and left out):
 A step is timed from barrier to barrier on rank 0 (the slowest rank). Printed: the median step of
 each mode, the overhead as a fraction of a step, and the median cost of one exchange.
 
-    python bench/progress_overhead.py [--ranks 4] [--rounds 6] [--block 20] [--every 10] [--json out.json]
+    python bench/progress_overhead.py [--ranks 4] [--rounds 6] [--block 20] [--every 5] [--json out.json]
     python bench/progress_overhead.py --smoke      # a few steps: that it runs
 """
 
@@ -31,7 +31,7 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "64")  # as the drill: a small ring keeps a dump cheap
+os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "256")  # as the drill
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--block", type=int, default=20)
-    ap.add_argument("--every", type=int, default=10)
+    ap.add_argument("--every", type=int, default=5, help="the exchange every K steps (the guard: 5)")
     ap.add_argument("--step-ms", type=float, default=100.0)
     ap.add_argument("--smoke", action="store_true", help="a few steps with 2 ranks: that it runs")
     add_json_argument(ap)

@@ -55,9 +55,9 @@ class StragglerConfigError(ValueError):
 class StragglerSettings:
     window_steps: int = 10
     min_windows: int = 3
-    relative_threshold: float = 1.4
+    relative_threshold: float = 1.3
     individual_threshold: float = 1.3
-    warmup_steps: int = 5
+    warmup_steps: int = 20
     pcie_replays_per_minute: float = 10.0
     nvlink_errors_per_minute: float = 10.0
 

@@ -47,6 +47,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from datetime import timedelta
 from statistics import median
 from typing import Any, Callable, Mapping
 
@@ -190,6 +191,7 @@ class Progress:
         self._fr_skip = 0
         self._want_skip = 0
         self._dumped = False
+        self._inflight: dict[str, Any] | None = None  # the exchange whose collectives are running
 
     def on_step(self, step: int, *, snapshot: bool = False) -> JobProgress | None:
         """Record a completed step; collective every ``every`` steps (returns the job's progress then)."""
@@ -202,9 +204,12 @@ class Progress:
         self.last_step = step
         self.last_done = now
         self.steps_since_start += 1
+        job = self._advance()  # the exchange in flight moves on one phase a step; its collective ran meanwhile
         if self.steps_since_start % self.every != 0:
-            return None
-        return self.exchange(step)
+            return job
+        while self._inflight is not None:  # every < 3: the previous exchange completes first
+            job = self._advance() or job
+        return self.exchange(step) or job
 
     def _entries(self, bounds: list[tuple[int, int, bool]]) -> dict[int, int] | None:
         """This rank's collective entries in the window, from its flight recorder; None when it is
@@ -230,19 +235,9 @@ class Progress:
         self._want_skip = min(8, int(cost / (self.fr_budget * window))) if window > 0 and cost > self.fr_budget * window else 0
         return entries
 
-    def _latest(self, entries: dict[int, int] | None) -> dict[int, float]:
-        """Slot -> the latest entry over the job's ranks (one all_reduce MAX on the control group,
-        every exchange on every rank, whatever each rank has to compare)."""
-        vec = torch.full((FR_GROUPS * FR_SLOTS,), -math.inf, dtype=torch.float64)
-        for slot, ns in (entries or {}).items():
-            vec[slot] = float(ns)
-        if self.group is not None and self.world > 1:
-            dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group)
-        return {slot: float(vec[slot]) for slot in (entries or {})}
-
     def local_figures(self, bounds: list[tuple[int, int, bool]], entries: dict[int, int] | None,
-                      latest: Mapping[int, float]) -> list[float]:
-        """This rank's compact progress: FIELDS, in order."""
+                      latest: Mapping[int, float], since_start: int | None = None) -> list[float]:
+        """This rank's compact progress over the window ending at ``bounds[-1]``: FIELDS, in order."""
         steps = bounds[1:]
         if entries is not None:
             plain = [x for x in split_steps(bounds, entries, latest) if not x[3]]
@@ -257,36 +252,84 @@ class Progress:
             step_s = compute = median(recent) if recent else 0.0
             samples = len(recent)
         snaps = sum(1 for b in steps if b[2])
-        return [float(self.last_step), step_s, compute, max(0.0, step_s - compute), float(samples), float(snaps),
-                float(self.steps_since_start), float(self._want_skip if self._dumped else 0)]
+        last = bounds[-1][0] if bounds else self.last_step
+        since = self.steps_since_start if since_start is None else since_start
+        return [float(last), step_s, compute, max(0.0, step_s - compute), float(samples), float(snaps),
+                float(since), float(self._want_skip if self._dumped else 0)]
 
-    def exchange(self, step: int) -> JobProgress:
+    def exchange(self, step: int) -> JobProgress | None:
+        """Start the exchange of the window ending at ``step`` (every rank at the same step). Two
+        collectives on the control group, each issued asynchronously and waited for a step later,
+        so that no step waits for the slowest rank to reach them: an all_reduce MAX of the entry
+        times (phase 1), then an all_gather of the figures (phase 2). Returns the job's progress
+        when there is nobody to wait for (one rank), else None (:meth:`on_step` returns it)."""
         t0 = time.perf_counter()
         bounds = list(self.boundaries)
         entries = self._entries(bounds)
-        mine = torch.tensor(self.local_figures(bounds, entries, self._latest(entries)), dtype=torch.float64)
-        if self.nodes is None:
+        if self.nodes is None:  # once: every rank's node name
+            names: list[Any] = [self.node]
             if self.group is not None and self.world > 1:
-                names: list[Any] = [None] * self.world
+                names = [None] * self.world
                 dist.all_gather_object(names, self.node, group=self.group)
-            else:
-                names = [self.node]
             self.nodes = {r: str(n) for r, n in enumerate(names)}
-        if self.group is not None and self.world > 1:
-            out = [torch.empty_like(mine) for _ in range(self.world)]
-            dist.all_gather(out, mine, group=self.group)
-        else:
-            out = [mine]
-        job = JobProgress(step, dict(self.nodes))
-        for r, t in enumerate(out):
+        vec = torch.full((FR_GROUPS * FR_SLOTS,), -math.inf, dtype=torch.float64)
+        for slot, ns in (entries or {}).items():
+            vec[slot] = float(ns)
+        self._inflight = {"phase": 1, "step": step, "bounds": bounds, "entries": entries, "vec": vec,
+                          "since": self.steps_since_start, "work": self._async(dist.all_reduce, vec, op=dist.ReduceOp.MAX),
+                          "cost": time.perf_counter() - t0}
+        if self.group is None or self.world <= 1:
+            self._advance()
+            return self._advance()
+        return None
+
+    def _async(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        if self.group is None or self.world <= 1:
+            return None
+        return fn(*args, group=self.group, async_op=True, **kw)
+
+    def _advance(self) -> JobProgress | None:
+        """Move the exchange in flight on by one phase (see :meth:`exchange`); its progress once done."""
+        x = self._inflight
+        if x is None:
+            return None
+        t0 = time.perf_counter()
+        if x["work"] is not None:
+            x["work"].wait()
+        if x["phase"] == 1:
+            latest = {slot: float(x["vec"][slot]) for slot in (x["entries"] or {})}
+            mine = torch.tensor(self.local_figures(x["bounds"], x["entries"], latest, x["since"]), dtype=torch.float64)
+            x["out"] = [torch.empty_like(mine) for _ in range(self.world)] if self.world > 1 and self.group is not None else [mine]
+            x.update(phase=2, work=self._async(dist.all_gather, x["out"], mine), cost=x["cost"] + time.perf_counter() - t0)
+            return None
+        job = JobProgress(x["step"], dict(self.nodes or {}))
+        for r, t in enumerate(x["out"]):
             job.figures[r] = dict(zip(FIELDS, t.tolist()))
         if self._dumped:  # every rank that dumped takes the same skip: the median asked (one rank's spike is not the cost)
             self._fr_skip = int(median(f["fr_skip"] for f in job.figures.values()))
+        self._inflight = None
         self.job = job
         self.exchanges += 1
-        self.exchange_seconds.append(time.perf_counter() - t0)
+        self.exchange_seconds.append(x["cost"] + time.perf_counter() - t0)
         del self.exchange_seconds[:-256]
         return job
+
+    def finish(self, timeout: float = 30.0) -> None:
+        """Complete the exchange in flight (at the end of training: every rank issued it)."""
+        x = self._inflight
+        if x is None or x["work"] is None:
+            self._inflight = None
+            return
+        try:
+            x["work"].wait(timedelta(seconds=timeout))
+            if x["phase"] == 1:
+                self._advance()
+                if x["work"] is not None:  # phase 2's
+                    x["work"].wait(timedelta(seconds=timeout))
+            self._advance()
+        except RuntimeError as exc:  # a peer already gone: nothing left to agree on
+            log.warning("progress exchange in flight not completed at close: %s", exc)
+        self._inflight = None
 
     def entered(self) -> Entered:
         """What this rank last entered (for the hang gather). Safe from another thread."""
@@ -533,6 +576,7 @@ class JobWatch:
         (self._excepthook or sys.__excepthook__)(kind, value, tb)
 
     def close(self) -> None:
+        self.progress.finish()
         if self._excepthook is not None and sys.excepthook == self._after_verdict:
             sys.excepthook = self._excepthook
         if self.watch is not None:
