@@ -588,6 +588,7 @@ class SnapshotGuard:
         so the last due disk snapshot is never lost. That write is collective: every rank calls
         ``close()`` after the same last step. Pass ``flush=False`` on an error path, where peers
         may be gone; it is skipped as well when the last :meth:`step` raised."""
+        self.watch.close(finish=flush and not self._step_failed)  # over: the final writes are no hung step
         if flush and self.memory is not None and self._disk_owed and self.memory.own and self._last_step >= 0 \
                 and not self._step_failed:
             self._flush_owed()
@@ -595,5 +596,4 @@ class SnapshotGuard:
         if self.memory is not None:
             self.memory.close()
         self.disk.close()
-        self.watch.close()
         self.endpoint.close()

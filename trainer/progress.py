@@ -575,8 +575,11 @@ class JobWatch:
             return
         (self._excepthook or sys.__excepthook__)(kind, value, tb)
 
-    def close(self) -> None:
-        self.progress.finish()
+    def close(self, *, finish: bool = True) -> None:
+        """Stop watching. ``finish``: complete the exchange in flight (every rank reached the same
+        last step); False on an error path, where a peer may be gone."""
+        if finish:
+            self.progress.finish()
         if self._excepthook is not None and sys.excepthook == self._after_verdict:
             sys.excepthook = self._excepthook
         if self.watch is not None:
