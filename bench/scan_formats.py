@@ -22,6 +22,9 @@ from sentinel import scan, signatures  # noqa: E402
 FORMATS = Path(__file__).resolve().parents[1] / "tests" / "corpus" / "logformats"
 
 
+SMOKE_FIGURES = tuple(f"scan_{p.stem.replace('-', '_')}_lines_per_second" for p in sorted(FORMATS.glob("*.txt")))
+
+
 def one_run(data: bytes) -> tuple[float, scan.Result]:
     result = scan.Result()
     catalog = signatures.default_catalog()
@@ -36,6 +39,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     add_json_argument(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.lines, args.runs = 2_000, 1
     rows = []
     for path in sorted(FORMATS.glob("*.txt")):
         lines = path.read_bytes().splitlines(keepends=True)
