@@ -12,14 +12,18 @@ import ast
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-BENCHES = sorted(p.stem for p in (REPO / "bench").glob("*.py") if not p.name.startswith("_"))
+# measure_all drives the others (tests/test_benchmarks_doc.py covers it); every other script is a bench
+DRIVERS = {"measure_all"}
+BENCHES = sorted(p.stem for p in (REPO / "bench").glob("*.py") if not p.name.startswith("_") and p.stem not in DRIVERS)
 LIMIT_S = 600  # a smoke run is seconds on a quiet machine; this only bounds a hung one
 
 
@@ -48,7 +52,7 @@ def _import_value(name: str) -> tuple[str, ...]:
 
 def test_every_bench_is_discovered():
     # the list the parametrised test runs is bench/, not a hand-kept copy of it
-    assert {"ebpf_latency", "migration", "snapshot_stall", "measure_all"} <= set(BENCHES)
+    assert {"ebpf_latency", "migration", "snapshot_stall", "nvml_device_check"} <= set(BENCHES)
 
 
 @pytest.mark.parametrize("name", BENCHES)
@@ -72,3 +76,36 @@ def test_bench_smoke(name: str, tmp_path: Path):
     # the simulator's reader takes every bench's report as it is
     from sentinel_tools.sim import measured
     assert measured.load(out)[0].bench == name
+
+
+def test_migration_killed_mid_run_keeps_the_finished_drills(tmp_path: Path):
+    """bench/migration.py appends each drill as it finishes: SIGKILL after the first drill (seen in
+    the JSON) leaves that drill, and the figures computed from it, in the file."""
+    out = tmp_path / "migration.json"
+    proc = subprocess.Popen([sys.executable, str(REPO / "bench" / "migration.py"), "--smoke", "--runs", "3",
+                             "--only", "warm", "--json", str(out)], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            start_new_session=True)
+    doc = None
+    try:
+        end = time.monotonic() + LIMIT_S
+        while time.monotonic() < end and proc.poll() is None:
+            if out.exists():
+                doc = json.loads(out.read_text())  # written atomically: never half a file
+                if doc.get("runs"):
+                    break
+            time.sleep(0.2)
+        assert proc.poll() is None, "the bench ended before it could be killed mid-run (3 drills asked)"
+        os.killpg(proc.pid, signal.SIGKILL)  # the bench and the drill it is running now
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    after = json.loads(out.read_text())
+    assert after["runs"], "the finished drill is kept"
+    run = after["runs"][0]
+    assert run["path"] == "warm" and run["drill"]["ok"], run["drill"].get("error")
+    assert math.isfinite(after["figures"]["migration_trip_to_first_step_seconds"])
+    assert after["figures"]["migration_ok_fraction"] == 1.0
+    assert after["host"]["command"][-4:] == ["--only", "warm", "--json", str(out)]
