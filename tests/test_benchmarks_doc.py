@@ -1,0 +1,65 @@
+"""docs/benchmarks.md's tables are generated from docs/measured.json by bench/measure_all.py: a
+figure typed into the generated block that disagrees with the JSON fails here, as does a block
+that was not regenerated after the JSON changed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+import measure_all  # noqa: E402
+
+
+def test_docs_block_is_what_the_json_generates():
+    text = (REPO / "docs" / "benchmarks.md").read_text()
+    assert text.count(measure_all.BEGIN) == 1 and text.count(measure_all.END) == 1
+    have = text.split(measure_all.BEGIN, 1)[1].split(measure_all.END, 1)[0]
+    want = measure_all.generated_block(json.loads((REPO / "docs" / "measured.json").read_text()))
+    want = want.split(measure_all.BEGIN, 1)[1].split(measure_all.END, 1)[0]
+    bad = [f"docs: {h!r}\n json: {w!r}" for h, w in zip(have.splitlines(), want.splitlines()) if h != w]
+    assert not bad and len(have.splitlines()) == len(want.splitlines()), (
+        "docs/benchmarks.md disagrees with docs/measured.json (run `python bench/measure_all.py --docs-only`):\n"
+        + "\n".join(bad[:10]))
+
+
+def test_every_figure_is_in_the_docs_with_its_condition():
+    doc = json.loads((REPO / "docs" / "measured.json").read_text())
+    text = (REPO / "docs" / "benchmarks.md").read_text()
+    for rep in doc["reports"]:
+        for name, value in rep["figures"].items():
+            row = next((line for line in text.splitlines() if line.startswith(f"| `{name}` |")), None)
+            assert row is not None, f"{rep['bench']}.{name} is not in docs/benchmarks.md"
+            assert measure_all.fmt(name, value) in row
+            if name.endswith("_ratio"):  # a ratio names its numerator and denominator
+                assert " / " in row.rsplit("|", 2)[-2], row
+
+
+def test_a_typed_figure_that_disagrees_is_caught(tmp_path: Path):
+    bundle = json.loads((REPO / "docs" / "measured.json").read_text())
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\nprose a person wrote\n\n" + measure_all.generated_block(bundle) + "\n\nmore prose\n")
+    mig = next(r for r in bundle["reports"] if r["bench"] == "migration")
+    right = measure_all.fmt("plain_failover_over_warm_ratio", mig["figures"]["plain_failover_over_warm_ratio"])
+    edited = doc.read_text().replace(f"| {right} |", "| 5.82x |")
+    assert edited != doc.read_text()
+    # the regenerated document restores the JSON's figure and keeps the prose around the block
+    fixed = measure_all.render_doc(edited, measure_all.generated_block(bundle))
+    assert "| 5.82x |" not in fixed and f"| {right} |" in fixed
+    assert fixed.startswith("# Benchmarks\n\nprose a person wrote\n") and fixed.endswith("\n\nmore prose\n")
+
+
+def test_docs_only_regenerates_from_the_given_bundle(tmp_path: Path):
+    bundle = json.loads((REPO / "docs" / "measured.json").read_text())
+    bundle["reports"][0]["figures"] = {"made_up_seconds": 1.5}
+    src = tmp_path / "measured.json"
+    src.write_text(json.dumps(bundle))
+    measure_all.write_doc(src, tmp_path / "benchmarks.md")
+    text = (tmp_path / "benchmarks.md").read_text()
+    assert "| `made_up_seconds` |" in text and measure_all.BEGIN in text and measure_all.END in text
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "measure_all.py"), "--help"], capture_output=True, text=True,
+                       timeout=120, cwd=REPO)
+    assert r.returncode == 0 and "--loaded" in r.stdout
