@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def add_json_argument(ap: argparse.ArgumentParser, smoke: bool = True) -> None:
     ap.add_argument("--json", metavar="PATH", type=Path, help="also write the figures as JSON to PATH")
-    if smoke:
+    if smoke and "--smoke" not in ap._option_string_actions:  # a bench may declare its own --smoke
         ap.add_argument("--smoke", action="store_true",
                         help="smallest sizes, a few seconds: proves the bench runs and yields every figure")
 
