@@ -109,3 +109,27 @@ def test_migration_killed_mid_run_keeps_the_finished_drills(tmp_path: Path):
     assert math.isfinite(after["figures"]["migration_trip_to_first_step_seconds"])
     assert after["figures"]["migration_ok_fraction"] == 1.0
     assert after["host"]["command"][-4:] == ["--only", "warm", "--json", str(out)]
+
+
+def test_results_are_written_run_by_run_with_their_provenance(tmp_path: Path):
+    """bench/_report.Results: after each run the file holds every run so far and the figures of
+    them, the load average, the commit and the command; the simulator's reader takes it."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import _report
+    from sentinel_tools.sim import measured
+
+    out = tmp_path / "r.json"
+    res = _report.Results(out, "example", lambda runs: {"example_median_seconds": sorted(r["s"] for r in runs)[len(runs) // 2]})
+    res.add({"s": 2.0})
+    first = json.loads(out.read_text())
+    assert [r["s"] for r in first["runs"]] == [2.0] and first["figures"] == {"example_median_seconds": 2.0}
+    res.add({"s": 4.0})
+    res.add({"s": 3.0})
+    doc = json.loads(out.read_text())
+    assert [r["s"] for r in doc["runs"]] == [2.0, 4.0, 3.0] and doc["figures"]["example_median_seconds"] == 3.0
+    assert all(len(r["loadavg"]) == 3 and r["finished"] for r in doc["runs"])
+    assert doc["host"]["command"][0] == sys.executable and len(doc["host"]["loadavg"]) == 3
+    assert doc["host"]["commit"].split("+")[0] == subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30).stdout.strip()
+    (rep,) = measured.load(out)
+    assert rep.figures == {"example_median_seconds": 3.0}
