@@ -25,11 +25,17 @@ from bench._report import add_json_argument, write  # noqa: E402
 from sentinel import procs  # noqa: E402
 
 
+SMOKE_FIGURES = ("host_read_seconds", "pod_scan_read_seconds", "pod_remembered_read_seconds", "host_processes_count",
+                 "pod_scan_over_host_ratio", "pod_remembered_over_host_ratio")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=200)
     add_json_argument(ap)
     args = ap.parse_args()
+    if args.smoke:  # 20 reads per case: that it runs (tests/test_bench_smoke.py)
+        args.runs = 20
     if os.geteuid() != 0:
         print("pod_agent_lookup: needs root (unshare --pid)", file=sys.stderr)
         return 2

@@ -56,6 +56,7 @@ SCENARIOS = ("first_join", "replace_one", "replace_two")
 HANDLERS = ("sentinel", "torch")
 DEFAULT_NODES = [8, 16, 32, 64, 128, 256, 512, 1024]
 SMOKE_NODES = [8, 16]
+SMOKE_FIGURES = ("replacement_protocol_n8_seconds", "replacement_protocol_n16_seconds")
 # every figure a round promises (tests/test_replacement_scale.py checks --smoke produced them all)
 ROUND_FIELDS = ("wall_seconds", "survivor_ops_median", "survivor_ops_max", "ops_total", "ops_per_participant",
                 "bytes_total", "participant_cpu_seconds", "store_cpu_seconds", "load_average")
