@@ -196,6 +196,10 @@ def condition_of(rep: dict) -> str:
 def meaning(name: str) -> str:
     if name in RATIO_MEANING:
         return RATIO_MEANING[name]
+    if name.endswith("_exponent_ratio"):
+        return "not a ratio: the exponent b of a fit of the measure to N^b"
+    if name == "load_average_ratio":
+        return "not a ratio: the 1-minute load average during the run"
     if name.endswith("_ratio") and "_over_" in name:
         num, den = name[: -len("_ratio")].split("_over_", 1)
         return f"{num.replace('_', ' ')} / {den.replace('_', ' ')}"
