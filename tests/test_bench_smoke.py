@@ -3,14 +3,15 @@ its ``--json`` report must hold every figure the bench promises (its module-leve
 each a finite number. Never how fast: a broken bench is a failing test, a slow one is not.
 
 Benches are discovered (every ``bench/*.py`` not starting with ``_``), so a new bench without a
-``--smoke`` mode or without ``SMOKE_FIGURES`` fails here until it has both.
+``--smoke`` mode or without ``SMOKE_FIGURES`` fails here until it has both. Each bench's smoke runs
+once in the suite: here, or in the test named in ``bench_smoke.OWN_TEST`` (which checks the same and
+more).
 """
 
 from __future__ import annotations
 
 import ast
 import json
-import math
 import os
 import signal
 import subprocess
@@ -20,95 +21,53 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-# measure_all drives the others (tests/test_benchmarks_doc.py covers it); every other script is a bench
-DRIVERS = {"measure_all"}
-BENCHES = sorted(p.stem for p in (REPO / "bench").glob("*.py") if not p.name.startswith("_") and p.stem not in DRIVERS)
-LIMIT_S = 1500  # a smoke run is seconds on a quiet machine; this only bounds a hung one (hosts here reach load 200)
+from bench_smoke import BENCHES, LIMIT_S, OWN_TEST, REPO, check_report, command, run_smoke
 
 
-def promised(name: str) -> tuple[str, ...]:
-    """The bench's ``SMOKE_FIGURES``, read from its source (no import: some import torch)."""
-    tree = ast.parse((REPO / "bench" / f"{name}.py").read_text())
-    for node in tree.body:
-        if isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            if any(isinstance(t, ast.Name) and t.id == "SMOKE_FIGURES" for t in targets):
-                try:
-                    return tuple(ast.literal_eval(node.value))
-                except ValueError:  # computed: import the module to read it
-                    return tuple(_import_value(name))
-    raise AssertionError(f"bench/{name}.py names no SMOKE_FIGURES: every bench promises the figures its --smoke writes")
-
-
-def _import_value(name: str) -> tuple[str, ...]:
-    code = (f"import sys, json; sys.path.insert(0, {str(REPO / 'bench')!r}); import {name} as m;"
-            "print(json.dumps(list(m.SMOKE_FIGURES)))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO,
-                       env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert r.returncode == 0, r.stderr[-2000:]
-    return tuple(json.loads(r.stdout.strip().splitlines()[-1]))
-
-
-def test_every_bench_is_discovered():
+def test_every_bench_is_discovered_and_its_smoke_runs_once():
     # the list the parametrised test runs is bench/, not a hand-kept copy of it
     assert {"ebpf_latency", "migration", "snapshot_stall", "nvml_device_check"} <= set(BENCHES)
+    assert set(OWN_TEST) <= set(BENCHES)
+    for name, (path, test) in OWN_TEST.items():  # the test that runs it instead exists and runs it
+        tree = ast.parse((REPO / path).read_text())
+        fn = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == test), None)
+        assert fn is not None, f"bench/{name}.py's smoke is left to {path}::{test}, which does not exist"
+        calls = {c.func.id for c in ast.walk(fn) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
+        assert calls & {"run_smoke", "check_report"}, f"{path}::{test} does not check bench/{name}.py's smoke report"
 
 
-@pytest.mark.parametrize("name", BENCHES)
+@pytest.mark.parametrize("name", [b for b in BENCHES if b not in OWN_TEST])
 def test_bench_smoke(name: str, tmp_path: Path):
-    figures = promised(name)
-    assert figures, f"bench/{name}.py promises no figures"
-    out = tmp_path / f"{name}.json"
-    r = subprocess.run([sys.executable, str(REPO / "bench" / f"{name}.py"), "--smoke", "--json", str(out)],
-                       capture_output=True, text=True, timeout=LIMIT_S, cwd=tmp_path,
-                       env={**os.environ, "PYTHONPATH": str(REPO), "SENTINEL_BENCH_TMP": str(tmp_path)})
-    assert r.returncode == 0, f"bench/{name}.py --smoke failed (rc {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-    doc = json.loads(out.read_text())
-    assert doc["bench"] == name
-    assert doc["host"]["command"][1:] == [str(REPO / "bench" / f"{name}.py"), "--smoke", "--json", str(out)]
-    assert len(doc["host"]["loadavg"]) == 3 and "commit" in doc["host"]
-    got = doc["figures"]
-    missing = [f for f in figures if f not in got]
-    assert not missing, f"bench/{name}.py --smoke did not write {missing}"
-    bad = {f: got[f] for f in figures if not (isinstance(got[f], (int, float)) and math.isfinite(got[f]))}
-    assert not bad, f"bench/{name}.py wrote non-finite figures {bad}"
-    # the simulator's reader takes every bench's report as it is
-    from sentinel_tools.sim import measured
-    assert measured.load(out)[0].bench == name
+    run_smoke(name, tmp_path)
 
 
 def test_migration_killed_mid_run_keeps_the_finished_drills(tmp_path: Path):
-    """bench/migration.py appends each drill as it finishes: SIGKILL after the first drill (seen in
-    the JSON) leaves that drill, and the figures computed from it, in the file."""
+    """bench/migration.py's smoke, killed mid-run: it appends each drill as it finishes, so SIGKILL
+    once the first round (the smoke's warm and crash drills) is in the JSON, while the second round
+    runs, leaves those drills and every figure the smoke promises in the file. This is the
+    migration bench's smoke run in the suite (bench_smoke.OWN_TEST)."""
     out = tmp_path / "migration.json"
-    proc = subprocess.Popen([sys.executable, str(REPO / "bench" / "migration.py"), "--smoke", "--runs", "3",
-                             "--only", "warm", "--json", str(out)], cwd=tmp_path, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO)},
-                            start_new_session=True)
-    doc = None
+    cmd = command("migration", out, "--runs", "2")
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
     try:
         end = time.monotonic() + LIMIT_S
         while time.monotonic() < end and proc.poll() is None:
-            if out.exists():
-                doc = json.loads(out.read_text())  # written atomically: never half a file
-                if doc.get("runs"):
-                    break
+            if out.exists() and len(json.loads(out.read_text()).get("runs", [])) >= 2:  # written atomically
+                break
             time.sleep(0.2)
-        assert proc.poll() is None, "the bench ended before it could be killed mid-run (3 drills asked)"
+        assert proc.poll() is None, f"the bench ended (rc {proc.returncode}) before it could be killed mid-run (2 rounds asked)"
         os.killpg(proc.pid, signal.SIGKILL)  # the bench and the drill it is running now
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
-    after = json.loads(out.read_text())
-    assert after["runs"], "the finished drill is kept"
-    run = after["runs"][0]
-    assert run["path"] == "warm" and run["drill"]["ok"], run["drill"].get("error")
-    assert math.isfinite(after["figures"]["migration_trip_to_first_step_seconds"])
-    assert after["figures"]["migration_ok_fraction"] == 1.0
-    assert after["host"]["command"][-4:] == ["--only", "warm", "--json", str(out)]
+    after = check_report("migration", out, cmd)  # every smoke figure, from the drills that finished
+    assert [r["path"] for r in after["runs"]][:2] == ["warm", "crash"], "the finished drills are kept"
+    for run in after["runs"][:2]:
+        assert run["drill"]["ok"], run["drill"].get("error")
+    assert after["figures"]["migration_ok_fraction"] == 1.0 and after["figures"]["crash_ok_fraction"] == 1.0
 
 
 def test_results_are_written_run_by_run_with_their_provenance(tmp_path: Path):
