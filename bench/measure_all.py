@@ -9,6 +9,12 @@ docs/ettr_vs_gpus.png from it.
     python bench/measure_all.py --include m.json    # also bundle reports measured elsewhere
     python bench/measure_all.py --loaded            # each timing bench again beside a fixed background load
     python bench/measure_all.py --docs-only         # only regenerate docs/benchmarks.md from docs/measured.json
+    python bench/measure_all.py --smoke             # every step at each bench's --smoke size, into a temp dir
+
+``--smoke`` checks that the whole regeneration works in minutes instead of hours: each bench runs
+its ``--smoke`` and the bundle, docs/benchmarks.md's generated block and the plot are written to a
+temporary directory (or ``--out``'s), never over docs/. Likewise any ``--out`` other than
+docs/measured.json gets its benchmarks.md and plot beside it (``--doc`` names another page).
 
 Quiet and loaded: ``--loaded`` runs every timing bench a second time while a fixed background load
 runs beside it (LOAD_JOB: the suite's own FSDP2 training job under torchrun, 2 ranks, restarted
@@ -119,11 +125,12 @@ def run_bench(script: Path, argv: list[str], out: Path, limit: int, load: Backgr
 
 
 def run_benches(names: set[str] | None, work: Path, condition: str = "quiet",
-                load: BackgroundLoad | None = None) -> tuple[list[dict], list[str]]:
+                load: BackgroundLoad | None = None, smoke: bool = False) -> tuple[list[dict], list[str]]:
     reports, notes = [], []
     for name, argv, limit, root in BENCHES:
         if names is not None and name not in names:
             continue
+        argv = ["--smoke"] if smoke else argv
         if condition == "loaded" and name not in TIMING:
             continue
         script = REPO / "bench" / f"{name}.py"
@@ -264,9 +271,18 @@ def render_doc(text: str, block: str) -> str:
     return text.rstrip("\n") + "\n\n" + block + "\n"
 
 
+def outputs(out: Path, doc: Path | None = None) -> tuple[Path, Path]:
+    """The page and the plot that go with the bundle ``out``: docs/'s for docs/measured.json, else
+    beside ``out`` (a smoke or trial run never rewrites docs/)."""
+    if out.resolve() == OUT.resolve():
+        return doc or DOC, PLOT
+    return doc or out.with_name("benchmarks.md"), out.with_name(PLOT.name)
+
+
 def write_doc(bundle_path: Path = OUT, doc_path: Path = DOC) -> None:
     block = generated_block(json.loads(bundle_path.read_text()))
-    text = doc_path.read_text() if doc_path.exists() else DOC_HEAD
+    # a page outside docs/ starts from docs/benchmarks.md's prose
+    text = doc_path.read_text() if doc_path.exists() else DOC.read_text() if DOC.exists() else DOC_HEAD
     doc_path.write_text(render_doc(text, block))
     print(f"wrote {doc_path}")
 
@@ -290,7 +306,7 @@ def bundle(reports: list[dict], notes: list[str], where: dict[str, str]) -> dict
             "inputs": where, "notes": notes}
 
 
-def tables(path: Path, runs: int, plot: bool) -> None:
+def tables(path: Path, runs: int, plot: Path | None) -> None:
     ap = argparse.ArgumentParser()
     goodput.add_arguments(ap)
     args = ap.parse_args(["--measured", str(path), "--runs", str(runs)])
@@ -309,9 +325,9 @@ def tables(path: Path, runs: int, plot: bool) -> None:
         rows.append((gpus, target, e, reqs))
     print()
     print(goodput.sensitivity_table(rows))
-    if plot:
-        goodput.plot(str(PLOT), p, runs=10, seed=0)
-        print(f"\nplot: {PLOT}")
+    if plot is not None:
+        goodput.plot(str(plot), p, runs=10, seed=0)
+        print(f"\nplot: {plot}")
 
 
 def main() -> int:
@@ -325,17 +341,28 @@ def main() -> int:
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--loaded", action="store_true", help="also run each timing bench beside a fixed background load")
     ap.add_argument("--docs-only", action="store_true", help="only regenerate docs/benchmarks.md from --out")
+    ap.add_argument("--doc", type=Path, help="the page to regenerate (default: docs/benchmarks.md for the default "
+                    "--out, else benchmarks.md beside --out)")
+    ap.add_argument("--smoke", action="store_true", help="each bench at its --smoke size; bundle, page and plot go "
+                    "to a temporary directory unless --out names one (never docs/)")
     args = ap.parse_args()
+    if args.smoke:
+        if args.out.resolve() == OUT.resolve():
+            args.out = Path(tempfile.mkdtemp(prefix="sentinel-measure-smoke-")) / "measured.json"
+        if args.out.resolve() == OUT.resolve() or (args.doc and args.doc.resolve() == DOC.resolve()):
+            ap.error("--smoke never writes docs/measured.json or docs/benchmarks.md")
+        args.runs = min(args.runs, 5)
+    page, plot = outputs(args.out, args.doc)
     if args.docs_only:
-        write_doc(args.out)
+        write_doc(args.out, page)
         return 0
     if not args.tables_only:
         with tempfile.TemporaryDirectory(prefix="sentinel-measure-") as d:
             names = set(args.only) if args.only is not None else None
-            reports, notes = run_benches(names, Path(d))
+            reports, notes = run_benches(names, Path(d), smoke=args.smoke)
             if args.loaded:
                 with BackgroundLoad(Path(d)) as load:
-                    more, more_notes = run_benches(names, Path(d), "loaded", load)
+                    more, more_notes = run_benches(names, Path(d), "loaded", load, smoke=args.smoke)
                 reports += more
                 notes += more_notes
                 print_columns(reports)
@@ -366,8 +393,8 @@ def main() -> int:
         tmp.write_text(json.dumps(bundle(reports, notes, where), indent=1) + "\n")
         os.replace(tmp, args.out)
         print(f"wrote {args.out}: {len(reports)} reports; " + "; ".join(notes))
-        write_doc(args.out)
-    tables(args.out, args.runs, plot=not args.no_plot)
+        write_doc(args.out, page)
+    tables(args.out, args.runs, plot=None if args.no_plot else plot)
     return 0
 
 

@@ -5,6 +5,7 @@ that was not regenerated after the JSON changed."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -64,3 +65,22 @@ def test_docs_only_regenerates_from_the_given_bundle(tmp_path: Path):
     r = subprocess.run([sys.executable, str(REPO / "bench" / "measure_all.py"), "--help"], capture_output=True, text=True,
                        timeout=120, cwd=REPO)
     assert r.returncode == 0 and "--loaded" in r.stdout
+
+
+def test_smoke_and_trial_runs_never_write_docs(tmp_path: Path):
+    """``measure_all --smoke`` (and any --out but docs/measured.json) writes its bundle, page and
+    plot to a temporary directory: docs/ stays as committed. Bundling an existing report (--only
+    with no bench) regenerates the page there from docs/benchmarks.md's prose."""
+    before = {p: p.read_bytes() for p in (REPO / "docs").iterdir() if p.is_file()}
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "measure_all.py"), "--smoke", "--only", "--include",
+                        str(REPO / "docs" / "measured.json"), "--no-plot"], capture_output=True, text=True, timeout=300,
+                       cwd=tmp_path, env={**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    (out,) = tmp_path.glob("sentinel-measure-smoke-*/measured.json")
+    assert f"wrote {out}:" in r.stdout
+    page = (out.with_name("benchmarks.md")).read_text()
+    assert page.count(measure_all.BEGIN) == 1 and page.startswith((REPO / "docs" / "benchmarks.md").read_text().split(measure_all.BEGIN)[0])
+    assert {p: p.read_bytes() for p in (REPO / "docs").iterdir() if p.is_file()} == before
+    refused = subprocess.run([sys.executable, str(REPO / "bench" / "measure_all.py"), "--smoke", "--doc",
+                              str(REPO / "docs" / "benchmarks.md")], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert refused.returncode == 2 and "never writes docs/" in refused.stderr
