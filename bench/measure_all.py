@@ -68,6 +68,7 @@ BENCHES = (
     ("predict_eval", [], 300, False),
     ("memory_tier", [], 1200, False),  # issue 15's bench, once it exists
     ("poll_overhead", ["--seconds", "10", "--gpus", "8"], 600, False),
+    ("scrape_load", [], 600, False),  # the exporter under 20 concurrent scrapers: docs/benchmarks.md's scrape table
 )
 
 
@@ -234,8 +235,9 @@ def generated_block(doc: dict) -> str:
                                                  if isinstance(la, list) and la else "load average not recorded (see the notes below)")
     lines = [BEGIN, "", f"Generated from docs/measured.json (bundle created {doc.get('created', '?')}) by "
              "`python bench/measure_all.py --docs-only`; do not edit by hand. Columns: the condition each "
-             "figure was measured in (quiet: load average at most the CPU count; loaded: above it, or beside "
-             "`measure_all --loaded`'s background job; unrecorded: a report from before conditions were kept). "
+             "figure was measured in (quiet: no background load of the run's own, the load average from other work "
+             "is beside it; loaded: beside `measure_all --loaded`'s background job; for a report from before "
+             "conditions were kept, loaded when its load average was above the CPU count; unrecorded: neither known). "
              "A ratio divides two figures of the same run taken with the same measure; its numerator / "
              "denominator is named beside it.", ""]
     for bench in sorted(by):
@@ -363,7 +365,9 @@ def main() -> int:
             if args.loaded:
                 with BackgroundLoad(Path(d)) as load:
                     more, more_notes = run_benches(names, Path(d), "loaded", load, smoke=args.smoke)
-                reports += more
+                # quiet reports last: the simulator takes the last report holding a figure, so its inputs
+                # are the quiet figures
+                reports = more + reports
                 notes += more_notes
                 print_columns(reports)
         for path in args.include:

@@ -84,3 +84,13 @@ def test_smoke_and_trial_runs_never_write_docs(tmp_path: Path):
     refused = subprocess.run([sys.executable, str(REPO / "bench" / "measure_all.py"), "--smoke", "--doc",
                               str(REPO / "docs" / "benchmarks.md")], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert refused.returncode == 2 and "never writes docs/" in refused.stderr
+
+
+def test_no_table_is_typed_outside_the_generated_block():
+    """The page's tables are the generated ones: a table typed into the prose (as the daemon-overhead,
+    stall and migration tables once were) goes stale against the JSON unnoticed."""
+    text = (REPO / "docs" / "benchmarks.md").read_text()
+    head, rest = text.split(measure_all.BEGIN, 1)
+    tail = rest.split(measure_all.END, 1)[1]
+    typed = [line for line in (head + tail).splitlines() if line.lstrip().startswith("|")]
+    assert not typed, f"docs/benchmarks.md types tables outside the generated block: {typed[:3]}"
