@@ -18,8 +18,10 @@ docs/measured.json gets its benchmarks.md and plot beside it (``--doc`` names an
 
 Quiet and loaded: ``--loaded`` runs every timing bench a second time while a fixed background load
 runs beside it (LOAD_JOB: the suite's own FSDP2 training job under torchrun, 2 ranks, restarted
-until the bench ends); each report records its condition in ``host.condition`` ("quiet" or
-"loaded") and its load average, and the tables print both columns.
+until the bench ends); each report records its condition in ``host.condition`` and its load
+average, and the tables print both columns. "loaded": beside that job, or, without it, a load
+average above the CPU count at the end of the run (other work on a shared host); "quiet" only
+when neither. On a busy host both passes are loaded and there is no quiet column: run it quiet.
 
 docs/benchmarks.md: the block between the marker comments is generated from docs/measured.json
 (tests/test_benchmarks_doc.py fails when a figure typed there disagrees with the JSON); every
@@ -151,7 +153,7 @@ def run_benches(names: set[str] | None, work: Path, condition: str = "quiet",
                 try:
                     measured.load(out)
                     doc = json.loads(out.read_text())
-                    doc["host"]["condition"] = condition
+                    doc["host"]["condition"] = label(doc, condition)
                     reports.append(doc)
                     kept = f"; kept the {len(doc.get('runs', []))} runs that finished"
                 except (measured.MeasuredError, ValueError):
@@ -168,7 +170,7 @@ def run_benches(names: set[str] | None, work: Path, condition: str = "quiet",
             notes.append(f"{name}: not used ({exc})")
             continue
         doc = json.loads(out.read_text())
-        doc["host"]["condition"] = condition
+        doc["host"]["condition"] = label(doc, condition)
         reports.append(doc)
         print(f"   {len(rep.figures)} figures; simulator inputs: {', '.join(measured.uses(rep)) or 'none'}")
     return reports, notes
@@ -187,6 +189,15 @@ RATIO_MEANING = {
     "nvml_calls_per_gpu_poll_reduction_ratio": "NVML calls per GPU per poll, one per field / batched",
 }
 CONDITIONS = ("quiet", "loaded", "unrecorded")
+
+
+def label(doc: dict, condition: str) -> str:
+    """A report's condition: loaded beside the background job; without it, quiet only when the load
+    average at the end of the run (other work on a shared host) was at most the CPU count."""
+    if condition == "loaded":
+        return "loaded"
+    load, cpus = doc["host"].get("loadavg"), doc["host"].get("cpus") or os.cpu_count() or 1
+    return "loaded" if isinstance(load, list) and load and load[0] > cpus else "quiet"
 
 
 def condition_of(rep: dict) -> str:
@@ -235,9 +246,9 @@ def generated_block(doc: dict) -> str:
                                                  if isinstance(la, list) and la else "load average not recorded (see the notes below)")
     lines = [BEGIN, "", f"Generated from docs/measured.json (bundle created {doc.get('created', '?')}) by "
              "`python bench/measure_all.py --docs-only`; do not edit by hand. Columns: the condition each "
-             "figure was measured in (quiet: no background load of the run's own, the load average from other work "
-             "is beside it; loaded: beside `measure_all --loaded`'s background job; for a report from before "
-             "conditions were kept, loaded when its load average was above the CPU count; unrecorded: neither known). "
+             "figure was measured in (quiet: load average at most the CPU count; loaded: above it, from other work "
+             "on the host or beside `measure_all --loaded`'s background job; unrecorded: a report from before "
+             "conditions were kept). "
              "A ratio divides two figures of the same run taken with the same measure; its numerator / "
              "denominator is named beside it.", ""]
     for bench in sorted(by):
@@ -349,10 +360,10 @@ def main() -> int:
                     "to a temporary directory unless --out names one (never docs/)")
     args = ap.parse_args()
     if args.smoke:
+        if args.doc and args.doc.resolve() == DOC.resolve():
+            ap.error("--smoke never writes docs/measured.json or docs/benchmarks.md")
         if args.out.resolve() == OUT.resolve():
             args.out = Path(tempfile.mkdtemp(prefix="sentinel-measure-smoke-")) / "measured.json"
-        if args.out.resolve() == OUT.resolve() or (args.doc and args.doc.resolve() == DOC.resolve()):
-            ap.error("--smoke never writes docs/measured.json or docs/benchmarks.md")
         args.runs = min(args.runs, 5)
     page, plot = outputs(args.out, args.doc)
     if args.docs_only:

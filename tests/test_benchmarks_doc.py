@@ -82,8 +82,20 @@ def test_smoke_and_trial_runs_never_write_docs(tmp_path: Path):
     assert page.count(measure_all.BEGIN) == 1 and page.startswith((REPO / "docs" / "benchmarks.md").read_text().split(measure_all.BEGIN)[0])
     assert {p: p.read_bytes() for p in (REPO / "docs").iterdir() if p.is_file()} == before
     refused = subprocess.run([sys.executable, str(REPO / "bench" / "measure_all.py"), "--smoke", "--doc",
-                              str(REPO / "docs" / "benchmarks.md")], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+                              str(REPO / "docs" / "benchmarks.md")], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                             env={**os.environ, "TMPDIR": str(tmp_path / "refused")})
     assert refused.returncode == 2 and "never writes docs/" in refused.stderr
+    assert not (tmp_path / "refused").exists() or not any((tmp_path / "refused").iterdir())  # nothing made first
+
+
+def test_quiet_is_what_the_load_average_says():
+    """A run without the background job is quiet only when the host was: a load average above the
+    CPU count (other work on a shared host) labels it loaded; beside the job it is loaded."""
+    def host(load: float) -> dict:
+        return {"host": {"cpus": 2, "loadavg": [load, load, load]}}
+    assert measure_all.label(host(1.5), "quiet") == "quiet"
+    assert measure_all.label(host(9.6), "quiet") == "loaded"
+    assert measure_all.label(host(0.1), "loaded") == "loaded"
 
 
 def test_no_table_is_typed_outside_the_generated_block():
