@@ -25,6 +25,11 @@ OWN_TEST = {
     "migration": ("tests/test_bench_smoke.py", "test_migration_killed_mid_run_keeps_the_finished_drills"),
     "replacement_scale": ("tests/test_replacement_scale.py", "test_smoke_produces_every_promised_figure_for_both_handlers"),
 }
+# benches that share the host's kernel log: their smoke runs in conftest's "kernel" xdist group (one
+# at a time with the tests that write kernel lines), like every test whose daemon reads or writes it
+KERNEL_LOG = {"ebpf_latency": "writes Xid lines into /dev/kmsg and its daemon reads them",
+              "poll_overhead": "its `sentinel run --simulate` daemon reads the host's kernel log (/dev/kmsg)",
+              "nvml_device_check": "its `sentinel run` daemon reads the host's kernel log (/dev/kmsg)"}
 LIMIT_S = 1500  # a smoke run is seconds on a quiet machine; this only bounds a hung one (hosts here reach load 200)
 
 
