@@ -19,9 +19,9 @@ docs/measured.json gets its benchmarks.md and plot beside it (``--doc`` names an
 Quiet and loaded: ``--loaded`` runs every timing bench a second time while a fixed background load
 runs beside it (LOAD_JOB: the suite's own FSDP2 training job under torchrun, 2 ranks, restarted
 until the bench ends); each report records its condition in ``host.condition`` and its load
-average, and the tables print both columns. "loaded": beside that job, or, without it, a load
-average above the CPU count at the end of the run (other work on a shared host); "quiet" only
-when neither. On a busy host both passes are loaded and there is no quiet column: run it quiet.
+average, and the tables print the columns side by side: "loaded" beside that job; without it
+"quiet" when the load average at the end of the run was at most the CPU count, else "busy" (other
+work on a shared host: not reproducible, and no quiet figure; run it again on a quiet host).
 
 docs/benchmarks.md: the block between the marker comments is generated from docs/measured.json
 (tests/test_benchmarks_doc.py fails when a figure typed there disagrees with the JSON); every
@@ -189,27 +189,29 @@ RATIO_MEANING = {
     "cold_over_forkserver_ratio": "cold process to ready / forkserver fork to ready",
     "nvml_calls_per_gpu_poll_reduction_ratio": "NVML calls per GPU per poll, one per field / batched",
 }
-CONDITIONS = ("quiet", "loaded", "unrecorded")
+# quiet: load average at most the CPU count; busy: above it from other work on the host (no load of
+# the run's own, so not reproducible); loaded: beside --loaded's fixed background job
+CONDITIONS = ("quiet", "busy", "loaded", "unrecorded")
 
 
 def label(doc: dict, condition: str) -> str:
     """A report's condition: loaded beside the background job; without it, quiet only when the load
-    average at the end of the run (other work on a shared host) was at most the CPU count."""
+    average at the end of the run was at most the CPU count, else busy (other work on the host)."""
     if condition == "loaded":
         return "loaded"
     load, cpus = doc["host"].get("loadavg"), doc["host"].get("cpus") or os.cpu_count() or 1
-    return "loaded" if isinstance(load, list) and load and load[0] > cpus else "quiet"
+    return "busy" if isinstance(load, list) and load and load[0] > cpus else "quiet"
 
 
 def condition_of(rep: dict) -> str:
-    """quiet or loaded: as measure_all recorded it, else from the load average at the end of the run
-    (loaded when above the CPU count); unrecorded for a report older than both."""
+    """As measure_all recorded it, else from the load average at the end of the run (busy when above
+    the CPU count); unrecorded for a report older than both."""
     host = rep.get("host") or {}
-    if host.get("condition") in ("quiet", "loaded"):
+    if host.get("condition") in CONDITIONS:
         return host["condition"]
     load, cpus = host.get("loadavg"), host.get("cpus") or 1
     if isinstance(load, list) and load:
-        return "loaded" if load[0] > cpus else "quiet"
+        return "busy" if load[0] > cpus else "quiet"
     return "unrecorded"
 
 
@@ -247,9 +249,9 @@ def generated_block(doc: dict) -> str:
                                                  if isinstance(la, list) and la else "load average not recorded (see the notes below)")
     lines = [BEGIN, "", f"Generated from docs/measured.json (bundle created {doc.get('created', '?')}) by "
              "`python bench/measure_all.py --docs-only`; do not edit by hand. Columns: the condition each "
-             "figure was measured in (quiet: load average at most the CPU count; loaded: above it, from other work "
-             "on the host or beside `measure_all --loaded`'s background job; unrecorded: a report from before "
-             "conditions were kept). "
+             "figure was measured in (quiet: load average at most the CPU count; busy: above it, from other work "
+             "on the host; loaded: beside `measure_all --loaded`'s fixed background job; unrecorded: a report from "
+             "before conditions were kept). "
              "A ratio divides two figures of the same run taken with the same measure; its numerator / "
              "denominator is named beside it.", ""]
     for bench in sorted(by):
@@ -418,16 +420,17 @@ def main() -> int:
 
 
 def print_columns(reports: list[dict]) -> None:
-    """Each timing figure measured both ways: quiet and loaded side by side."""
+    """Each timing figure measured in more than one condition, side by side."""
     cols: dict[str, dict[str, float]] = {}
     for rep in reports:
         for n, v in rep["figures"].items():
             cols.setdefault(f"{rep['bench']}.{n}", {})[condition_of(rep)] = v
-    print(f"\n{'figure':<72} {'quiet':>12} {'loaded':>12}")
+    conds = [c for c in CONDITIONS if any(c in v for v in cols.values())]
+    print(f"\n{'figure':<72} " + " ".join(f"{c:>12}" for c in conds))
     for key, v in sorted(cols.items()):
-        if "quiet" in v and "loaded" in v:
+        if len(v) > 1:
             n = key.split(".", 1)[1]
-            print(f"{key:<72} {fmt(n, v['quiet']):>12} {fmt(n, v['loaded']):>12}")
+            print(f"{key:<72} " + " ".join(f"{fmt(n, v[c]) if c in v else '-':>12}" for c in conds))
 
 
 if __name__ == "__main__":

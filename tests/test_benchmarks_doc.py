@@ -90,11 +90,11 @@ def test_smoke_and_trial_runs_never_write_docs(tmp_path: Path):
 
 def test_quiet_is_what_the_load_average_says():
     """A run without the background job is quiet only when the host was: a load average above the
-    CPU count (other work on a shared host) labels it loaded; beside the job it is loaded."""
+    CPU count (other work on a shared host) labels it busy; beside the job it is loaded."""
     def host(load: float) -> dict:
         return {"host": {"cpus": 2, "loadavg": [load, load, load]}}
     assert measure_all.label(host(1.5), "quiet") == "quiet"
-    assert measure_all.label(host(9.6), "quiet") == "loaded"
+    assert measure_all.label(host(9.6), "quiet") == "busy"
     assert measure_all.label(host(0.1), "loaded") == "loaded"
 
 
@@ -106,3 +106,17 @@ def test_no_table_is_typed_outside_the_generated_block():
     tail = rest.split(measure_all.END, 1)[1]
     typed = [line for line in (head + tail).splitlines() if line.lstrip().startswith("|")]
     assert not typed, f"docs/benchmarks.md types tables outside the generated block: {typed[:3]}"
+
+
+def test_busy_and_loaded_runs_of_one_bench_sit_side_by_side():
+    """measure_all --loaded on a busy host: the run beside the background job and the one beside
+    other work are both in the page, in columns of their own."""
+    def rep(load: float, condition: str, v: float) -> dict:
+        return {"bench": "example", "figures": {"example_seconds": v},
+                "host": {"cpus": 2, "loadavg": [load, load, load], "condition": condition}}
+    block = measure_all.generated_block({"reports": [rep(9.0, "loaded", 2.5), rep(5.0, "busy", 1.25)]})
+    row = next(line for line in block.splitlines() if line.startswith("| `example_seconds` |"))
+    header = next(line for line in block.splitlines() if line.startswith("| figure |"))
+    assert header == "| figure | quiet | busy | loaded | ratio of |"
+    assert row.startswith("| `example_seconds` | not measured | 1.25 | 2.5 |")
+
