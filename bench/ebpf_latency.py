@@ -5,7 +5,11 @@ daemon's Xid source has the event, and until a trainer rank's control socket hol
 request the policy sent (Xid 94 -> snapshot; cooldown 0 for the benchmark). Then the daemon's CPU
 while 1,000 kernel lines/s (1 in 10 an Xid) stream in, and its RSS with bcc loaded. Needs root.
 
-    python bench/ebpf_latency.py [--lines 1000] [--json PATH]
+    python bench/ebpf_latency.py [--lines 1000] [--json PATH] [--smoke]
+
+The bench process records itself as the node's torchrun agent (``agent.pid``, as `sentinel launch`
+writes it), so the daemon trusts its rank socket; without that record every request is refused
+(``no_agent``) and no line ever reaches the trainer. ``--smoke``: 20 lines and 1 s of load per path.
 
 ``--json`` figures, per path (``ebpf``, ``kmsg``): ``<path>_to_daemon_p50_seconds`` / ``_p99_seconds``,
 ``<path>_to_trainer_p50_seconds`` / ``_p99_seconds`` (kernel line -> a rank's socket holds the
@@ -31,11 +35,15 @@ import _report  # noqa: E402
 from sentinel import config  # noqa: E402
 from sentinel.builder import build_daemon  # noqa: E402
 from sentinel.channel import RankEndpoint  # noqa: E402
+from sentinel.procs import AgentRecord, write_agent_record  # noqa: E402
 from sentinel.sources import simulated  # noqa: E402
 from sentinel.sources.xid import XidSource  # noqa: E402
 
 BUSES = ("18", "2a", "3a", "5d", "9a", "ab", "ba", "db")
 TICK = os.sysconf("SC_CLK_TCK")
+SMOKE_FIGURES = tuple(f"{k}_{f}" for k in ("ebpf", "kmsg") for f in (
+    "to_daemon_p50_seconds", "to_daemon_p99_seconds", "to_trainer_p50_seconds", "to_trainer_p99_seconds",
+    "cpu_fraction", "rss_bytes", "delivered_count"))
 
 
 def cpu_seconds() -> float:
@@ -55,9 +63,17 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def run_path(use_ebpf: bool, lines: int, kmsg_fd: int) -> dict[str, float]:
+def register_agent(runtime_dir: Path) -> None:
+    """This process is the node's torchrun agent, as `sentinel launch` records it: the daemon only
+    takes requests from ranks that descend from the recorded agent."""
+    runtime_dir.mkdir(parents=True, exist_ok=True)
+    write_agent_record(runtime_dir / "agent.pid", AgentRecord.of(os.getpid()))
+
+
+def run_path(use_ebpf: bool, lines: int, kmsg_fd: int, load_seconds: float = 5.0) -> dict[str, float]:
     work = Path(tempfile.mkdtemp(prefix="sentinel-bench-"))
     work.chmod(0o755)
+    register_agent(work / "run")
     state = work / "gpus.json"
     simulated.write_state(state, simulated.healthy_state(8))
     cfg = config.Config()
@@ -101,9 +117,12 @@ def run_path(use_ebpf: bool, lines: int, kmsg_fd: int) -> dict[str, float]:
                 to_daemon.append(arrivals[n] - t0)
             if got:
                 to_trainer.append(t1 - t0)
-        # CPU at ~1,000 kernel lines/s, 1 in 10 an Xid, for 5 s
+        if not to_trainer:
+            raise RuntimeError(f"{'eBPF' if use_ebpf else 'kmsg'}: none of {lines} Xid lines reached the trainer's"
+                               " socket (is the bench's rank trusted? agent.pid)")
+        # CPU at ~1,000 kernel lines/s, 1 in 10 an Xid, for load_seconds
         c0, w0 = cpu_seconds(), time.perf_counter()
-        for i in range(5000):
+        for i in range(int(load_seconds * 1000)):
             line = (f"NVRM: Xid (PCI:0000:18:00): 13, pid={i}, name=load, Graphics Exception\n" if i % 10 == 0
                     else f"load filler {i}: nothing to see\n")
             os.write(kmsg_fd, line.encode())
@@ -128,24 +147,34 @@ def main() -> None:
     ap.add_argument("--lines", type=int, default=1000)
     _report.add_json_argument(ap)
     args = ap.parse_args()
+    load_seconds = 5.0
+    if args.smoke:
+        args.lines, load_seconds = 20, 1.0
     if os.geteuid() != 0:
         sys.exit("needs root (eBPF, /dev/kmsg)")
     knob = Path("/proc/sys/kernel/printk_devkmsg")
     old = knob.read_text().strip()
     knob.write_text("on\n")  # user-space writes to /dev/kmsg are rate-limited by default
     fd = os.open("/dev/kmsg", os.O_WRONLY)
+    results = _report.Results(args.json, "ebpf_latency", figures_of)
     try:
-        rows = [run_path(True, args.lines, fd), run_path(False, args.lines, fd)]
+        for use_ebpf in (True, False):  # each path written as it finishes
+            results.add(run_path(use_ebpf, args.lines, fd, load_seconds))
     finally:
         os.close(fd)
         knob.write_text(old + "\n")
     print(f"{'path':<24} {'n':>5} {'->daemon p50 ms':>16} {'p99 ms':>8} {'->trainer p50 ms':>17} {'p99 ms':>8} "
           f"{'CPU % @1k lines/s':>18} {'RSS MB':>7}")
+    rows = results.runs
     for r in rows:
         print(f"{r['path']:<24} {r['n']:>5} {r['d50']:>16.2f} {r['d99']:>8.2f} {r['t50']:>17.2f} {r['t99']:>8.2f} "
               f"{r['cpu']:>18.1f} {r['rss']:>7.0f}")
     print("(in-process daemon, 8 simulated GPUs; CPU and RSS are the whole process: daemon + load generator;"
           " RSS of the eBPF row includes bcc/LLVM; targets: p99 <= 50 ms to the trainer, RSS <= 200 MB)")
+    results.finish()
+
+
+def figures_of(rows: list[dict]) -> dict[str, float]:
     figures: dict[str, float] = {}
     for r in rows:
         k = r["key"]
@@ -154,7 +183,7 @@ def main() -> None:
         figures[f"{k}_cpu_fraction"] = r["cpu"] / 100
         figures[f"{k}_rss_bytes"] = round(r["rss"] * 2**20)
         figures[f"{k}_delivered_count"] = r["n"]
-    _report.write(args.json, "ebpf_latency", figures)
+    return figures
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ here: the independent part is drawn from the simulator's own Poisson model (Llam
 class mix), and the bursts follow the published pattern of several nodes failing in the same
 minute. A real trace replays the same way: ``sentinel simulate goodput --trace FILE``.
 
-    python bench/goodput_trace.py [--nodes 400] [--days 365] [--gpus 2048] [--runs 20] [--json PATH]
+    python bench/goodput_trace.py [--nodes 400] [--days 365] [--gpus 2048] [--runs 20] [--json PATH] [--smoke]
+
+``--smoke``: 64 nodes, 30 days, 2 replays.
 
 Prints ETTR, double failures and breaker refusals per strategy for each trace and placement, and
 the CPU seconds one replay of all strategies takes (the < 10 s budget of issue #28).
@@ -59,6 +61,11 @@ def with_bursts(events: list[dict], nodes: int, days: float, rng: random.Random)
     return sorted(events + extra, key=lambda e: (e["time"], e["node"], e["event"] == "fault_end"))
 
 
+SMOKE_FIGURES = tuple(f"trace_{t}_{p}_{s}_ettr_fraction" for t in ("independent", "bursts")
+                      for p in ("cross_domain", "adjacent") for s in STRATEGIES) + tuple(
+    f"trace_{t}_{p}_replay_cpu_seconds" for t in ("independent", "bursts") for p in ("cross_domain", "adjacent"))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, default=400)
@@ -69,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--measured", default=str(Path(__file__).resolve().parents[1] / "docs" / "measured.json"))
     _report.add_json_argument(ap)
     a = ap.parse_args(argv)
+    if a.smoke:
+        a.nodes, a.days, a.gpus, a.runs = 64, 30.0, 128, 2
     defaults = {f: getattr(Params(), f) for f in Params.__dataclass_fields__}
     values, _ = measured.resolve(measured.load_all([a.measured]), {}, defaults, a.gpus // 8)
     p = Params(gpus=a.gpus, days=a.days, **values)

@@ -19,13 +19,15 @@
 
 Each "node" holds its memory in its own directory under /dev/shm.
 
-    python bench/memory_tier.py [--rounds 6] [--block 8] [--big-mb 256] [--json out.json]
+    python bench/memory_tier.py [--rounds 6] [--block 8] [--big-mb 256] [--json out.json] [--smoke]
+
+``--smoke``: 2 rounds of 1-step blocks, 16 MB per rank. The JSON is rewritten after each of the
+three parts, so a run cut short keeps the parts that finished.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import socket
@@ -33,10 +35,12 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -215,9 +219,14 @@ def worker(rank: int, world: int, per_node: int, port: int, cfg: dict, out: dict
 
 
 def run(world: int, per_node: int, **cfg) -> dict:
-    out = mp.Manager().dict()
-    mp.spawn(worker, args=(world, per_node, free_port(), cfg, out), nprocs=world, join=True)
-    return dict(out)
+    """One job of ``world`` ranks, each a new process (a restore is a restart). Forked from this
+    process, which has imported torch and touched no tensor: a rank does not import torch again
+    (seconds per rank on a loaded host), and every figure is timed inside the ranks."""
+    with mp.get_context("fork").Manager() as manager:
+        out = manager.dict()
+        mp.start_processes(worker, args=(world, per_node, free_port(), cfg, out), nprocs=world, join=True,
+                           start_method="fork")
+        return dict(out)
 
 
 def print_timing(title: str, res: dict, modes: tuple[str, ...]) -> dict[str, float]:
@@ -242,6 +251,15 @@ def print_timing(title: str, res: dict, modes: tuple[str, ...]) -> dict[str, flo
           " the range in parentheses)")
 
 
+SMOKE_FIGURES = (
+    "reference_step_seconds", "reference_disk_every_step_overhead_fraction", "memory_snapshot_overhead_fraction",
+    "memory_with_disk_every_10_overhead_fraction", "reference_memcpy_overhead_fraction", "reference_memory_stall_seconds",
+    "reference_memcpy_seconds", "reference_stall_to_memcpy_ratio", "reference_memory_late_fraction", "big_state_bytes",
+    "big_memcpy_seconds", "big_stall_seconds", "big_stall_to_memcpy_ratio", "big_memory_snapshot_overhead_fraction",
+    "big_memcpy_overhead_fraction", "big_replica_copy_seconds", "big_memory_late_fraction",
+    "restore_from_memory_seconds", "restore_from_peer_seconds", "restore_from_disk_seconds")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=11, help="rounds of blocks (round 0 is warm-up)")
@@ -250,14 +268,20 @@ def main() -> None:
     ap.add_argument("--big-rounds", type=int, default=5)
     ap.add_argument("--big-block", type=int, default=4)
     ap.add_argument("--dim", type=int, default=64, help="reference job model width")
-    ap.add_argument("--json", help="write the figures here")
+    _report.add_json_argument(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.rounds, args.block, args.big_mb, args.big_rounds, args.big_block, args.dim = 2, 1, 16, 2, 1, 32
     if args.rounds < 2 or args.big_rounds < 2 or args.block < 1 or args.big_block < 1:
         ap.error("--rounds and --big-rounds must be >= 2 (round 0 is warm-up), --block and --big-block >= 1")
     holders = Path(tempfile.mkdtemp(prefix="sentinel-bench-", dir="/dev/shm"))
     work = Path(tempfile.mkdtemp(prefix="sentinel-bench-"))
     figures: dict[str, float | None] = {}
     pid = os.getpid()
+    results = _report.Results(args.json, "memory_tier", lambda _runs: figures)
+
+    def save(part: str) -> None:  # each part written as it finishes
+        results.add({"part": part})
     try:
         ref = run(4, 2, phase="timing", modes=REF_MODES, rounds=args.rounds, block=args.block, big_mb=0,
                   dim=args.dim, holders=str(holders / "ref"), snapdir=str(work / "ref"), run_id=f"bench-ref-{pid}")
@@ -274,6 +298,7 @@ def main() -> None:
                        reference_memory_stall_seconds=m["stall"], reference_memcpy_seconds=ref["memcpy"],
                        reference_stall_to_memcpy_ratio=m["stall"] / ref["memcpy"],
                        reference_memory_late_fraction=m["late"] / max(1, m["late"] + m["snapshots"]))
+        save("reference")
 
         mb = args.big_mb
         big = run(2, 1, phase="timing", modes=BIG_MODES, rounds=args.big_rounds, block=args.big_block, big_mb=mb,
@@ -289,6 +314,7 @@ def main() -> None:
                        big_memcpy_overhead_fraction=median(big["ratios"]["memcpy"]) - 1,
                        big_replica_copy_seconds=b["replica"],
                        big_memory_late_fraction=b["late"] / max(1, b["late"] + b["snapshots"]))
+        save("big")
 
         bh, bs, rid = holders / "big", work / "big", f"bench-big-restore-{pid}"
         common = dict(big_mb=mb, dim=args.dim, holders=str(bh), snapdir=str(bs), run_id=rid)
@@ -313,14 +339,11 @@ def main() -> None:
         figures.update(restore_from_memory_seconds=r_own if tiers[0] == "memory" else None,
                        restore_from_peer_seconds=r_peer if tiers[1] == "memory" and peer["restore"].get("peer") else None,
                        restore_from_disk_seconds=r_disk if tiers[2] == "disk" else None)
+        save("restore")
     finally:
         shutil.rmtree(holders, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"bench": "memory_tier", "version": 1,
-                                               "created": datetime.now(timezone.utc).isoformat(),
-                                               "host": {"cpus": os.cpu_count()}, "figures": figures}, indent=1))
-
+    results.finish()
 
 if __name__ == "__main__":
     main()

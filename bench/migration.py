@@ -9,15 +9,26 @@ Paths, side by side in one run:
   cold        the before: the same predicted migration with plain torchrun and a cold spare
   crash       plain torchrun crash failover: kill -9, no warning, cold spare, periodic snapshot
 
-    python bench/migration.py [--runs 5] [--interval-steps 10] [--etcd] [--json PATH]
+    python bench/migration.py [--runs 5] [--interval-steps 10] [--etcd] [--json PATH] [--smoke]
+
+Each drill is appended to the JSON as it finishes (with the figures of every drill so far), so a
+run killed or timed out keeps the drills already done. ``--smoke``: one drill each of ``warm`` and
+``crash``, 12 steps, the fault at step 4 (drill timeout 600 s: a smoke run checks figures, not speed;
+with the default --interval-steps 10 the crash path restarts from step 0: the plain failover with no
+snapshot yet, a bound the drill holds even on a loaded host).
 
 --json (bench/_report.py's shape; sentinel_tools/sim/measured.py reads it): medians over the drills
 that succeeded. ``migration_*`` is the warm-spare path (``migration_trip_to_first_step_seconds``,
 ``migration_fault_to_first_step_seconds``, ``migration_lost_steps``, ``migration_ok_fraction``,
 ``migration_stage_<stage>_seconds`` = each stage's own duration), ``crash_*`` the plain torchrun
 crash failover, and ``one_of_three_*``, ``two_victims_*``, ``etcd_migration_*``,
-``cold_spare_torchrun_*`` the other paths, plus ``*_ratio`` figures (``two_victims_over_one_same_job_ratio``:
-two victims / one victim of the same 3-node job; ``two_victims_over_one_ratio``: against the 2-node job).
+``cold_spare_torchrun_*`` the other paths, plus ``*_ratio`` figures, each dividing two medians of this run taken with the same measure:
+``plain_failover_over_warm_ratio`` = crash fault -> first step / warm spare fault -> first step;
+``cold_torchrun_over_warm_ratio`` = cold spare trip -> first step / warm spare trip -> first step;
+``two_victims_over_one_ratio`` = two victims of 3 nodes / one victim of 2 nodes (trip -> first step);
+``two_victims_over_one_same_job_ratio`` = two victims / one victim of the same 3-node job (trip -> first
+step); ``etcd_over_c10d_ratio`` = etcd-v2 / c10d warm spare (trip -> first step). The plain torchrun
+baselines (``cold``, ``crash``) run without Sentinel's memory tier (``--memory-interval-steps 0``).
 """
 
 from __future__ import annotations
@@ -39,8 +50,9 @@ PATHS = {
     "warm-etcd": ("Sentinel, warm spare (etcd-v2)", ["--fault", "xid79", "--rdzv-backend", "etcd-v2"]),
     "one3": ("Sentinel, 1 victim of 3 nodes", ["--fault", "xid79", "--nodes", "3", "--spares", "2", "--victims", "1"]),
     "two": ("Sentinel, 2 victims, 2 warm spares", ["--fault", "xid79", "--nodes", "3", "--spares", "2", "--victims", "2"]),
-    "cold": ("before: torchrun, cold spare", ["--fault", "xid79", "--agent", "torchrun"]),
-    "crash": ("plain torchrun crash failover", ["--fault", "kill", "--agent", "torchrun"]),
+    # the baselines are plain torchrun as it was before Sentinel: no memory tier (disk snapshots only)
+    "cold": ("before: torchrun, cold spare", ["--fault", "xid79", "--agent", "torchrun", "--memory-interval-steps", "0"]),
+    "crash": ("plain torchrun crash failover", ["--fault", "kill", "--agent", "torchrun", "--memory-interval-steps", "0"]),
 }
 FIGURE_PREFIX = {"warm": "migration_", "warm-etcd": "etcd_migration_", "one3": "one_of_three_", "two": "two_victims_",
                  "cold": "cold_spare_torchrun_", "crash": "crash_"}
@@ -73,34 +85,38 @@ def slug(stage: str) -> str:
     return stage.replace(" ", "_").replace("-", "_")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--interval-steps", type=int, default=10)
-    ap.add_argument("--etcd", action="store_true", help="also the etcd-v2 rendezvous (needs etcd on PATH)")
-    ap.add_argument("--only", help="comma-separated paths to run (default: all)")
-    _report.add_json_argument(ap)
-    args, extra = ap.parse_known_args()
-    names = args.only.split(",") if args.only else [n for n in PATHS if n != "warm-etcd" or args.etcd]
-    unknown = set(names) - set(PATHS)
-    if unknown:
-        ap.error(f"unknown path(s) {sorted(unknown)}; choose from {sorted(PATHS)}")
-    rows: dict[str, list[dict]] = {n: [] for n in names}
-    for _ in range(args.runs):  # interleaved, so every path sees the same machine noise
-        for n in names:
-            rows[n].append(drill(args.interval_steps, PATHS[n][1] + extra))
-    load = os.getloadavg()
-    print(f"host: {os.cpu_count()} CPUs, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min) at the end")
+SMOKE_ARGS = ["--steps", "12", "--at-step", "4", "--timeout", "600"]  # a loaded CI host: bound, not speed
+SMOKE_FIGURES = ("migration_trip_to_first_step_seconds", "warm_spare_trip_to_first_step_seconds",
+                 "migration_fault_to_first_step_seconds", "migration_lost_steps", "migration_ok_fraction",
+                 "crash_fault_to_first_step_seconds", "crash_lost_steps", "crash_ok_fraction",
+                 "plain_failover_over_warm_ratio")
+# (figure, numerator, denominator, label): each ratio divides two figures of one run, same measure
+RATIOS = (
+    ("two_victims_over_one_ratio", "two_victims_trip_to_first_step_seconds", "migration_trip_to_first_step_seconds",
+     "two victims of 3 / one victim of 2 nodes (trip -> first step)"),
+    ("cold_torchrun_over_warm_ratio", "cold_spare_torchrun_trip_to_first_step_seconds",
+     "migration_trip_to_first_step_seconds", "torchrun cold spare / warm spare (trip -> first step)"),
+    ("plain_failover_over_warm_ratio", "crash_fault_to_first_step_seconds", "migration_fault_to_first_step_seconds",
+     "plain torchrun crash failover / warm spare (fault -> first step)"),
+    ("etcd_over_c10d_ratio", "etcd_migration_trip_to_first_step_seconds", "migration_trip_to_first_step_seconds",
+     "etcd-v2 / c10d warm spare (trip -> first step)"),
+    ("two_victims_over_one_same_job_ratio", "two_victims_trip_to_first_step_seconds",
+     "one_of_three_trip_to_first_step_seconds", "two victims / one victim, same 3-node job (trip -> first step)"),
+)
 
-    figures: dict[str, float] = {}
-    for n in names:
-        ok = [r for r in rows[n] if r.get("ok")]
-        print(f"\n{PATHS[n][0]}: {len(ok)}/{len(rows[n])} drills ok; seconds after the trip (median / max)")
-        for r in rows[n]:
-            if not r.get("ok") and r.get("error"):
-                print(f"  failed: {r['error'][-200:]}")
-        for stage, vals in stage_durations(ok).items():
-            print(f"  {stage:<26} {median(vals):>7.2f} {max(vals):>7.2f}")
+
+def by_path(runs: list[dict]) -> dict[str, list[dict]]:
+    rows: dict[str, list[dict]] = {}
+    for r in runs:
+        rows.setdefault(r["path"], []).append(r["drill"])
+    return rows
+
+
+def summarise(runs: list[dict]) -> dict[str, float | None]:
+    """The figures of the drills finished so far (medians over the drills that succeeded)."""
+    figures: dict[str, float | None] = {}
+    for n, drills in by_path(runs).items():
+        ok = [r for r in drills if r.get("ok")]
         if n == "warm":  # each stage's own duration, as the goodput simulator reads them
             own: dict[str, list[float]] = {}
             for r in ok:
@@ -108,13 +124,6 @@ def main() -> None:
                     own.setdefault(e["stage"], []).append(e["duration"])
             for stage, vals in own.items():
                 figures[f"migration_stage_{slug(stage)}_seconds"] = median(vals)
-        if ok and ok[0]["timeline"] and any(e.get("phases") for e in ok[0]["timeline"]):
-            phases: dict[str, list[float]] = {}
-            for r in ok:
-                for e in r["timeline"]:
-                    for k, v in (e.get("phases") or {}).items():
-                        phases.setdefault(k, []).append(v)
-            print("  spare worker setup: " + ", ".join(f"{k} {median(v):.2f}" for k, v in phases.items()))
         trip = [r["trip_to_first_step_seconds"] for r in ok if r.get("trip_to_first_step_seconds") is not None]
         fault = [r["fault_to_first_step_seconds"] for r in ok if r.get("fault_to_first_step_seconds") is not None]
         lost = [len(r["recomputed_steps"]) for r in ok]
@@ -125,10 +134,54 @@ def main() -> None:
             figures["warm_spare_trip_to_first_step_seconds"] = median(trip)
         figures[f"{p}fault_to_first_step_seconds"] = median(fault)
         figures[f"{p}lost_steps"] = median(lost)
-        figures[f"{p}ok_fraction"] = len(ok) / len(rows[n]) if rows[n] else None
+        figures[f"{p}ok_fraction"] = len(ok) / len(drills) if drills else None
         verified = [r for r in ok if "verify" in r]
         if verified:
             figures[f"{p}bitwise_equal_fraction"] = sum(bool(r["verify"]["bitwise_equal"]) for r in verified) / len(verified)
+    for name, num, den, _ in RATIOS:
+        if figures.get(num) and figures.get(den):
+            figures[name] = figures[num] / figures[den]
+    return figures
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, help="drills per path (default 5; 1 with --smoke)")
+    ap.add_argument("--interval-steps", type=int, default=10)
+    ap.add_argument("--etcd", action="store_true", help="also the etcd-v2 rendezvous (needs etcd on PATH)")
+    ap.add_argument("--only", help="comma-separated paths to run (default: all)")
+    _report.add_json_argument(ap)
+    args, extra = ap.parse_known_args()
+    if args.smoke:
+        args.runs, args.only = args.runs or 1, args.only or "warm,crash"
+        extra = SMOKE_ARGS + extra
+    args.runs = 5 if args.runs is None else args.runs
+    names = args.only.split(",") if args.only else [n for n in PATHS if n != "warm-etcd" or args.etcd]
+    unknown = set(names) - set(PATHS)
+    if unknown:
+        ap.error(f"unknown path(s) {sorted(unknown)}; choose from {sorted(PATHS)}")
+    results = _report.Results(args.json, "migration", summarise)
+    for _ in range(args.runs):  # interleaved, so every path sees the same machine noise
+        for n in names:
+            results.add({"path": n, "drill": drill(args.interval_steps, PATHS[n][1] + extra)})
+    rows = by_path(results.runs)
+    load = os.getloadavg()
+    print(f"host: {os.cpu_count()} CPUs, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min) at the end")
+    for n in names:
+        ok = [r for r in rows[n] if r.get("ok")]
+        print(f"\n{PATHS[n][0]}: {len(ok)}/{len(rows[n])} drills ok; seconds after the trip (median / max)")
+        for r in rows[n]:
+            if not r.get("ok") and r.get("error"):
+                print(f"  failed: {r['error'][-200:]}")
+        for stage, vals in stage_durations(ok).items():
+            print(f"  {stage:<26} {median(vals):>7.2f} {max(vals):>7.2f}")
+        if ok and ok[0]["timeline"] and any(e.get("phases") for e in ok[0]["timeline"]):
+            phases: dict[str, list[float]] = {}
+            for r in ok:
+                for e in r["timeline"]:
+                    for k, v in (e.get("phases") or {}).items():
+                        phases.setdefault(k, []).append(v)
+            print("  spare worker setup: " + ", ".join(f"{k} {median(v):.2f}" for k, v in phases.items()))
 
     def fmt(vals: list[float]) -> str:
         return f"{statistics.median(vals):.2f} / {max(vals):.2f}" if vals else "-"
@@ -144,27 +197,13 @@ def main() -> None:
         bitwise = f"{sum(r['verify']['bitwise_equal'] for r in verified)}/{len(verified)}" if verified else "-"
         print(f"{PATHS[n][0]:<38} {len(ok)}/{len(rows[n]):<3} {fmt(fault):>20} {fmt(trip) if n != 'crash' else '-':>19}"
               f" {fmt(lost):>11} {bitwise:>8}")
-    base = figures.get("migration_trip_to_first_step_seconds")
-    if base:
+    figures = summarise(results.runs)
+    shown = [(label, figures[name]) for name, _, _, label in RATIOS if figures.get(name)]
+    if shown:
         print()
-        for key, name, label in (
-                ("two_victims_trip_to_first_step_seconds", "two_victims_over_one_ratio",
-                 "two victims of 3 / one victim of 2 nodes"),
-                ("cold_spare_torchrun_trip_to_first_step_seconds", "cold_torchrun_over_warm_ratio",
-                 "before (torchrun, cold spare) / warm"),
-                ("crash_fault_to_first_step_seconds", "plain_failover_over_warm_ratio",
-                 "plain torchrun crash failover / warm"),
-                ("etcd_migration_trip_to_first_step_seconds", "etcd_over_c10d_ratio", "etcd-v2 / c10d")):
-            if figures.get(key):
-                figures[name] = figures[key] / base
-                print(f"{label:<38} {figures[name]:>6.2f}x")
-    # the same 3-node job losing one node or two at once (the same processes on the same 2 cores):
-    # what a second victim costs, without the bigger world's own cost on an oversubscribed host
-    one3, two = figures.get("one_of_three_trip_to_first_step_seconds"), figures.get("two_victims_trip_to_first_step_seconds")
-    if one3 and two:
-        figures["two_victims_over_one_same_job_ratio"] = two / one3
-        print(f"{'two victims / one victim, same 3-node job':<38} {two / one3:>6.2f}x")
-    _report.write(args.json, "migration", figures)
+    for label, value in shown:
+        print(f"{label:<66} {value:>6.2f}x")
+    results.finish()
 
 
 if __name__ == "__main__":

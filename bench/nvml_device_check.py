@@ -3,7 +3,12 @@ or any GPU node). Prints, per GPU: identity, which fields NVML supports, their v
 links found, and the poll cost; then runs the daemon for a few seconds on real NVML and checks
 its /metrics with promtool when available. Exits non-zero if NVML cannot start.
 
-    python bench/nvml_device_check.py [--seconds 5] [--json PATH]
+    python bench/nvml_device_check.py [--seconds 5] [--json PATH] [--smoke]
+
+``--smoke`` (no GPU needed; what the suite runs): the same code path against the project's fake
+pynvml (tests/fake_pynvml.py, 2 healthy GPUs) instead of the real library, and the daemon on
+simulated GPUs (``--simulate``) for 1 s. Its figures prove the bench runs, not what NVML costs;
+only a run on a GPU node measures that.
 
 ``--json`` figures: ``gpus_count``, ``poll_median_seconds``, ``poll_max_seconds``,
 ``nvml_errors_count``, ``exposition_lines_count``.
@@ -31,12 +36,24 @@ from sentinel.readings import FIELDS  # noqa: E402
 from sentinel.sources.nvml import NvmlSource, NvmlUnavailable  # noqa: E402
 
 
+SMOKE_FIGURES = ("gpus_count", "poll_median_seconds", "poll_max_seconds", "nvml_errors_count", "exposition_lines_count")
+
+
+def fake_nvml():
+    """The project's fake pynvml (tests/fake_pynvml.py): the --smoke stand-in for a GPU."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from fake_pynvml import FakePynvml
+    return FakePynvml(gpus=2)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=5.0)
     _report.add_json_argument(ap)
     args = ap.parse_args()
-    src = NvmlSource(pynvml, deadline_seconds=2.0)
+    if args.smoke:
+        args.seconds = 1.0
+    src = NvmlSource(fake_nvml() if args.smoke else pynvml, deadline_seconds=2.0)
     try:
         src.start()
     except NvmlUnavailable as exc:
@@ -58,8 +75,13 @@ def main() -> int:
                "nvml_errors_count": sum(src.errors.values())}
     src.close()
     with tempfile.TemporaryDirectory() as d:
+        sim: list[str] = []
+        if args.smoke:  # no GPU: the daemon on simulated GPUs
+            from sentinel.sources import simulated
+            simulated.write_state(Path(d) / "gpus.json", simulated.healthy_state(2))
+            sim = ["--simulate", f"{d}/gpus.json"]
         proc = subprocess.Popen([sys.executable, "-m", "sentinel", "run", "--runtime-dir", f"{d}/run", "--state-dir",
-                                 f"{d}/state", "--port", "0", "--listen-address", "127.0.0.1", "--no-ebpf"],
+                                 f"{d}/state", "--port", "0", "--listen-address", "127.0.0.1", "--no-ebpf", *sim],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             status = Path(d) / "run" / "status.json"

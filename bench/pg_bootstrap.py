@@ -109,6 +109,9 @@ def measure(n: int, libuv: bool, limit: float) -> dict:
         server.wait(30)
 
 
+SMOKE_FIGURES = tuple(f"pg_{p}_{k}_n16_seconds" for p in ("connect", "barrier", "broadcast") for k in ("libuv", "classic"))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
@@ -116,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds one phase may take")
     _report.add_json_argument(ap)
     args = ap.parse_args(argv)
+    if args.smoke:  # 16 workers, once: that it runs (tests/test_bench_smoke.py)
+        args.workers, args.repeats = [16], 1
     if min(args.workers) < 2 or args.repeats < 1:
         ap.error("--workers must each be >= 2 and --repeats >= 1")
     limit = raise_fd_limit()

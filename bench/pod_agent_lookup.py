@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -25,17 +26,26 @@ from bench._report import add_json_argument, write  # noqa: E402
 from sentinel import procs  # noqa: E402
 
 
+SMOKE_FIGURES = ("host_read_seconds", "pod_scan_read_seconds", "pod_remembered_read_seconds", "host_processes_count",
+                 "pod_scan_over_host_ratio", "pod_remembered_over_host_ratio")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=200)
     add_json_argument(ap)
     args = ap.parse_args()
+    if args.smoke:  # 20 reads per case: that it runs (tests/test_bench_smoke.py)
+        args.runs = 20
     if os.geteuid() != 0:
         print("pod_agent_lookup: needs root (unshare --pid)", file=sys.stderr)
         return 2
     work = Path(tempfile.mkdtemp(prefix="sentinel-bench-pod-"))
-    host_agent = subprocess.Popen(["sleep", "300"])
-    pod = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "--", "sh", "-c", "sleep 300 & wait"])
+    # each in a process group of its own, ended as a group: the pod's shell and sleeper (children
+    # of unshare) outlived a kill of unshare alone and held the caller's output pipes for 300 s
+    quiet = dict(stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    host_agent = subprocess.Popen(["sleep", "300"], **quiet)
+    pod = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "--", "sh", "-c", "sleep 300 & wait"], **quiet)
     try:
         time.sleep(0.5)
         host_file, pod_file = work / "host.pid", work / "pod.pid"
@@ -75,7 +85,10 @@ def main() -> int:
                 "pod_remembered_over_host_ratio": med["pod_remembered"] / med["host"]})
     finally:
         for p in (host_agent, pod):
-            p.kill()
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             p.wait(timeout=10)
     return 0
 

@@ -6,13 +6,14 @@ and bytes per node and per GPU, extrapolated to 2,048 nodes, for the default exp
 poll, one call per field and counter (before) against batched nvmlDeviceGetFieldValues (after),
 counted in-process over the simulated backend.
 
-    python bench/poll_overhead.py [--seconds 20] [--gpus 8 64] [--detail fleet full] [--json out.json]
+    python bench/poll_overhead.py [--seconds 20] [--gpus 8 64] [--detail fleet full] [--json out.json] [--smoke]
+
+``--smoke``: 8 GPUs, fleet detail, one 2 s window.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gzip
 import json
 import os
@@ -25,6 +26,8 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report  # noqa: E402
 from sentinel.sources import simulated  # noqa: E402
 from sentinel.sources.simulated import CountingNvml  # noqa: E402
 
@@ -110,9 +113,10 @@ def measure(gpus: int, seconds: float, detail: str = "fleet") -> dict[str, float
             time.sleep(2.0)  # past start-up (imports, probing)
             port = json.loads((run / "status.json").read_text())["metrics_port"]
             windows = []  # CPU seconds per wall second, in 5 s windows; the median resists noise
-            for _ in range(max(1, int(seconds // 5))):
+            window = min(5.0, seconds)
+            for _ in range(max(1, int(seconds // window))):
                 c0, t0 = cpu_seconds(proc.pid), time.monotonic()
-                time.sleep(5.0)
+                time.sleep(window)
                 windows.append((cpu_seconds(proc.pid) - c0) / (time.monotonic() - t0))
             per_second = statistics.median(windows)
             lat = []
@@ -137,14 +141,22 @@ def measure(gpus: int, seconds: float, detail: str = "fleet") -> dict[str, float
             proc.wait(timeout=10)
 
 
+SMOKE_FIGURES = ("nvml_calls_per_gpu_poll_before_count", "nvml_calls_per_gpu_poll_after_count",
+                 "nvml_calls_per_gpu_poll_reduction_ratio", "cpu_per_poll_8gpu_fleet_ms", "core_8gpu_fleet_percent",
+                 "rss_8gpu_fleet_mb", "scrape_p50_8gpu_fleet_ms", "scrape_8gpu_fleet_bytes", "series_8gpu_fleet_count",
+                 "fleet_scrape_8gpu_fleet_mb")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=30.0, help="CPU measuring time per row (5 s windows)")
     ap.add_argument("--gpus", type=int, nargs="+", default=[8, 64], help="simulated GPUs per node")
     ap.add_argument("--detail", nargs="+", choices=("fleet", "full"), default=["fleet", "full"],
                     help="[metrics] detail: fleet (the default export) and/or full (every link and state)")
-    ap.add_argument("--json", metavar="PATH", help='also write {"bench", "version", "created", "host", "figures"} to PATH')
+    _report.add_json_argument(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.seconds, args.gpus, args.detail = 2.0, [8], ["fleet"]
     before, after = nvml_calls(8, batch=False), nvml_calls(8, batch=True)
     print(f"NVML calls per GPU per poll (8 simulated H100s, 18 NVLink links each): {before:.1f} one call per field "
           f"and counter, {after:.1f} batched (nvmlDeviceGetFieldValues), {before / after:.1f}x fewer; target <= 10\n")
@@ -163,19 +175,15 @@ def main() -> None:
               f"{r['fleet_scrape_mb']:>9.1f} {r['fleet_scrape_gzip_mb']:>8.1f}")
     print("targets: <= 1 % of one core for 8 GPUs at 1 Hz; RSS <= 60 MB; "
           "default export <= 40 series per GPU and <= 30 KB per scrape for 8 GPUs")
-    if args.json:
-        figures = {"nvml_calls_per_gpu_poll_before_count": before, "nvml_calls_per_gpu_poll_after_count": after,
-                   "nvml_calls_per_gpu_poll_reduction_ratio": before / after}
-        for r in rows:
-            tag = f"{r['gpus']}gpu_{r['detail']}"
-            figures.update({f"cpu_per_poll_{tag}_ms": r["cpu_ms_per_poll"], f"core_{tag}_percent": r["core_percent"],
-                            f"rss_{tag}_mb": r["rss_mb"], f"scrape_p50_{tag}_ms": r["scrape_p50_ms"],
-                            f"scrape_{tag}_bytes": r["scrape_bytes"], f"series_{tag}_count": r["series"],
-                            f"fleet_scrape_{tag}_mb": r["fleet_scrape_mb"]})
-        Path(args.json).write_text(json.dumps({
-            "bench": "poll_overhead", "version": 1,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "host": {"cpus": os.cpu_count()}, "figures": figures}, indent=2) + "\n")
+    figures = {"nvml_calls_per_gpu_poll_before_count": before, "nvml_calls_per_gpu_poll_after_count": after,
+               "nvml_calls_per_gpu_poll_reduction_ratio": before / after}
+    for r in rows:
+        tag = f"{r['gpus']}gpu_{r['detail']}"
+        figures.update({f"cpu_per_poll_{tag}_ms": r["cpu_ms_per_poll"], f"core_{tag}_percent": r["core_percent"],
+                        f"rss_{tag}_mb": r["rss_mb"], f"scrape_p50_{tag}_ms": r["scrape_p50_ms"],
+                        f"scrape_{tag}_bytes": r["scrape_bytes"], f"series_{tag}_count": r["series"],
+                        f"fleet_scrape_{tag}_mb": r["fleet_scrape_mb"]})
+    _report.write(args.json, "poll_overhead", figures)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,9 @@ import _report  # noqa: E402
 from sentinel_tools import scenarios  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parents[1] / "tests" / "scenarios"
+# --smoke replays the same corpus (it takes seconds): every figure is a count over all of it
+SMOKE_FIGURES = ("degrading_recall_fraction", "sudden_caught_fraction", "benign_false_migration_fraction",
+                 "degrading_lead_median_seconds", "scenarios_count")
 
 
 def main() -> None:

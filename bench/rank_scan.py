@@ -60,11 +60,16 @@ def measure(ep: DaemonEndpoint, calls: int, before=None) -> float:
     return statistics.median(times)
 
 
+SMOKE_FIGURES = ("rank_scan_clean_seconds", "rank_scan_removable_4200_seconds", "rank_scan_kept_4200_seconds")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=30)
     add_json_argument(ap)
     args = ap.parse_args(argv)
+    if args.smoke:  # 3 calls per case: that it runs (tests/test_bench_smoke.py)
+        args.calls = 3
     root = Path(tempfile.mkdtemp(prefix="sentinel-bench-scan-"))
     try:
         ep = DaemonEndpoint(root)

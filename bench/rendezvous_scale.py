@@ -6,7 +6,9 @@ until the new group has finished one all-reduce (``restart``: the job can step a
 Then fits the growth (linear and logarithmic in N) and prints what each fit says at 2,048 nodes;
 ``sentinel simulate goodput --measured`` does the same fit from the ``--json`` figures.
 
-    python bench/rendezvous_scale.py [--agents 2 4 8 16] [--repeats 3] [--json PATH]
+    python bench/rendezvous_scale.py [--agents 2 4 8 16] [--repeats 3] [--json PATH] [--smoke]
+
+``--smoke``: 2 agents, one kill. Each job size is written to the JSON as it finishes.
 
 On a machine with fewer cores than agents, every agent and worker shares the CPUs (each new
 worker imports torch), so the growth measured here is mostly CPU contention: an upper bound on
@@ -165,6 +167,18 @@ def fit(ns: list[float], ys: list[float], transform) -> tuple[float, float, floa
     return a, b, rms
 
 
+SMOKE_FIGURES = ("rendezvous_n2_seconds", "restart_n2_seconds")
+
+
+def summarise(rows: list[dict]) -> dict[str, float]:
+    figures: dict[str, float] = {}
+    for r in rows:
+        if "error" not in r:
+            figures[f"rendezvous_n{r['n']}_seconds"] = round(r["rendezvous"], 3)
+            figures[f"restart_n{r['n']}_seconds"] = round(r["restart"], 3)
+    return figures
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--agents", type=int, nargs="+", default=[2, 4, 8, 16])
@@ -175,6 +189,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.worker:
         return worker(args.worker)
+    if args.smoke:
+        args.agents, args.repeats = [2], 1
+    results = _report.Results(args.json, "rendezvous_scale", summarise)
     if any(n < 2 for n in args.agents) or args.repeats < 1:
         ap.error("--agents must each be >= 2 and --repeats >= 1")
     rows = []
@@ -182,6 +199,7 @@ def main() -> int:
         for n in args.agents:
             rows.append(measure(n, args.repeats, args.timeout, Path(d)))
             r = rows[-1]
+            results.add(r)
             print(f"  {n} agents: " + (r["error"] if "error" in r else
                                         f"rendezvous {r['rendezvous']:.2f} s, restart {r['restart']:.2f} s"), flush=True)
     print(f"\n{os.cpu_count()} CPUs; c10d rendezvous, standalone store, one gloo CPU worker per agent; "
@@ -193,10 +211,6 @@ def main() -> int:
             print(f"{r['n']:>6} {'-':>6} {r['error']}")
         else:
             print(f"{r['n']:>6} {r['rounds']:>6} {r['rendezvous']:>24.2f} {r['restart']:>27.2f} {r['restart_max']:>7.2f}")
-    figures: dict[str, float] = {}
-    for r in ok:
-        figures[f"rendezvous_n{r['n']}_seconds"] = round(r["rendezvous"], 3)
-        figures[f"restart_n{r['n']}_seconds"] = round(r["restart"], 3)
     if len(ok) >= 2:
         ns, ys = [r["n"] for r in ok], [r["restart"] for r in ok]
         print("\nfits of kill -> first all-reduce, extrapolated to 2,048 nodes:")
@@ -207,7 +221,7 @@ def main() -> int:
         for ratio in zip(ok, ok[1:]):
             lo, hi = ratio
             print(f"  {lo['n']} -> {hi['n']} agents: restart x{hi['restart'] / lo['restart']:.2f}")
-    _report.write(args.json, "rendezvous_scale", figures)
+    results.finish()
     return 0 if ok else 1
 
 

@@ -19,7 +19,7 @@ poll), compare-and-set conflicts and CPU contention are told apart. A handler wh
 finish within ``--torch-timeout`` stops being measured at that N and above (said so).
 
     nice -n 10 python bench/replacement_scale.py [--nodes 8 16 ... 1024] [--repeats 3] [--out runs.json] [--json report.json]
-    python bench/replacement_scale.py --smoke --out /tmp/r.json      # smallest sizes, seconds
+    python bench/replacement_scale.py --smoke --out /tmp/r.json      # N = 3 and 4, seconds
 
 ``--out`` is appended after every finished round (atomically), with the load average, the git
 commit and the exact command: an interrupted run keeps what it measured. ``--json`` writes the
@@ -55,7 +55,8 @@ import _report  # noqa: E402
 SCENARIOS = ("first_join", "replace_one", "replace_two")
 HANDLERS = ("sentinel", "torch")
 DEFAULT_NODES = [8, 16, 32, 64, 128, 256, 512, 1024]
-SMOKE_NODES = [8, 16]
+SMOKE_NODES = [3, 4]  # the smallest job with two victims and a survivor, and one more: a growth exponent
+SMOKE_FIGURES = ("replacement_protocol_n3_seconds", "replacement_protocol_n4_seconds")
 # every figure a round promises (tests/test_replacement_scale.py checks --smoke produced them all)
 ROUND_FIELDS = ("wall_seconds", "survivor_ops_median", "survivor_ops_max", "ops_total", "ops_per_participant",
                 "bytes_total", "participant_cpu_seconds", "store_cpu_seconds", "load_average")

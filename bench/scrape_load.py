@@ -7,7 +7,9 @@ path also calls refresh(). This process then runs --scrapers concurrent scrapers
 each sends its next request when the previous one ends) for --requests requests in total, with
 the headers Prometheus 2.x sends (OpenMetrics preferred, gzip), and prints p50/p99/max latency.
 
-    python bench/scrape_load.py [--gpus 8] [--scrapers 20] [--requests 4000] [--json PATH]
+    python bench/scrape_load.py [--gpus 8] [--scrapers 20] [--requests 4000] [--json PATH] [--smoke]
+
+``--smoke``: 4 scrapers, 100 scrapes per path.
 
 The scrapers share the machine's cores with the server, as they would not in production, so the
 figures are upper bounds for the server's part.
@@ -184,6 +186,11 @@ def run_path(path: str, args: argparse.Namespace, workdir: str) -> dict[str, flo
         proc.wait(timeout=10)
 
 
+SMOKE_FIGURES = tuple(f"{p}_scrape_{q}_seconds" for p in ("old", "new") for q in ("p50", "p99", "max", "mean")) + tuple(
+    f"{p}_{k}" for p in ("old", "new") for k in ("errors_count", "scrapes_per_second", "body_bytes")) + tuple(
+    f"old_over_new_{q}_ratio" for q in ("p50", "p99", "max")) + ("scrapers_count", "gpus_count")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpus", type=int, default=8)
@@ -195,6 +202,8 @@ def main() -> int:
     parser.add_argument("--serve", choices=PATHS, help=argparse.SUPPRESS)
     parser.add_argument("--state", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.smoke:
+        args.scrapers, args.requests = 4, 100
     if args.serve:
         serve(args.serve, args.gpus, args.poll_interval, args.state)
         return 0

@@ -8,7 +8,13 @@
 for ~256 MB and ~1 GB of state per rank (one rank, gloo, this machine's disk), and the idle cost
 of guard.step() per training step (2 ranks: one tiny all-reduce plus a channel poll).
 
-    python bench/snapshot_stall.py [--sizes-mb 256 1024] [--repeats 5] [--json PATH]
+    python bench/snapshot_stall.py [--sizes-mb 256 1024] [--repeats 5] [--json PATH] [--smoke]
+
+Like with like: in each repeat the memcpy floor runs in this process right before Sentinel's stall,
+then dcp.save, then torch.save, so all four see the same load; the ratios are medians of the
+per-repeat ratios (``stall_<MB>mb_sentinel_over_memcpy_ratio`` = Sentinel's stall / memcpy,
+``stall_<MB>mb_dcp_save_over_sentinel_ratio`` = blocking dcp.save / Sentinel's stall).
+``--smoke``: 16 MB, 2 repeats, 200 idle steps. Each size is written to the JSON as it finishes.
 
 ``--json`` figures (the goodput simulator's inputs are the last two, from the largest size):
 ``stall_<MB>mb_<path>_seconds`` per row, ``guard_step_idle_seconds``,
@@ -83,8 +89,11 @@ def measure(mb: int, repeats: int, work: Path) -> dict[str, float]:
         torch.save(state, work / f"full{mb}-{i}.pt")
         tsave.append(time.perf_counter() - t0)
     guard.close()
+    paired = range(1, repeats)  # the repeats with a Sentinel stall past the first
     return {"mb": nbytes / 2**20, "bytes": nbytes, "memcpy": med(memcpy), "sentinel": med(sentinel), "sentinel_first": first,
-            "dcp_save": med(blocking), "torch_save": med(tsave)}
+            "dcp_save": med(blocking), "torch_save": med(tsave),
+            "sentinel_over_memcpy": med([sentinel[i - 1] / memcpy[i] for i in paired]),
+            "dcp_save_over_sentinel": med([blocking[i] / sentinel[i - 1] for i in paired])}
 
 
 def idle_worker(rank: int, world: int, port: int, steps: int, out: dict, runtime: str) -> None:
@@ -107,17 +116,48 @@ def idle_worker(rank: int, world: int, port: int, steps: int, out: dict, runtime
     dist.destroy_process_group()
 
 
+SMOKE_FIGURES = tuple(f"stall_16mb_{p}_seconds" for p in ("memcpy", "sentinel", "sentinel_first", "dcp_save", "torch_save")) + (
+    "stall_16mb_sentinel_over_memcpy_ratio", "stall_16mb_dcp_save_over_sentinel_ratio", "async_stall_seconds_per_gb",
+    "dcp_save_bytes_per_second", "guard_step_idle_seconds", "guard_step_idle_p99_seconds")
+
+
+def summarise(rows: list[dict], idle: dict | None = None) -> dict[str, float]:
+    figures: dict[str, float] = {}
+    sizes = [r for r in rows if "mb" in r]
+    for r in sizes:
+        for path in ("memcpy", "sentinel", "sentinel_first", "dcp_save", "torch_save"):
+            figures[f"stall_{r['mb']:.0f}mb_{path}_seconds"] = round(r[path], 4)
+        for ratio in ("sentinel_over_memcpy", "dcp_save_over_sentinel"):
+            figures[f"stall_{r['mb']:.0f}mb_{ratio}_ratio"] = round(r[ratio], 3)
+    if sizes:
+        big = max(sizes, key=lambda r: r["bytes"])
+        figures["async_stall_seconds_per_gb"] = round(big["sentinel"] / (big["bytes"] / 1e9), 4)
+        figures["dcp_save_bytes_per_second"] = round(big["bytes"] / big["dcp_save"])
+    for r in rows:
+        if "idle" in r:
+            figures["guard_step_idle_seconds"] = r["idle"]
+            figures["guard_step_idle_p99_seconds"] = r["p99"]
+    return figures
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes-mb", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--idle-steps", type=int, default=2000)
     _report.add_json_argument(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.sizes_mb, args.repeats, args.idle_steps = [16], 2, 200
+    if args.repeats < 2:
+        ap.error("--repeats must be >= 2 (the first Sentinel snapshot allocates its buffers and is reported apart)")
     torch.set_num_threads(1)
+    results = _report.Results(args.json, "snapshot_stall", summarise)
     rows = []
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as d:
         for mb in args.sizes_mb:
             rows.append(measure(mb, args.repeats, Path(d)))
+            results.add(rows[-1])
             for p in Path(d).iterdir():  # free the disk between sizes
                 if p.is_file():
                     p.unlink()
@@ -125,8 +165,8 @@ def main() -> None:
           f"{'Sentinel/memcpy':>16} {'dcp.save/Sentinel':>18}")
     for r in rows:
         print(f"{r['mb']:>9.0f} {r['memcpy'] * 1e3:>10.1f} {r['sentinel'] * 1e3:>12.1f} {r['sentinel_first'] * 1e3:>8.0f} "
-              f"{r['dcp_save'] * 1e3:>12.1f} {r['torch_save'] * 1e3:>14.1f} {r['sentinel'] / r['memcpy']:>16.2f} "
-              f"{r['dcp_save'] / r['sentinel']:>18.1f}")
+              f"{r['dcp_save'] * 1e3:>12.1f} {r['torch_save'] * 1e3:>14.1f} {r['sentinel_over_memcpy']:>16.2f} "
+              f"{r['dcp_save_over_sentinel']:>18.1f}")
     print("medians of", args.repeats, "snapshots (Sentinel: of the repeats after the first); targets: Sentinel <= 2x memcpy, "
           ">= 10x less than blocking dcp.save")
     with tempfile.TemporaryDirectory() as runtime:
@@ -137,21 +177,12 @@ def main() -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.spawn(idle_worker, args=(2, port, 2000, out, runtime), nprocs=2, join=True)
+        mp.spawn(idle_worker, args=(2, port, args.idle_steps, out, runtime), nprocs=2, join=True)
         daemon.close()
     print(f"idle guard.step(): median {out['idle'] * 1e6:.0f} us, p99 {out['p99'] * 1e6:.0f} us per step "
           f"(2 ranks, gloo all-reduce + channel poll) = {out['idle'] / 0.05 * 100:.2f} % of a 50 ms step (target <= 1 %)")
-    figures: dict[str, float] = {}
-    for r in rows:
-        for path in ("memcpy", "sentinel", "sentinel_first", "dcp_save", "torch_save"):
-            figures[f"stall_{r['mb']:.0f}mb_{path}_seconds"] = round(r[path], 4)
-    big = max(rows, key=lambda r: r["bytes"])
-    figures["async_stall_seconds_per_gb"] = round(big["sentinel"] / (big["bytes"] / 1e9), 4)
-    figures["dcp_save_bytes_per_second"] = round(big["bytes"] / big["dcp_save"])
-    figures["guard_step_idle_seconds"] = out["idle"]
-    figures["guard_step_idle_p99_seconds"] = out["p99"]
-    _report.write(args.json, "snapshot_stall", figures)
-
+    results.add({"idle": out["idle"], "p99": out["p99"]})
+    results.finish()
 
 if __name__ == "__main__":
     main()

@@ -11,14 +11,14 @@ measured side by side on this machine (medians of --runs, interleaved).
 Each worker here is one rank of a world of 1 (gloo); "to ready" ends after model + FSDP2 +
 optimizer are built, i.e. what the worker needs before it loads the snapshot.
 
-    python bench/warm_start.py [--runs 5] [--json PATH]
+    python bench/warm_start.py [--runs 5] [--json PATH] [--smoke]
+
+``--smoke``: one run of each. Each run (cold + forkserver) is written to the JSON as it finishes.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import multiprocessing
 import os
 import socket
@@ -27,6 +27,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -96,11 +99,34 @@ def in_process(runs: int) -> list[float]:
     return out
 
 
+SMOKE_FIGURES = ("cold_process_ready_seconds", "cold_process_import_seconds", "forkserver_ready_seconds",
+                 "in_process_reinit_seconds", "cold_over_forkserver_ratio")
+
+
+def summarise(runs: list[dict]) -> dict[str, float | None]:
+    """Medians of the finished runs; the ratio divides two "to ready" medians of this run."""
+    med = statistics.median
+    cold_ = [r for r in runs if r["option"] == "cold"]
+    fork_ = [r for r in runs if r["option"] == "fork"]
+    inproc = [r for r in runs if r["option"] == "in_process"]
+    f: dict[str, float | None] = {
+        "cold_process_ready_seconds": med(r["ready"] for r in cold_) if cold_ else None,
+        "cold_process_import_seconds": med(r["imports"] for r in cold_) if cold_ else None,
+        "forkserver_ready_seconds": med(r["ready"] for r in fork_) if fork_ else None,
+        "in_process_reinit_seconds": med(r["ready"] for r in inproc) if inproc else None}
+    if f["cold_process_ready_seconds"] and f["forkserver_ready_seconds"]:
+        f["cold_over_forkserver_ratio"] = f["cold_process_ready_seconds"] / f["forkserver_ready_seconds"]
+    return {k: None if v is None else round(v, 4) for k, v in f.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--json", type=Path)
+    _report.add_json_argument(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.runs = 1
+    results = _report.Results(args.json, "warm_start", summarise)
     sys.path.insert(0, str(REPO))
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "trainer.warmup", "trainer.train"])
     ctx = multiprocessing.get_context("forkserver")
@@ -110,8 +136,12 @@ def main() -> None:
     rows: dict[str, list[tuple[float, float]]] = {"cold": [], "fork": []}
     for i in range(args.runs):
         rows["cold"].append(cold(i))
+        results.add({"option": "cold", "imports": rows["cold"][-1][0], "ready": rows["cold"][-1][1]})
         rows["fork"].append(forkserver(ctx, i))
+        results.add({"option": "fork", "imports": rows["fork"][-1][0], "ready": rows["fork"][-1][1]})
     inproc = in_process(args.runs)
+    for v in inproc:
+        results.add({"option": "in_process", "ready": v})
     med = statistics.median
     load = os.getloadavg()[0]
     print(f"host: {os.cpu_count()} CPUs, load average {load:.1f}; medians of {args.runs}")
@@ -121,16 +151,7 @@ def main() -> None:
     print(f"{'in-process re-init (process group only)':<44} {'-':>15} {med(inproc):>9.3f}")
     ratio = med(r[1] for r in rows["cold"]) / med(r[1] for r in rows["fork"])
     print(f"cold / forkserver: {ratio:.1f}x")
-    if args.json:
-        figures = {"cold_process_ready_seconds": med(r[1] for r in rows["cold"]),
-                   "cold_process_import_seconds": med(r[0] for r in rows["cold"]),
-                   "forkserver_ready_seconds": med(r[1] for r in rows["fork"]),
-                   "in_process_reinit_seconds": med(inproc), "cold_over_forkserver_ratio": ratio}
-        args.json.write_text(json.dumps({"bench": "warm_start", "version": 1,
-                                         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                                         "host": {"cpus": os.cpu_count()},
-                                         "figures": {k: round(v, 4) for k, v in figures.items()}}, indent=1) + "\n")
-
+    results.finish()
 
 if __name__ == "__main__":
     main()

@@ -62,6 +62,8 @@ def with_overrides(cfg: config_mod.Config, args: argparse.Namespace) -> config_m
     if getattr(args, "listen_address", None):
         metrics = dataclasses.replace(metrics, listen_address=args.listen_address)
     cfg = dataclasses.replace(cfg, daemon=daemon, metrics=metrics)
+    if getattr(args, "no_kernel_log", False):
+        cfg = dataclasses.replace(cfg, ebpf=dataclasses.replace(cfg.ebpf, enabled=False, kmsg_fallback=False))
     cfg.validate()  # the overrides too: --port 70000 is as wrong as port = 70000
     return cfg
 
@@ -433,6 +435,9 @@ def _add_daemon_commands(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--port", type=int, help="override metrics.port (0 = any free port)")
     run.add_argument("--listen-address", help="override metrics.listen_address")
     run.add_argument("--no-ebpf", action="store_true", help="do not load eBPF probes (kernel log fallback only)")
+    run.add_argument("--no-kernel-log", action="store_true",
+                     help="read neither eBPF nor /dev/kmsg (a --simulate daemon beside others on a shared host "
+                          "must not act on the host's kernel lines)")
     run.set_defaults(func=cmd_run)
 
     cc = sub.add_parser("check-config", help="validate a config file")

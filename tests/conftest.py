@@ -24,6 +24,36 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 _ci_skips: list[str] = []
 
 
+# -- side by side (pytest-xdist, scripts/test) ----------------------------------------------------
+# Tests run on several workers at once (--dist loadgroup). What a test shares with the whole
+# machine decides its group, and a group runs on one worker, one test at a time:
+# - "kernel": tests that write lines into the host's kernel log (/dev/kmsg, eBPF tracepoints) or
+#   boot a systemd whose daemon reads it; every other test's daemon runs with --no-kernel-log
+#   (start_daemon), and the drills' daemons are configured so, so none of them acts on these lines;
+# - "slurm" and "kube": the one cluster of the session (a session fixture lives per worker).
+KERNEL_FILES = {"test_ebpf.py", "test_kernel_signatures_e2e.py", "test_kernel_trust.py", "test_log_formats.py",
+                "test_packaging.py", "test_prometheus.py", "test_security.py", "test_signature_trust.py",
+                "test_systemd_nspawn.py"}
+
+
+def xdist_group_of(item) -> str | None:
+    names = set(getattr(item, "fixturenames", ()))
+    if "slurm" in names:
+        return "slurm"
+    if "kube" in names:
+        return "kube"
+    if item.path.name in KERNEL_FILES:
+        return "kernel"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = xdist_group_of(item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
 def _skip_reason(report) -> str:
     return report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
 
@@ -128,17 +158,22 @@ def sim_state(tmp_path):
 
 
 @pytest.fixture
-def start_daemon(tmp_path):
+def start_daemon(tmp_path, request):
+    reads_kernel = request.node.path.name in KERNEL_FILES
     started: list[DaemonProcess] = []
 
     def start(*args: str, runtime_dir: Path | None = None, env: dict | None = None, wait: bool = True,
-              ebpf: bool = False) -> DaemonProcess:
+              ebpf: bool = False, kernel: bool | None = None) -> DaemonProcess:
         rd = runtime_dir or tmp_path / f"run{len(started)}"
         log_path = tmp_path / f"daemon{len(started)}.log"
         cmd = [sys.executable, "-m", "sentinel", "run", "--runtime-dir", str(rd), "--port", "0",
                "--listen-address", "127.0.0.1", "--state-dir", str(tmp_path / "state"), *args]
         if not ebpf and "--no-ebpf" not in args:
             cmd.append("--no-ebpf")  # eBPF tests ask for it; others skip the ~2 s compile
+        if not ebpf and not (reads_kernel if kernel is None else kernel):
+            # tests run side by side (pytest-xdist): only a test of the "kernel" group (those that
+            # write kernel lines, one at a time on one worker) reads the host's kernel log
+            cmd.append("--no-kernel-log")
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with open(log_path, "w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)

@@ -367,10 +367,10 @@ def test_django_pbkdf2_hashes_are_accepted():
     ("alice\n", 0o600, ":1: expected user:hash"),
     ("alice:md5$abc\n", 0o600, ":1: the hash must look like"),
     ("alice:$2b$12$abcdefghijklmnopqrstuv\n", 0o600, "bcrypt hashes are not supported"),
-    ("a:" + hash_password("x", iterations=1000) + "\na:" + hash_password("y", iterations=1000) + "\n", 0o600,
+    ("a:" + hash_password("x", iterations=1000, salt="saltx") + "\na:" + hash_password("y", iterations=1000, salt="salty") + "\n", 0o600,
      ":2: user 'a' is listed twice"),
     ("# nobody\n", 0o600, "no users"),
-    ("a:" + hash_password("x", iterations=1000) + "\n", 0o666, "writable by group or others"),
+    ("a:" + hash_password("x", iterations=1000, salt="saltx") + "\n", 0o666, "writable by group or others"),
 ])
 def test_bad_users_files_are_refused_naming_file_and_line(tmp_path, text, mode, message):
     path = users_file(tmp_path, text, mode)

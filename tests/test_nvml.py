@@ -109,11 +109,11 @@ def test_hung_call_hits_deadline_and_never_stalls_poll():
         elapsed = time.monotonic() - t0
         assert r[1].hung and not r[0].hung
         assert r[0].values["temperature_celsius"] == 40
-        assert elapsed < 0.3 + 0.25
+        assert elapsed < 2.0  # the hung call never returns by itself: the poll returned at its deadline
         # still stuck: the next poll skips GPU 1 at once instead of waiting again
         t0 = time.monotonic()
         r = src.poll()
-        assert r[1].hung and time.monotonic() - t0 < 0.2
+        assert r[1].hung and time.monotonic() - t0 < 0.3  # less than one more deadline: not waited for again
         fake.behaviour.pop(("temperature_celsius", 1))
         fake.release.set()
         deadline = time.monotonic() + 3
@@ -139,7 +139,7 @@ def test_slow_gpu_costs_one_budget_per_poll_and_is_not_hung():
         t0 = time.monotonic()
         r = src.poll()
         elapsed = time.monotonic() - t0
-        assert elapsed < 0.45
+        assert elapsed < 2.0  # one 0.3 s budget, not 31 calls x 0.25 s = 7.75 s
         slow = r[1]
         assert slow.errors == {"poll_budget": pynvml.NVML_ERROR_TIMEOUT}
         assert not slow.hung and not slow.lost

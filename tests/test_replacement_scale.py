@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from bench_smoke import run_smoke
 from conftest import REPO
 
 pytestmark = [pytest.mark.needs_torch, pytest.mark.slow]
@@ -18,10 +19,10 @@ import replacement_scale as bench  # noqa: E402
 
 
 def test_smoke_produces_every_promised_figure_for_both_handlers(tmp_path):
-    out, report = tmp_path / "runs.json", tmp_path / "report.json"
-    r = subprocess.run([sys.executable, "bench/replacement_scale.py", "--smoke", "--out", str(out), "--json", str(report)],
-                       cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    # the bench's one smoke run in the suite (tests/bench_smoke.py OWN_TEST): what every bench's
+    # smoke is checked for, then what the rounds did
+    out = tmp_path / "runs.json"
+    report, stdout = run_smoke("replacement_scale", tmp_path, "--out", str(out))
     runs = json.loads(out.read_text())["runs"]
     assert len(runs) == 1
     run = runs[0]
@@ -41,7 +42,7 @@ def test_smoke_produces_every_promised_figure_for_both_handlers(tmp_path):
         # rank-preserving: the survivors keep their ranks, the spares take exactly the departed ones
         assert row["ranks_kept"] and row["spare_took_victim_ranks"], row
         assert row["survivor_ops_max"] <= 10, row
-    figures = json.loads(report.read_text())["figures"]
+    figures = report["figures"]
     for n in bench.SMOKE_NODES:
         assert f"replacement_protocol_n{n}_seconds" in figures
         for handler in bench.HANDLERS:
@@ -52,7 +53,7 @@ def test_smoke_produces_every_promised_figure_for_both_handlers(tmp_path):
         for scenario in bench.SCENARIOS:
             assert f"{handler}_{scenario}_wall_exponent_ratio" in figures
             assert f"{handler}_{scenario}_total_ops_exponent_ratio" in figures
-    assert "growth exponents" in r.stdout
+    assert "growth exponents" in stdout
 
 
 def test_bad_arguments_are_refused_with_the_reason(tmp_path):

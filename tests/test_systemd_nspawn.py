@@ -203,12 +203,10 @@ def test_stop_finishes_within_its_timeout(node):
     node.ensure_active()
     timeout = c.show(UNIT, "TimeoutStopUSec")["TimeoutStopUSec"]
     assert timeout == "10s"
-    t0 = time.monotonic()
     c.run(["systemctl", "stop", UNIT], timeout=60)
-    elapsed = time.monotonic() - t0
     props = c.show(UNIT, "ActiveState", "Result")
+    # Result=success: stopped by SIGTERM within TimeoutStopSec (a timeout would read "timeout")
     assert props == {"ActiveState": "inactive", "Result": "success"}, c.journal(UNIT)[-2000:]
-    assert elapsed < 10
     assert "timed out" not in c.journal(UNIT)
 
 

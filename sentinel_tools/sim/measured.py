@@ -21,6 +21,7 @@ BUNDLE_KIND = "sentinel-measured"
 MAX_BYTES = 8 << 20
 NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 REPORT_KEYS = {"bench", "version", "created", "host", "figures"}
+OPTIONAL_REPORT_KEYS = {"runs"}  # bench/_report.py: each finished run, as it came
 BUNDLE_KEYS = {"kind", "version", "created", "host", "reports", "inputs", "notes"}
 # the rendezvous protocol of a one-node replacement over N (bench/replacement_scale.py, Sentinel's handler)
 PROTOCOL_FIGURE = re.compile(r"^replacement_protocol_n(\d+)_seconds$")
@@ -90,7 +91,7 @@ def _report(path: str, doc: object, where: str = "") -> Report:
     at = f"{path}{where}"
     if not isinstance(doc, dict):
         raise _fail(at, f"a report is a JSON object, not {type(doc).__name__}")
-    unknown = sorted(set(doc) - REPORT_KEYS)
+    unknown = sorted(set(doc) - REPORT_KEYS - OPTIONAL_REPORT_KEYS)
     if unknown:
         raise _fail(at, f"unknown key {unknown[0]!r} (a report has exactly {sorted(REPORT_KEYS)})")
     missing = sorted(REPORT_KEYS - set(doc))
