@@ -39,6 +39,9 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from bench._report import add_json_argument, report  # noqa: E402
 
+SMOKE_FIGURES = ("progress_overhead_fraction", "progress_step_off_seconds", "progress_step_on_seconds",
+                 "progress_exchange_seconds", "progress_exchange_amortised_fraction")
+
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
