@@ -47,11 +47,21 @@ def xdist_group_of(item) -> str | None:
     return None
 
 
+# Files whose tests run whole jobs (torchrun, drills, a booted systemd): handed out first, so the
+# workers do not end the run waiting on one long test started last (longest first). A stable
+# sort: every worker computes the same order, as pytest-xdist requires.
+LONG_FILES = ("test_drill.py", "test_trainer.py", "test_memory_tier.py", "test_bench_smoke.py",
+              "test_slurm_drill.py", "test_systemd_nspawn.py", "test_elastic.py", "test_replacement_scale.py",
+              "test_slot_rendezvous.py", "test_topology_drill.py", "test_progress.py", "test_hang_job.py")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         group = xdist_group_of(item)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))
 
 
 def _skip_reason(report) -> str:

@@ -116,13 +116,14 @@ def test_one_request_id_is_one_snapshot_however_often_it_arrives(tmp_path):
         daemon.close()
 
 
-def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
+@pytest.mark.xdist_group("ten_steps")
+def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, ten_steps):
+    """Resumes the shared ten-step run (snapshots of steps 4 and 9) to 20 steps and compares it
+    with 20 uninterrupted steps (merged #29: the interrupted run is the ten_steps fixture)."""
     a, b = tmp_path / "a", tmp_path / "b"
     r = torchrun(2, "--steps", "20", "--snapshot-dir", str(a / "s"), "--final", str(a / "final.json"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    r = torchrun(2, "--steps", "13", "--interval-steps", "5", "--snapshot-dir", str(b / "s"), "--final", str(b / "f1.json"))
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert [s for s, _ in complete_snapshots(b / "s")] == [9, 4]
+    shutil.copytree(ten_steps, b / "s")
     r = torchrun(2, "--steps", "20", "--interval-steps", "5", "--snapshot-dir", str(b / "s"), "--final", str(b / "final.json"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert final(b / "final.json")["resumed_at"] == 10
@@ -130,29 +131,45 @@ def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
     assert final(b / "final.json")["optim"] == final(a / "final.json")["optim"]
 
 
-@pytest.mark.parametrize("saved,loaded", [(4, 2), (2, 4)])
-def test_resume_reshards_across_world_sizes(tmp_path, saved, loaded):
+def test_resume_reshards_from_four_ranks_to_two(tmp_path):
     s = tmp_path / "s"
-    r = torchrun(saved, "--steps", "6", "--interval-steps", "6", "--snapshot-dir", str(s), "--final", str(tmp_path / "saved.json"))
+    r = torchrun(4, "--steps", "6", "--interval-steps", "6", "--snapshot-dir", str(s), "--final", str(tmp_path / "saved.json"))
     assert r.returncode == 0, r.stderr[-3000:]
     # --steps 6 again: resume at 6 and compute nothing; the state is exactly what was loaded
-    r = torchrun(loaded, "--steps", "6", "--snapshot-dir", str(s), "--final", str(tmp_path / "loaded.json"))
+    r = torchrun(2, "--steps", "6", "--snapshot-dir", str(s), "--final", str(tmp_path / "loaded.json"))
     assert r.returncode == 0, r.stderr[-3000:]
     got, want = final(tmp_path / "loaded.json"), final(tmp_path / "saved.json")
-    assert got["resumed_at"] == 6 and got["world"] == loaded
+    assert got["resumed_at"] == 6 and got["world"] == 2
+    assert got["params"] == want["params"] and got["optim"] == want["optim"]
+
+
+@pytest.mark.xdist_group("ten_steps")
+def test_resume_reshards_from_two_ranks_to_four(tmp_path, ten_steps):
+    """Loads the shared two-rank snapshot of step 9 on four ranks (merged #29: the two-rank save
+    is the ten_steps fixture's)."""
+    s = tmp_path / "s"
+    shutil.copytree(ten_steps, s)
+    # --steps 10: resume at 10 and compute nothing; the state is exactly what was saved
+    r = torchrun(4, "--steps", "10", "--snapshot-dir", str(s), "--final", str(tmp_path / "loaded.json"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    got, want = final(tmp_path / "loaded.json"), final(ten_steps.parent / "final.json")
+    assert got["resumed_at"] == 10 and got["world"] == 4
     assert got["params"] == want["params"] and got["optim"] == want["optim"]
 
 
 @pytest.fixture(scope="module")
 def ten_steps(tmp_path_factory) -> Path:
-    """Snapshots of steps 4 and 9 from 10 steps on 2 ranks, made once: each test takes a copy."""
+    """Snapshots of steps 4 and 9 from 10 steps on 2 ranks, made once (its tests share one xdist
+    group, so one worker makes it): each test takes a copy. ``final.json`` beside it: the state
+    after the 10 steps."""
     s = tmp_path_factory.mktemp("ten-steps") / "s"
-    r = torchrun(2, "--steps", "10", "--interval-steps", "5", "--snapshot-dir", str(s))
+    r = torchrun(2, "--steps", "10", "--interval-steps", "5", "--snapshot-dir", str(s), "--final", str(s.parent / "final.json"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert [n for n, _ in complete_snapshots(s)] == [9, 4]
     return s
 
 
+@pytest.mark.xdist_group("ten_steps")
 def test_corrupt_newest_snapshot_is_skipped_for_the_previous_and_moved_aside(tmp_path, ten_steps):
     """Merged (#29): also test_kill_9_mid_async_save_never_loads_the_half_written_snapshot: the
     second run here is killed (SIGKILL on rank 1) while its asynchronous save of step 9 is being
@@ -201,6 +218,7 @@ RANKS_DISAGREE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.xdist_group("ten_steps")
 def test_resume_is_rank0s_choice_and_a_fallback_is_agreed(tmp_path, ten_steps):
     s = tmp_path / "s"
     shutil.copytree(ten_steps, s)
