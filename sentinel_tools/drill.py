@@ -46,6 +46,16 @@ FAULTS = {
 }
 
 
+def alive(pid: int) -> bool:
+    """``pid`` runs: a killed process stays in /proc as a zombie (state Z) until its parent reaps
+    it, and a dead spare must be noticed before then."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] not in (["Z"], ["X"])
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -418,7 +428,7 @@ class Drill:
                         os.kill(victim_pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
-            if not Path(f"/proc/{pid}").exists() and not (self.pool / f"{n.name}.dead").exists():
+            if not alive(pid) and not (self.pool / f"{n.name}.dead").exists():
                 (self.pool / f"{n.name}.dead").write_text("")
                 r = subprocess.run(self.claim_argv(next(iter(sorted(self.victim_names)), "")),
                                    env=self.env, check=False, timeout=30, capture_output=True, text=True)
