@@ -55,6 +55,7 @@ LONG_FILES = ("test_drill.py", "test_trainer.py", "test_memory_tier.py", "test_b
               "test_slot_rendezvous.py", "test_topology_drill.py", "test_progress.py", "test_hang_job.py")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (it appends them to the node ids)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         group = xdist_group_of(item)
