@@ -33,7 +33,7 @@ class Container:
         self.leader = 0
         self.console = host_dir / "console.log"
 
-    def boot(self, timeout: float = 60) -> None:
+    def boot(self, timeout: float = 240) -> None:
         preset = self.host_dir / "disable-all.preset"
         preset.write_text("disable *\n")
         argv = [NSPAWN, "-D", "/", "--volatile=yes", "-b", "--private-network", "--register=no", "--keep-unit",
