@@ -31,7 +31,7 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "256")  # as the drill
+os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "64")  # as the drill: a window of this job's collectives
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -128,7 +128,7 @@ class Drill:
         # rank's compute from its waiting (docs/hangs-and-stragglers.md); 64 entries hold a
         # progress window of this job's collectives and keep a dump cheap
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": _pythonpath(),
-                    "TORCH_FR_BUFFER_SIZE": os.environ.get("TORCH_FR_BUFFER_SIZE", "256")}
+                    "TORCH_FR_BUFFER_SIZE": os.environ.get("TORCH_FR_BUFFER_SIZE", "64")}
         if args.agent == "torchrun":
             self.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         else:
