@@ -23,6 +23,7 @@ from pathlib import Path
 from sentinel.backends.base import read_cordon
 from sentinel.families import counter, gauge
 from sentinel.fsutil import UnsafePath, read_trusted
+from sentinel.procs import running
 
 
 # the migration's metric families (rendered from sentinel.migration.Migrator's counts)
@@ -119,13 +120,8 @@ def leaving_reason(state_dir: Path) -> str:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    """A rank runs: a zombie (exited, not yet reaped by its agent) is gone (:func:`sentinel.procs.running`)."""
+    return running(pid)
 
 
 def uncordon(state_dir: Path) -> bool:

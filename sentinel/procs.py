@@ -52,6 +52,16 @@ def proc_stat(pid: int, proc: Path = PROC) -> tuple[int, int]:
     return int(rest[1]), int(rest[19])
 
 
+def running(pid: int, proc: Path = PROC) -> bool:
+    """``pid`` exists and has not exited: a killed process stays in /proc as a zombie (state Z)
+    until its parent reaps it, and must count as gone before then (a dead rank, a dead spare)."""
+    try:
+        raw = (proc / str(pid) / "stat").read_bytes()
+    except OSError:
+        return False
+    return raw[raw.rindex(b")") + 2:].split()[:1] not in ([b"Z"], [b"X"])
+
+
 def proc_uid(pid: int, proc: Path = PROC) -> int:
     try:
         return os.stat(proc / str(pid)).st_uid

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sentinel.procs import running
 from sentinel.sources import simulated
 
 FAULTS = {
@@ -47,13 +48,8 @@ FAULTS = {
 
 
 def alive(pid: int) -> bool:
-    """``pid`` runs: a killed process stays in /proc as a zombie (state Z) until its parent reaps
-    it, and a dead spare must be noticed before then."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[:1] not in (["Z"], ["X"])
+    """``pid`` runs (a dead spare must be noticed while it is a zombie): :func:`sentinel.procs.running`."""
+    return running(pid)
 
 
 def free_port() -> int:

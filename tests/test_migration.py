@@ -199,3 +199,43 @@ def test_ranks_that_exit_before_acknowledging_do_not_stall_the_drain(tmp_path):
     finally:
         rank.close()
         ep.close()
+
+
+def test_a_rank_that_is_a_zombie_counts_as_exited(tmp_path):
+    """A rank killed but not yet reaped by its agent stays in /proc (state Z): it cannot answer,
+    and the drain must not wait the acknowledgement timeout for it."""
+    register_agent(tmp_path / "run")
+    ep = DaemonEndpoint(tmp_path / "run")
+    rank = RankEndpoint.open(tmp_path / "run")
+    zombie = subprocess.Popen(["true"])
+    try:
+        wait_for_zombie(zombie.pid)
+        m = make(tmp_path, ep, kills=[])
+        m.begin("r1", TRIP)
+        ep.requests["r1"].sent_to[zombie.pid] = 0
+        rank.ack(Ack(id="r1", rank=0, step=9, ok=True))
+        advance(m, ep.poll_acks())
+        assert m.record.phase == "drained"
+        assert any("exited before acknowledging" in n for n in m.record.notes)
+    finally:
+        zombie.wait()
+        rank.close()
+        ep.close()
+
+
+def wait_for_zombie(pid: int) -> None:
+    from conftest import wait_for
+
+    wait_for(lambda: open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] == "Z", timeout=30,
+             what=f"pid {pid} to exit")
+
+
+def test_running_reads_the_state_after_the_last_parenthesis(tmp_path):
+    from sentinel.procs import running
+
+    for pid, comm, state, want in ((10, "python3", "S", True), (11, "a) Z (b", "R", True), (12, "x", "Z", False),
+                                   (13, "y", "X", False)):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} ({comm}) {state} 1 2 3\n")
+    assert [running(p, tmp_path) for p in (10, 11, 12, 13, 14)] == [True, True, False, False, False]
+    assert running(__import__("os").getpid())

@@ -375,6 +375,8 @@ class HangWatch:
         self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=5)
+            if self._thread.is_alive():  # in a store call: a daemon thread inside torch at exit can abort the process
+                log.warning("hang watch thread still running 5 s after stop")
 
     def _key(self, what: str) -> str:
         return f"{self.prefix}{what}"

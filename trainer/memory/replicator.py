@@ -88,6 +88,8 @@ class Replicator:
     def close(self, timeout: float = 30.0) -> None:
         self._jobs.put(None)
         self._thread.join(timeout)
+        if self._thread.is_alive():  # still in a copy: a daemon thread inside torch at exit can abort the process
+            log.warning("memory replica thread still copying %.0f s after close", timeout)
 
     def _run(self) -> None:
         # Not niced: measured here at nice 10 a copy took 2-3x longer (snapshots late) and the step
