@@ -20,8 +20,10 @@ Quiet and loaded: ``--loaded`` runs every timing bench a second time while a fix
 runs beside it (LOAD_JOB: the suite's own FSDP2 training job under torchrun, 2 ranks, restarted
 until the bench ends); each report records its condition in ``host.condition`` and its load
 average, and the tables print the columns side by side: "loaded" beside that job; without it
-"quiet" when the load average at the end of the run was at most the CPU count, else "busy" (other
-work on a shared host: not reproducible, and no quiet figure; run it again on a quiet host).
+"quiet" when work other than the bench's own processes used at most a quarter of the CPUs while it
+ran (``host.other_work_cpus``: the host's busy CPU less this process's children's; a drill's own
+processes keep the load average above the CPU count on an idle host), else "busy" (other work on a
+shared host: not reproducible, and no quiet figure; run it again on a quiet host).
 
 docs/benchmarks.md: the block between the marker comments is generated from docs/measured.json
 (tests/test_benchmarks_doc.py fails when a figure typed there disagrees with the JSON); every
@@ -38,6 +40,7 @@ import datetime
 import importlib.util
 import json
 import os
+import resource
 import subprocess
 import sys
 import signal
@@ -108,6 +111,34 @@ class BackgroundLoad:
                 self.proc.wait(timeout=20)
 
 
+def host_busy_seconds() -> float:
+    """CPU seconds the whole host has spent busy since boot (/proc/stat: all but idle and iowait)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds() -> float:
+    """CPU seconds of this process's finished children and everything they waited for."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+class OtherWork:
+    """How busy the host was with work other than the bench (and the background job, which is a
+    child of this process too): the host's busy CPU over the bench's wall time, less the CPU of
+    this process and of its finished children. The load average cannot tell: a drill's own
+    processes keep it above the CPU count on a host doing nothing else."""
+
+    def __init__(self) -> None:
+        self.t0, self.host0 = time.monotonic(), host_busy_seconds()
+        self.own0 = children_cpu_seconds() + time.process_time()
+
+    def cpus(self) -> float:
+        wall = max(1e-9, time.monotonic() - self.t0)
+        own = children_cpu_seconds() + time.process_time() - self.own0
+        return max(0.0, (host_busy_seconds() - self.host0 - own) / wall)
+
+
 def run_bench(script: Path, argv: list[str], out: Path, limit: int, load: BackgroundLoad | None) -> subprocess.CompletedProcess:
     """The bench, bounded by ``limit`` s; with ``load``, the background job is kept running beside it."""
     proc = subprocess.Popen([sys.executable, str(script), *argv, "--json", str(out)], cwd=REPO,
@@ -148,6 +179,7 @@ def run_benches(names: set[str] | None, work: Path, condition: str = "quiet",
             continue
         out = work / f"{name}-{condition}.json"
         print(f"== {name} ({condition}) {' '.join(argv)}", flush=True)
+        other = OtherWork()
         try:
             r = run_bench(script, argv, out, limit, load)
         except subprocess.TimeoutExpired:
@@ -156,6 +188,7 @@ def run_benches(names: set[str] | None, work: Path, condition: str = "quiet",
                 try:
                     measured.load(out)
                     doc = json.loads(out.read_text())
+                    doc["host"]["other_work_cpus"] = round(other.cpus(), 3)
                     doc["host"]["condition"] = label(doc, condition)
                     reports.append(doc)
                     kept = f"; kept the {len(doc.get('runs', []))} runs that finished"
@@ -173,6 +206,7 @@ def run_benches(names: set[str] | None, work: Path, condition: str = "quiet",
             notes.append(f"{name}: not used ({exc})")
             continue
         doc = json.loads(out.read_text())
+        doc["host"]["other_work_cpus"] = round(other.cpus(), 3)
         doc["host"]["condition"] = label(doc, condition)
         reports.append(doc)
         print(f"   {len(rep.figures)} figures; simulator inputs: {', '.join(measured.uses(rep)) or 'none'}")
@@ -191,17 +225,26 @@ RATIO_MEANING = {
     "cold_over_forkserver_ratio": "cold process to ready / forkserver fork to ready",
     "nvml_calls_per_gpu_poll_reduction_ratio": "NVML calls per GPU per poll, one per field / batched",
 }
-# quiet: load average at most the CPU count; busy: above it from other work on the host (no load of
-# the run's own, so not reproducible); loaded: beside --loaded's fixed background job
+# quiet: other work used at most OTHER_WORK_BUSY of the CPUs while the bench ran; busy: more (not
+# reproducible); loaded: beside --loaded's fixed background job
 CONDITIONS = ("quiet", "busy", "loaded", "unrecorded")
 
 
+# busy: other work took more than this share of the host's CPUs on average while the bench ran
+OTHER_WORK_BUSY = 0.25
+
+
 def label(doc: dict, condition: str) -> str:
-    """A report's condition: loaded beside the background job; without it, quiet only when the load
-    average at the end of the run was at most the CPU count, else busy (other work on the host)."""
+    """A report's condition: loaded beside the background job; without it, quiet when other work
+    (:class:`OtherWork`) used at most OTHER_WORK_BUSY of the host's CPUs while the bench ran, else
+    busy; a report without that figure: quiet only when the load average at its end was at most
+    the CPU count."""
     if condition == "loaded":
         return "loaded"
     load, cpus = doc["host"].get("loadavg"), doc["host"].get("cpus") or os.cpu_count() or 1
+    other = doc["host"].get("other_work_cpus")
+    if isinstance(other, (int, float)):
+        return "busy" if other > OTHER_WORK_BUSY * cpus else "quiet"
     return "busy" if isinstance(load, list) and load and load[0] > cpus else "quiet"
 
 
@@ -247,12 +290,15 @@ def generated_block(doc: dict) -> str:
         c = condition_of(rep)
         by.setdefault(rep["bench"], {}).setdefault(c, {}).update(rep["figures"])
         la = (rep.get("host") or {}).get("loadavg")
+        other = (rep.get("host") or {}).get("other_work_cpus")
         loads.setdefault(rep["bench"], {})[c] = (f"load {la[0]:.1f} on {rep['host'].get('cpus')} CPUs"
-                                                 if isinstance(la, list) and la else "load average not recorded (see the notes below)")
+                                                 if isinstance(la, list) and la else "load average not recorded (see the notes below)") \
+            + (f", other work {other:.2f} CPUs" if isinstance(other, (int, float)) else "")
     lines = [BEGIN, "", f"Generated from docs/measured.json (bundle created {doc.get('created', '?')}) by "
              "`python bench/measure_all.py --docs-only`; do not edit by hand. Columns: the condition each "
-             "figure was measured in (quiet: load average at most the CPU count; busy: above it, from other work "
-             "on the host; loaded: beside `measure_all --loaded`'s fixed background job; unrecorded: a report from "
+             "figure was measured in (quiet: work other than the bench used at most a quarter of the CPUs while it "
+             "ran, or for a report from before that was kept, the load average at its end was at most the CPU "
+             "count; busy: more, from other work on the host; loaded: beside `measure_all --loaded`'s fixed background job; unrecorded: a report from "
              "before conditions were kept). "
              "A ratio divides two figures of the same run taken with the same measure; its numerator / "
              "denominator is named beside it.", ""]

@@ -67,6 +67,74 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))
 
 
+# -- two suites on one host ------------------------------------------------------------------------
+# The kernel log is the host's: a second suite on the same machine (CI beside a developer's run)
+# writes Xid lines about the same simulated bus ids, and the kernel group's daemons of each would
+# act on the other's lines. The kernel group therefore holds a host-wide lock (flock: released
+# when its holder dies) from the setup of its first test to the teardown of its last, so the
+# module fixtures (a booted systemd) are inside it; the other suite's kernel group waits for it
+# while its other workers go on.
+KERNEL_LOCK = Path("/tmp/sentinel-tests-kernel-log.lock")
+KERNEL_LOCK_WAIT_S = 2700  # another suite's whole kernel group, on a host running two suites
+_kernel_log = {"left": 0, "fd": None}
+
+
+def in_kernel_group(item) -> bool:
+    mark = item.get_closest_marker("xdist_group")
+    return mark is not None and mark.args[:1] == ("kernel",)
+
+
+def pytest_collection_finish(session):
+    _kernel_log["left"] = sum(1 for item in session.items if in_kernel_group(item))
+
+
+def _take_kernel_log() -> None:
+    import fcntl
+
+    try:
+        fd = os.open(KERNEL_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except PermissionError:  # another user's suite made it: flock works on a read-only descriptor too
+        fd = os.open(KERNEL_LOCK, os.O_RDONLY)
+    deadline = time.monotonic() + KERNEL_LOCK_WAIT_S
+    waited = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                pytest.fail(f"another test suite on this host held {KERNEL_LOCK} (the kernel log) for "
+                            f"{KERNEL_LOCK_WAIT_S} s")
+            if not waited:
+                sys.stderr.write(f"\nwaiting for another suite's kernel-log tests ({KERNEL_LOCK})\n")
+                waited = True
+            time.sleep(1.0)
+    _kernel_log["fd"] = fd
+
+
+def _give_kernel_log() -> None:
+    fd, _kernel_log["fd"] = _kernel_log["fd"], None
+    if fd is not None:
+        os.close(fd)  # releases the flock
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    if in_kernel_group(item) and _kernel_log["fd"] is None:
+        _take_kernel_log()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    if in_kernel_group(item):
+        _kernel_log["left"] -= 1
+        if _kernel_log["left"] <= 0 or nextitem is None:
+            _give_kernel_log()
+
+
 def _skip_reason(report) -> str:
     return report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
 
