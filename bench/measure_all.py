@@ -123,11 +123,39 @@ def children_cpu_seconds() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+def become_subreaper() -> bool:
+    """Orphaned descendants (a forkserver's workers, a killed agent's children) are re-parented to
+    this process instead of init, so that their CPU reaches :func:`children_cpu_seconds` once
+    :func:`reap_orphans` has waited for them (Linux PR_SET_CHILD_SUBREAPER)."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def reap_orphans(keep: set[int]) -> None:
+    """Wait for every exited child except those in ``keep`` (their Popen objects wait for them)."""
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return
+        if info is None or info.si_pid in keep:
+            return
+        try:
+            os.waitpid(info.si_pid, 0)
+        except ChildProcessError:
+            return
+
+
 class OtherWork:
     """How busy the host was with work other than the bench (and the background job, which is a
     child of this process too): the host's busy CPU over the bench's wall time, less the CPU of
-    this process and of its finished children. The load average cannot tell: a drill's own
-    processes keep it above the CPU count on a host doing nothing else."""
+    this process and of its finished children (orphaned descendants included: this process is
+    their subreaper). The load average cannot tell: a drill's own processes keep it above the CPU
+    count on a host doing nothing else."""
 
     def __init__(self) -> None:
         self.t0, self.host0 = time.monotonic(), host_busy_seconds()
@@ -156,7 +184,9 @@ def run_bench(script: Path, argv: list[str], out: Path, limit: int, load: Backgr
             raise subprocess.TimeoutExpired(proc.args, limit)
         if load is not None:
             load.keep_running()
+        reap_orphans({proc.pid} | ({load.proc.pid} if load is not None and load.proc is not None else set()))
         time.sleep(0.5)
+    reap_orphans({load.proc.pid} if load is not None and load.proc is not None else set())
     reader.join(timeout=10)
     return subprocess.CompletedProcess(proc.args, proc.returncode, "".join(chunks))
 
@@ -424,6 +454,7 @@ def main() -> int:
         write_doc(args.out, page)
         return 0
     if not args.tables_only:
+        become_subreaper()
         with tempfile.TemporaryDirectory(prefix="sentinel-measure-") as d:
             names = set(args.only) if args.only is not None else None
             reports, notes = run_benches(names, Path(d), smoke=args.smoke)
