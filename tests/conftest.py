@@ -221,8 +221,8 @@ class DaemonProcess:
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=5)
+            try:  # returns as soon as it exits; an eBPF daemon's teardown took > 5 s at load 20 (two suites)
+                self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=5)

@@ -20,7 +20,7 @@ STORES: list = []
 
 
 def run_job(tmp_path: Path, fault: str, fault_rank: int = 3, world: int = 4, steps: int = 40, per_node: int = 2,
-            timeout: str = "2.0", fault_step: int = 12) -> dict[int, subprocess.Popen]:
+            timeout: str = "2.0", fault_step: int = 12, compute: float = 0.03) -> dict[int, subprocess.Popen]:
     import torch.distributed as dist
     from datetime import timedelta
 
@@ -28,7 +28,7 @@ def run_job(tmp_path: Path, fault: str, fault_rank: int = 3, world: int = 4, ste
     STORES.append(store)  # the rendezvous store lives in the agent, not in a worker
     port = store.port
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HANG_JOB_STEPS": str(steps),
-           "HANG_JOB_PER_NODE": str(per_node), "HANG_JOB_TIMEOUT": timeout}
+           "HANG_JOB_PER_NODE": str(per_node), "HANG_JOB_TIMEOUT": timeout, "HANG_JOB_COMPUTE": str(compute)}
     procs = {r: subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port), str(tmp_path), fault,
                                   str(fault_rank), str(fault_step)], env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"log-{r}", "w"))
              for r in range(world)}
@@ -77,7 +77,10 @@ def test_a_healthy_three_node_job_of_300_steps_has_no_hang_and_no_straggler(tmp_
 
 def test_a_node_computing_1_5x_slower_is_named_a_straggler(tmp_path):
     # after the warm-up (20 steps and one window): the first steps after a (re)start are never scored
-    procs = run_job(tmp_path, "slow", fault_rank=2, world=3, steps=80, per_node=1, timeout="", fault_step=30)
+    # 0.1 s of compute a step, 100 steps: a 0.03 s step (15 ms slower) was lost in the scheduling
+    # noise of a host running two suites (load 20) and no window scored 1.3 in the 50 steps left
+    procs = run_job(tmp_path, "slow", fault_rank=2, world=3, steps=100, per_node=1, timeout="", fault_step=30,
+                    compute=0.1)
     codes = finish(procs, [0, 1, 2], timeout=900)
     assert codes == {0: 0, 1: 0, 2: 0}
     done = {r: json.loads((tmp_path / f"done-{r}").read_text()) for r in range(3)}
@@ -88,4 +91,4 @@ def test_a_node_computing_1_5x_slower_is_named_a_straggler(tmp_path):
     # it pays" rule weighs). How many steps it takes (the issue's "within 20") is the slow drill's
     # figure (docs/hangs-and-stragglers.md): on a host loaded by the rest of the suite the healthy
     # nodes' windows are noisy and it took 26 once, so it is measured there, not asserted here.
-    assert 30 < first["step"] < 80 and first["steps_left"] == 80 - first["step"] - 1
+    assert 30 < first["step"] < 100 and first["steps_left"] == 100 - first["step"] - 1

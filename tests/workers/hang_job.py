@@ -7,7 +7,7 @@ all-reduce per step, and one faulty rank.
 FAULT: ``stop`` (the rank SIGSTOPs itself before the step's collective), ``skip`` (it never
 enters the collective: sleeps in "compute"), ``slow`` (the fault rank's node computes 1.5x as
 long from FAULT_STEP on), ``none``. Env: HANG_JOB_STEPS, HANG_JOB_PER_NODE
-(ranks per node), HANG_JOB_TIMEOUT (the hang T; empty: the defaults). A rank that reaches a
+(ranks per node), HANG_JOB_COMPUTE (seconds of "compute" a step, 0.03), HANG_JOB_TIMEOUT (the hang T; empty: the defaults). A rank that reaches a
 verdict writes ``OUTDIR/verdict-<rank>.json`` and exits with EXIT_HANG, as the guard does; at
 the end each rank writes ``OUTDIR/done-<rank>`` with the reports it sent its daemon."""
 
@@ -47,6 +47,7 @@ def main() -> int:
     steps = int(os.environ.get("HANG_JOB_STEPS", "40"))
     per_node = int(os.environ.get("HANG_JOB_PER_NODE", "2"))
     timeout = os.environ.get("HANG_JOB_TIMEOUT", "2.0")
+    COMPUTE = float(os.environ.get("HANG_JOB_COMPUTE", "0.03"))
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))  # the test hosts it, as an agent would
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300))
     control = dist.new_group(backend="gloo")
@@ -64,7 +65,7 @@ def main() -> int:
     t = torch.ones(16)
     for step in range(steps):
         slow = fault == "slow" and rank // per_node == fault_rank // per_node and step >= fault_step
-        time.sleep(0.03 * (1.5 if slow else 1.0))  # compute
+        time.sleep(COMPUTE * (1.5 if slow else 1.0))  # compute
         if rank == fault_rank and step == fault_step:
             if fault == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
