@@ -25,6 +25,14 @@ def drill(*args: str, timeout: float = 400) -> dict:
     return result
 
 
+def why(result: dict) -> str:
+    """What decided a drill's "ok" (the repr of the whole result is cut before it), then its stderr's tail."""
+    keys = ("rc", "ok", "finished", "spare_in_place", "recomputed_steps", "lost_steps", "final_nodes", "final_nodes_ok",
+            "other_migrations", "restore", "notes", "verify", "job_health", "trip_to_first_step_seconds")
+    brief = {k: result.get(k) for k in keys if k in result}
+    return f"{brief}\nstages: {[e.get('stage') for e in result.get('timeline', [])]}\n" + result.get("stderr", "")[-3000:]
+
+
 def stages(result: dict) -> list[str]:
     return [e["stage"] for e in result["timeline"]]
 
@@ -52,7 +60,7 @@ def test_xid79_migrates_to_the_spare_with_no_lost_step_and_bitwise_equal_result(
     """Merged (#29): also what test_warm_spare_is_admitted_and_trains_and_survivors_leave_their_hold_
     within_a_second_of_the_drain checked, from a second drill of the same fault."""
     r = drill("--fault", "xid79", "--verify")
-    assert r["rc"] == 0 and r["ok"], r
+    assert r["rc"] == 0 and r["ok"], why(r)
     assert r["recomputed_steps"] == [] and r["spare_in_place"] and "node1" not in r["final_nodes"]
     assert "spare0" in r["final_nodes"] and r["finished"]
     assert r["verify"]["bitwise_equal"]
@@ -78,14 +86,14 @@ def test_xid79_migrates_to_the_spare_with_no_lost_step_and_bitwise_equal_result(
 
 def test_trend_only_fault_is_caught_by_the_predictor():
     r = drill("--fault", "sbe-ramp")
-    assert r["ok"], r
+    assert r["ok"], why(r)
     detected = next(e for e in r["timeline"] if e["stage"] == "detected")
     assert detected["rule"] == "trend" and r["recomputed_steps"] == []
 
 
 def test_sudden_kill_without_the_memory_tier_resumes_from_the_periodic_disk_snapshot():
     r = drill("--fault", "kill", "--interval-steps", "10", "--memory-interval-steps", "0")
-    assert r["ok"], r
+    assert r["ok"], why(r)
     assert 0 < len(r["recomputed_steps"]) <= 10 and r["spare_in_place"]
     assert "detected" not in stages(r)  # nothing warned; the periodic snapshot is the fallback
     assert r["restore"]["tier"] == "disk"
@@ -96,14 +104,14 @@ def test_rank_crash_with_a_cold_spare_present_ends_with_the_job_running():
     # cold spares (torchrun) and warm ones (waiting outside the rendezvous: see
     # test_rank_crash_restores_from_the_node_s_own_memory_without_disk_or_peer) must both avoid it.
     r = drill("--fault", "rank-crash", "--interval-steps", "10", "--agent", "torchrun")
-    assert r["ok"], r
+    assert r["ok"], why(r)
     assert r["finished"] and "node1" in r["final_nodes"] and len(r["recomputed_steps"]) <= 10
     assert "spare0" not in r["final_nodes"]
 
 
 def test_sudden_kill_of_a_whole_node_loses_at_most_one_step_with_the_memory_tier():
     r = drill("--fault", "kill", "--verify")
-    assert r["ok"], r
+    assert r["ok"], why(r)
     assert len(r["recomputed_steps"]) <= 1 and r["spare_in_place"] and r["verify"]["bitwise_equal"]
     # the killed node's memory died with it: its shard came from the replica on the survivor. Which
     # rank the spare gets depends on the rendezvous order: shard 0 or 1 is pulled, the other is own
@@ -115,7 +123,7 @@ def test_sudden_kill_of_a_whole_node_loses_at_most_one_step_with_the_memory_tier
 
 def test_two_nodes_holding_each_other_s_replicas_killed_fall_back_to_disk_and_say_so():
     r = drill("--fault", "kill", "--victims", "2", "--spares", "2", "--verify")
-    assert r["ok"], r
+    assert r["ok"], why(r)
     assert sorted(r["final_nodes"]) == ["spare0", "spare1"] and r["verify"]["bitwise_equal"]
     assert r["restore"]["tier"] == "disk" and 0 < len(r["recomputed_steps"]) <= 10
     assert any("fell back to the newest disk snapshot" in n for n in r["notes"])
@@ -125,7 +133,7 @@ def test_rank_crash_restores_from_the_node_s_own_memory_without_disk_or_peer():
     """Merged (#29): also the warm case of the rank-crash-with-a-spare test (the same drill): the
     warm spare waiting outside the rendezvous is not pulled in, the job ends running on node1."""
     r = drill("--fault", "rank-crash", "--interval-steps", "10")  # --agent warm, the default
-    assert r["ok"], r
+    assert r["ok"], why(r)
     assert r["finished"] and "node1" in r["final_nodes"] and len(r["recomputed_steps"]) <= 1
     assert "spare0" not in r["final_nodes"]
     assert r["restore"]["tier"] == "memory" and r["restore"]["peer"] == [] and r["restore"]["own"] == [0, 1]
@@ -133,7 +141,7 @@ def test_rank_crash_restores_from_the_node_s_own_memory_without_disk_or_peer():
 
 def test_two_nodes_fail_at_once():
     r = drill("--nodes", "3", "--spares", "2", "--victims", "2", "--fault", "dbe", "--verify")
-    assert r["ok"], r
+    assert r["ok"], why(r)
     assert sorted(r["final_nodes"]) == ["node0", "spare0", "spare1"] and r["recomputed_steps"] == []
     assert r["other_migrations"][0]["phase"] == "drained"
     assert r["membership_changes"] == 1  # both nodes replaced in one re-rendezvous, not one after another
@@ -150,7 +158,7 @@ def test_two_nodes_fail_at_once():
 
 def test_plain_torchrun_with_a_cold_spare_still_migrates():
     r = drill("--fault", "xid79", "--agent", "torchrun")
-    assert r["ok"] and r["spare_in_place"] and r["recomputed_steps"] == [], r
+    assert r["ok"] and r["spare_in_place"] and r["recomputed_steps"] == [], why(r)
     assert not next(e for e in r["timeline"] if e["stage"] == "spare workers started")["warm"]
     # plain torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: the rank-0 worker hosts the store
     assert next(e for e in r["timeline"] if e["stage"] == "spare admitted")["worker_store"] == ["worker"]
@@ -160,7 +168,7 @@ def test_no_spare_continues_on_fewer_nodes_when_nnodes_allows():
     # disk only: a world-size change cannot use the memory tier, and with it on the drain can beat
     # the disk copy of the memory-committed migrate snapshot (docs/memory-tier.md)
     r = drill("--spares", "0", "--min-nodes", "1", "--memory-interval-steps", "0")
-    assert r["ok"], r
+    assert r["ok"], why(r)
     assert r["final_nodes"] == ["node0"] and r["world_after"] == 1 and r["recomputed_steps"] == []
     loaded = next(e for e in r["timeline"] if e["stage"] == "snapshot loaded")
     committed = next(e for e in r["timeline"] if e["stage"] == "snapshot committed")
@@ -176,7 +184,7 @@ def test_no_spare_and_no_room_to_shrink_is_reported_not_hung():
 
 def test_spare_dying_during_the_migration_is_replaced_by_the_next():
     r = drill("--spares", "2", "--kill-spare")
-    assert r["ok"], r
+    assert r["ok"], why(r)
     assert r["final_nodes"] == ["node0", "spare1"] and r["recomputed_steps"] == []
     assert any("spare0 died during the migration" in n for n in r["notes"])
 
@@ -188,7 +196,7 @@ def test_failed_migrate_snapshot_still_drains_and_resumes_from_the_older_one():
     if os.geteuid() != 0:
         pytest.skip("filling a real filesystem needs root to mount a small tmpfs")
     r = drill("--fail-snapshot", "--interval-steps", "10", "--memory-interval-steps", "0")  # the disk-only path
-    assert r["ok"], r
+    assert r["ok"], why(r)
     committed = next(e for e in r["timeline"] if e["stage"] == "snapshot committed")
     loaded = next(e for e in r["timeline"] if e["stage"] == "snapshot loaded")
     assert committed["ok"] is False and loaded["start_step"] <= committed["step"]
@@ -208,7 +216,7 @@ def test_failed_migrate_snapshot_still_drains_and_resumes_from_the_older_one():
 def test_rank_preserving_rendezvous_replaces_two_nodes_in_one_generation_with_no_lost_step():
     r = drill("--nodes", "3", "--spares", "2", "--victims", "2", "--fault", "dbe", "--rdzv-backend", "sentinel",
               "--verify")
-    assert r["ok"], r
+    assert r["ok"], why(r)
     assert sorted(r["final_nodes"]) == ["node0", "spare0", "spare1"] and r["recomputed_steps"] == []
     assert r["membership_changes"] == 1  # both slots filled in one generation
     assert r["verify"]["bitwise_equal"]
