@@ -77,6 +77,9 @@ BENCHES = (
     ("poll_overhead", ["--seconds", "10", "--gpus", "8"], 600, False),
     ("scrape_load", [], 600, False),  # the exporter under 20 concurrent scrapers: docs/benchmarks.md's scrape table
     ("progress_overhead", [], 600, False),  # issue 27: the progress exchange's share of a step, on vs off side by side
+    # the process-group bootstrap through one store at 1,024-8,192 workers (docs/rendezvous.md)
+    ("pg_bootstrap", ["--workers", "1024", "2048", "4096", "8192", "--repeats", "1", "--timeout", "300"], 3600, False),
+    ("goodput_trace", ["--runs", "10"], 600, False),  # trace replay: bursts against independent faults (docs/goodput.md)
 )
 
 
