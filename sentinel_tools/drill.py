@@ -424,6 +424,9 @@ class Drill:
                         os.kill(victim_pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
+                gone_by = time.monotonic() + 10  # SIGKILL is delivered asynchronously: see it dead before going on
+                while alive(pid) and time.monotonic() < gone_by:
+                    time.sleep(0.02)
             if not alive(pid) and not (self.pool / f"{n.name}.dead").exists():
                 (self.pool / f"{n.name}.dead").write_text("")
                 r = subprocess.run(self.claim_argv(next(iter(sorted(self.victim_names)), "")),
