@@ -263,15 +263,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # Leave without the interpreter's C++ teardown. A finished rank of this job (4 ranks, gloo,
-    # torch 2.13 CPU) aborted there now and then in the suite: "terminate called without an active
-    # exception", SIGABRT, and faulthandler showed no Python thread left, only the main thread with
-    # no Python frame (a C++ thread destroyed while joinable during exit). torchrun then marks the
-    # job failed after all its work was written. The outputs are flushed first.
-    import logging
-
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code if isinstance(code, int) else 1)
+    sys.exit(main())
