@@ -75,7 +75,7 @@ from sentinel.fsutil import UnsafePath, read_trusted, write_json_atomic
 from sentinel.log import event
 from sentinel.migration_record import (ALLOWED, BACKEND_CALLS, BACKEND_UP, BREAKER_REFUSALS,  # noqa: F401 (re-exported)
                                        DEADLINE_EXCEEDED, MIGRATION_STEPS, NODE_CORDONED, SPARE_CHOICES, BadTransition,
-                                       MigrationRecord, Phase, _alive, leaving_reason, uncordon)
+                                       MigrationRecord, Phase, leaving_reason, uncordon)
 
 log = logging.getLogger("sentinel.migration")
 # The most the staged acks can add to the ack deadline, whatever sizes the ranks claim: a rank's
@@ -434,7 +434,7 @@ class Migrator:
             extra = min(MAX_EXTENSION_SECONDS, rec.staged_bytes / self.cfg.snapshot_min_bytes_per_second)
             self._deadline = max(self._deadline, now + self.cfg.ack_timeout_seconds + extra)
             self._extended = True
-        gone = {pid for pid in sent - acked_pids if not _alive(pid)}
+        gone = {pid for pid in sent - acked_pids if not procs.running(pid)}
         if expected and acked >= expected:
             self._mark(Phase.ACKNOWLEDGED)
         elif expected and acked + len(gone) >= expected:

@@ -23,7 +23,6 @@ from pathlib import Path
 from sentinel.backends.base import read_cordon
 from sentinel.families import counter, gauge
 from sentinel.fsutil import UnsafePath, read_trusted
-from sentinel.procs import running
 
 
 # the migration's metric families (rendered from sentinel.migration.Migrator's counts)
@@ -117,11 +116,6 @@ def leaving_reason(state_dir: Path) -> str:
     except (ValueError, KeyError, TypeError):
         return "unreadable migration record"
     return f"migration {record.get('request_id', '?')} is {phase.value}: {record.get('rule', '')}: {record.get('reason', '')}"
-
-
-def _alive(pid: int) -> bool:
-    """A rank runs: a zombie (exited, not yet reaped by its agent) is gone (:func:`sentinel.procs.running`)."""
-    return running(pid)
 
 
 def uncordon(state_dir: Path) -> bool:

@@ -41,14 +41,19 @@ class NotTrusted(RuntimeError):
     """The pidfile or process must not be acted on; the message says why (one sentence)."""
 
 
-def proc_stat(pid: int, proc: Path = PROC) -> tuple[int, int]:
-    """(ppid, start_time) of ``pid``; raises ProcessLookupError when it does not exist."""
+def _stat_fields(pid: int, proc: Path) -> list[bytes]:
+    """/proc/<pid>/stat from the state field on; raises ProcessLookupError when it does not exist."""
     try:
         raw = (proc / str(pid) / "stat").read_bytes()
     except (FileNotFoundError, ProcessLookupError):
         raise ProcessLookupError(pid) from None
     # "pid (comm) state ppid ..." — comm may contain spaces and parentheses: split at the last ')'
-    rest = raw[raw.rindex(b")") + 2:].split()
+    return raw[raw.rindex(b")") + 2:].split()
+
+
+def proc_stat(pid: int, proc: Path = PROC) -> tuple[int, int]:
+    """(ppid, start_time) of ``pid``; raises ProcessLookupError when it does not exist."""
+    rest = _stat_fields(pid, proc)
     return int(rest[1]), int(rest[19])
 
 
@@ -56,10 +61,9 @@ def running(pid: int, proc: Path = PROC) -> bool:
     """``pid`` exists and has not exited: a killed process stays in /proc as a zombie (state Z)
     until its parent reaps it, and must count as gone before then (a dead rank, a dead spare)."""
     try:
-        raw = (proc / str(pid) / "stat").read_bytes()
-    except OSError:
+        return _stat_fields(pid, proc)[:1] not in ([b"Z"], [b"X"])
+    except OSError:  # ProcessLookupError included
         return False
-    return raw[raw.rindex(b")") + 2:].split()[:1] not in ([b"Z"], [b"X"])
 
 
 def proc_uid(pid: int, proc: Path = PROC) -> int:
