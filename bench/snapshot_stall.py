@@ -35,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trainer.shutdown import destroy_process_groups  # noqa: E402
 import _report  # noqa: E402
 
 import torch  # noqa: E402
@@ -96,7 +97,7 @@ def measure(mb: int, repeats: int, work: Path) -> dict[str, float]:
             "dcp_save_over_sentinel": med([blocking[i] / sentinel[i - 1] for i in paired])}
 
 
-def idle_worker(rank: int, world: int, port: int, steps: int, out: dict, runtime: str) -> None:
+def _idle_worker(rank: int, world: int, port: int, steps: int, out: dict, runtime: str) -> None:
     os.environ["SENTINEL_RUNTIME_DIR"] = runtime
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
@@ -113,12 +114,18 @@ def idle_worker(rank: int, world: int, port: int, steps: int, out: dict, runtime
         out["idle"] = med(times)
         out["p99"] = sorted(times)[int(0.99 * len(times))]
     guard.close()
-    dist.destroy_process_group()
 
 
 SMOKE_FIGURES = tuple(f"stall_16mb_{p}_seconds" for p in ("memcpy", "sentinel", "sentinel_first", "dcp_save", "torch_save")) + (
     "stall_16mb_sentinel_over_memcpy_ratio", "stall_16mb_dcp_save_over_sentinel_ratio", "async_stall_seconds_per_gb",
     "dcp_save_bytes_per_second", "guard_step_idle_seconds", "guard_step_idle_p99_seconds")
+
+
+def idle_worker(*args) -> None:
+    _idle_worker(*args)
+    # the worker's objects are gone: destroy the groups and join their threads before the
+    # interpreter's teardown (trainer.shutdown)
+    destroy_process_groups()
 
 
 def summarise(rows: list[dict], idle: dict | None = None) -> dict[str, float]:

@@ -26,11 +26,13 @@ def drill(*args: str, timeout: float = 400) -> dict:
 
 
 def why(result: dict) -> str:
-    """What decided a drill's "ok" (the repr of the whole result is cut before it), then its stderr's tail."""
+    """A failed drill's stderr tail, its stages, and last what decided its "ok": last, because a
+    CI log keeps the head and the tail of a long failure and cuts its middle (it cut this once)."""
     keys = ("rc", "ok", "finished", "spare_in_place", "recomputed_steps", "lost_steps", "final_nodes", "final_nodes_ok",
             "other_migrations", "restore", "notes", "verify", "job_health", "trip_to_first_step_seconds")
     brief = {k: result.get(k) for k in keys if k in result}
-    return f"{brief}\nstages: {[e.get('stage') for e in result.get('timeline', [])]}\n" + result.get("stderr", "")[-3000:]
+    return (result.get("stderr", "")[-3000:] + f"\nstages: {[e.get('stage') for e in result.get('timeline', [])]}\n"
+            + "what decided ok: " + "\n  ".join(f"{k}={v!r}"[:400] for k, v in brief.items()))
 
 
 def stages(result: dict) -> list[str]:

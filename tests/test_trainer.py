@@ -277,6 +277,10 @@ def test_migrate_hold_is_bounded_and_training_continues(tmp_path):
     assert 3.0 <= held < 12, held  # held what the request asked for, then went on
     assert (snaps / f"step-{mig.step:09d}" / MARKER).exists()
     assert final(tmp_path / "f.json")["guard"]["snapshots"] == 1  # no second snapshot for any of them
+    # each rank destroyed its groups and joined their threads before the interpreter's teardown
+    # (a gloo thread releasing a collective during the teardown aborted finished ranks: trainer.shutdown)
+    exited = {e["rank"]: e for e in steps if e["event"] == "exited"}
+    assert sorted(exited) == [0, 1] and all(e["code"] == 0 and e["worker_threads"] == 0 for e in exited.values()), exited
 
 
 def test_sigterm_during_the_migrate_hold_leaves_like_a_drain(tmp_path):

@@ -31,6 +31,7 @@ import torch.nn as nn  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 from trainer.guard import DEFAULT_MIGRATE_HOLD_SECONDS, ModelOptimState, NodeDrained, SnapshotGuard  # noqa: E402
+from trainer.shutdown import destroy_process_groups  # noqa: E402
 
 
 class TinyTransformer(nn.Module):
@@ -188,6 +189,19 @@ class _DrillFault:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    rank = os.environ.get("RANK", "0")
+    code = run(args)
+    # the model, the guard and their process groups are out of scope now: destroy the groups and
+    # join their threads before the interpreter's teardown (trainer.shutdown says why)
+    left = destroy_process_groups()
+    if args.progress:
+        with open(args.progress, "a") as f:
+            f.write(json.dumps({"event": "exited", "rank": int(rank), "pid": os.getpid(), "time": time.time(),
+                                "code": code, "worker_threads": left}) + "\n")
+    return code
+
+
+def run(args: argparse.Namespace) -> int:
     t_started = time.time()
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
@@ -258,7 +272,6 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.final).write_text(json.dumps({**digests, "steps": args.steps, "world": world,
                                                     "resumed_at": start, "guard": guard.summary()}))
         record("finished", **digests)
-    dist.destroy_process_group()
     return 0
 
 

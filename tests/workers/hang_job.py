@@ -27,6 +27,7 @@ import torch.distributed as dist  # noqa: E402
 from sentinel.channel import NullEndpoint  # noqa: E402
 from sentinel.hang import HangSettings  # noqa: E402
 from trainer.progress import JobWatch  # noqa: E402
+from trainer.shutdown import destroy_process_groups  # noqa: E402
 
 
 class Recorder(NullEndpoint):
@@ -79,9 +80,10 @@ def main() -> int:
     watch.close()
     (out / f"done-{rank}").write_text(json.dumps({"verdict": watch.watch.verdict.as_dict() if watch.watch and watch.watch.verdict else None,
                                                   "reports": endpoint.reports}))
-    dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    destroy_process_groups()  # main's objects are gone: join the groups' threads now (trainer.shutdown)
+    sys.exit(code)

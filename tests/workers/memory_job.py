@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 
 from trainer.guard import ModelOptimState, SnapshotGuard
+from trainer.shutdown import destroy_process_groups
 from trainer.train import TinyTransformer, batch_for, state_digests
 
 
@@ -110,9 +111,10 @@ def main() -> int:
     summary.update(state_digests(model, optim))
     with open(args.out, "a") as f:
         f.write(json.dumps(summary) + "\n")
-    dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    destroy_process_groups()  # main's objects are gone: join the groups' threads now (trainer.shutdown)
+    sys.exit(code)
