@@ -50,24 +50,49 @@ class Container:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)
         end = time.monotonic() + timeout
+        state = ""
         while time.monotonic() < end:
             if self.proc.poll() is not None:
                 raise AssertionError(f"systemd-nspawn exited {self.proc.returncode}: {self.console.read_text()[-3000:]}")
             if not self.leader:
                 self.leader = self._child_of(self.proc.pid)
             if self.leader:
-                r = self.run(["systemctl", "is-system-running"], check=False, timeout=10)
+                try:
+                    r = self.run(["systemctl", "is-system-running"], check=False, timeout=10)
+                except subprocess.TimeoutExpired:
+                    state = "systemctl is-system-running timed out"
+                    continue
+                state = (r.stdout + r.stderr).strip()
                 if r.stdout.strip() in ("running", "degraded"):
                     break
             time.sleep(0.3)
         else:
-            raise AssertionError(f"the container did not finish booting in {timeout}s: {self.console.read_text()[-3000:]}")
+            raise AssertionError(f"the container did not finish booting in {timeout}s ({self._stuck(state)}); "
+                                 f"console: {self.console.read_text()[-3000:]!r}")
         # a host mounts tracefs at boot (sys-kernel-tracing.mount); a container skips it
         self.run(["mount", "-t", "tracefs", "nodev", "/sys/kernel/tracing"])
         # nspawn overmounts boot_id with a random one, which a sandboxed service (its own /proc)
         # does not see: the agent's launcher and the daemon would disagree about the boot, as
         # they never do on a host
         self.run(["umount", "/proc/sys/kernel/random/boot_id"])
+
+    def _stuck(self, state: str) -> str:
+        """Where a boot that did not finish stands: nspawn's and the container init's kernel wait
+        channels, the last systemctl answer, and the jobs still queued (an empty console once)."""
+        def wchan(pid: int) -> str:
+            try:
+                return Path(f"/proc/{pid}/wchan").read_text() or "running"
+            except OSError:
+                return "gone"
+        told = [f"nspawn pid {self.proc.pid} in {wchan(self.proc.pid)}", f"init pid {self.leader or 'not found'}"]
+        if self.leader:
+            told.append(f"in {wchan(self.leader)}; last is-system-running: {state!r}")
+            try:
+                jobs = self.run(["systemctl", "list-jobs", "--no-pager"], check=False, timeout=10)
+                told.append(f"jobs: {(jobs.stdout + jobs.stderr)[-1500:]!r}")
+            except subprocess.TimeoutExpired:
+                told.append("systemctl list-jobs timed out")
+        return "; ".join(told)
 
     @staticmethod
     def _child_of(pid: int) -> int:
