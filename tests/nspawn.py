@@ -54,6 +54,8 @@ class Container:
         while time.monotonic() < end:
             if self.proc.poll() is not None:
                 raise AssertionError(f"systemd-nspawn exited {self.proc.returncode}: {self.console.read_text()[-3000:]}")
+            if self.leader and not Path(f"/proc/{self.leader}").exists():
+                self.leader = 0  # nspawn's short-lived intermediate child, not the container's init
             if not self.leader:
                 self.leader = self._child_of(self.proc.pid)
             if self.leader:
@@ -96,6 +98,9 @@ class Container:
 
     @staticmethod
     def _child_of(pid: int) -> int:
+        """The container's init: nspawn's child running systemd. nspawn first forks an
+        intermediate child that sets up the namespaces and exits; taken for the init on a loaded
+        host, it left a boot waiting on a dead pid until its timeout (twice in side-by-side runs)."""
         for entry in os.scandir("/proc"):
             if not entry.name.isdigit():
                 continue
@@ -103,7 +108,8 @@ class Container:
                 stat = Path(entry.path, "stat").read_bytes()
             except OSError:
                 continue
-            if int(stat[stat.rindex(b")") + 2:].split()[1]) == pid:
+            comm = stat[stat.index(b"(") + 1:stat.rindex(b")")]
+            if int(stat[stat.rindex(b")") + 2:].split()[1]) == pid and comm == b"systemd":
                 return int(entry.name)
         return 0
 

@@ -48,7 +48,11 @@ def store(tmp_path):
         yield port
     finally:
         p.terminate()
-        p.wait(timeout=10)
+        try:
+            p.wait(timeout=60)  # a store SIGTERMed on a host running two suites took over 10 s
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=60)
 
 
 def _agent(tmp_path: Path, port: int, run_id: str, *, warm: bool, worker_args: list[str], max_restarts: int = 0):
