@@ -23,6 +23,10 @@ torch = pytest.importorskip("torch")
 from trainer.guard import MARKER, SnapshotGuard, complete_snapshots  # noqa: E402
 
 
+# how long a job's ranks may take to start and bind their sockets: a 2-rank job took over 90 s
+# on a host running two suites (load ~20 on 2 cores); a bound on the wait, not a speed
+RANKS_UP_S = 240
+
 def torchrun(nproc: int, *args: str, env: dict | None = None, module: str = "trainer.train",
              script: str | Path | None = None, timeout: float = 180, wait: bool = True):
     target = [str(REPO / "tests" / "workers" / script)] if script else ["-m", module]
@@ -68,7 +72,7 @@ def test_request_reaching_one_rank_snapshots_all_ranks_at_one_step(tmp_path):
     proc = torchrun(4, "--steps", "400", "--snapshot-dir", str(snaps), "--step-seconds", "0.02",
                     "--migrate-hold-seconds", "1", env={"SENTINEL_RUNTIME_DIR": str(runtime)}, wait=False)
     try:
-        pids = wait_for(lambda: (lambda p: p if len(p) == 4 else None)(daemon.rank_pids()), timeout=90, what="4 rank sockets")
+        pids = wait_for(lambda: (lambda p: p if len(p) == 4 else None)(daemon.rank_pids()), timeout=RANKS_UP_S, what="4 rank sockets")
         assert daemon.request("snapshot", "req-1", "test: one rank only", pids=[pids[2]]) == 1
         acks = collect_acks(daemon, [], lambda a: committed(a))
         # two phases, in order: staged (with the staged state's size) as soon as the copy is in
@@ -102,7 +106,7 @@ def test_one_request_id_is_one_snapshot_however_often_it_arrives(tmp_path):
     proc = torchrun(2, "--steps", "400", "--snapshot-dir", str(snaps), "--step-seconds", "0.02", "--keep", "10",
                     env={"SENTINEL_RUNTIME_DIR": str(runtime)}, wait=False)
     try:
-        pids = wait_for(lambda: (lambda p: p if len(p) == 2 else None)(daemon.rank_pids()), timeout=90, what="2 rank sockets")
+        pids = wait_for(lambda: (lambda p: p if len(p) == 2 else None)(daemon.rank_pids()), timeout=RANKS_UP_S, what="2 rank sockets")
         daemon.request("snapshot", "req-1", "first copy", pids=[pids[0]])
         first = committed(collect_acks(daemon, [], lambda a: committed(a)))[0]
         assert first.ok and first.pid == pids[0]
@@ -252,7 +256,7 @@ def test_migrate_hold_is_bounded_and_training_continues(tmp_path):
                     "--migrate-hold-seconds", "1", "--progress", str(tmp_path / "p.jsonl"), "--final", str(tmp_path / "f.json"),
                     env={"SENTINEL_RUNTIME_DIR": str(runtime)}, wait=False)
     try:
-        pids = wait_for(lambda: (lambda p: p if len(p) == 2 else None)(daemon.rank_pids()), timeout=90, what="rank sockets")
+        pids = wait_for(lambda: (lambda p: p if len(p) == 2 else None)(daemon.rank_pids()), timeout=RANKS_UP_S, what="rank sockets")
         # reaches one rank only, and asks for a longer hold than the ranks' own 1 s: both ranks hold that long
         assert daemon.request("migrate", "mig-1", "test", pids=[pids[0]], hold_seconds=3.0) == 1
         acks = collect_acks(daemon, [], lambda a: committed(a))
@@ -297,7 +301,7 @@ def test_sigterm_during_the_migrate_hold_leaves_like_a_drain(tmp_path):
                     "--migrate-hold-seconds", "60", "--progress", str(tmp_path / "p.jsonl"),
                     env={"SENTINEL_RUNTIME_DIR": str(runtime)}, wait=False)
     try:
-        pids = wait_for(lambda: (lambda p: p if len(p) == 2 else None)(daemon.rank_pids()), timeout=90, what="rank sockets")
+        pids = wait_for(lambda: (lambda p: p if len(p) == 2 else None)(daemon.rank_pids()), timeout=RANKS_UP_S, what="rank sockets")
         assert daemon.request("migrate", "mig-1", "test", pids=pids) == 2
         collect_acks(daemon, [], lambda a: len(committed(a)) == 2)
         time.sleep(0.5)  # inside the hold
