@@ -40,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trainer.shutdown import destroy_process_groups  # noqa: E402
+from trainer.shutdown import then_destroy_process_groups  # noqa: E402
 import _report  # noqa: E402
 
 import torch  # noqa: E402
@@ -65,7 +65,8 @@ def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def _worker(rank: int, world: int, per_node: int, port: int, cfg: dict, out: dict) -> None:
+@then_destroy_process_groups  # its objects gone, the groups' threads are joined (trainer.shutdown)
+def worker(rank: int, world: int, per_node: int, port: int, cfg: dict, out: dict) -> None:
     os.environ.update(LOCAL_WORLD_SIZE=str(per_node), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -217,12 +218,6 @@ def _worker(rank: int, world: int, per_node: int, port: int, cfg: dict, out: dic
                        disk_steps=[s for s, _ in complete_snapshots(snapdir)],
                        records=[(r.step, r.tier, r.ok) for r in guard.records])
 
-
-def worker(*args) -> None:
-    _worker(*args)
-    # the worker's objects are gone: destroy the groups and join their threads before the
-    # interpreter's teardown (trainer.shutdown)
-    destroy_process_groups()
 
 
 def run(world: int, per_node: int, **cfg) -> dict:

@@ -31,7 +31,7 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from trainer.shutdown import destroy_process_groups  # noqa: E402
+from trainer.shutdown import then_destroy_process_groups  # noqa: E402
 os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "64")  # as the drill: a window of this job's collectives
 
 import torch  # noqa: E402
@@ -44,7 +44,8 @@ SMOKE_FIGURES = ("progress_overhead_fraction", "progress_step_off_seconds", "pro
                  "progress_exchange_seconds", "progress_exchange_amortised_fraction")
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+@then_destroy_process_groups  # its objects gone, the groups' threads are joined (trainer.shutdown)
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=120))
@@ -93,12 +94,6 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         Path(out).write_text(json.dumps({"times": times, "exchange": exch, "matmuls": n}))
     dist.barrier()
 
-
-def worker(*args) -> None:
-    _worker(*args)
-    # the worker's objects are gone: destroy the groups and join their threads before the
-    # interpreter's teardown (trainer.shutdown)
-    destroy_process_groups()
 
 
 def main(argv: list[str] | None = None) -> int:

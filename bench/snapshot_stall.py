@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trainer.shutdown import destroy_process_groups  # noqa: E402
+from trainer.shutdown import then_destroy_process_groups  # noqa: E402
 import _report  # noqa: E402
 
 import torch  # noqa: E402
@@ -97,7 +97,8 @@ def measure(mb: int, repeats: int, work: Path) -> dict[str, float]:
             "dcp_save_over_sentinel": med([blocking[i] / sentinel[i - 1] for i in paired])}
 
 
-def _idle_worker(rank: int, world: int, port: int, steps: int, out: dict, runtime: str) -> None:
+@then_destroy_process_groups  # its objects gone, the groups' threads are joined (trainer.shutdown)
+def idle_worker(rank: int, world: int, port: int, steps: int, out: dict, runtime: str) -> None:
     os.environ["SENTINEL_RUNTIME_DIR"] = runtime
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
@@ -120,12 +121,6 @@ SMOKE_FIGURES = tuple(f"stall_16mb_{p}_seconds" for p in ("memcpy", "sentinel", 
     "stall_16mb_sentinel_over_memcpy_ratio", "stall_16mb_dcp_save_over_sentinel_ratio", "async_stall_seconds_per_gb",
     "dcp_save_bytes_per_second", "guard_step_idle_seconds", "guard_step_idle_p99_seconds")
 
-
-def idle_worker(*args) -> None:
-    _idle_worker(*args)
-    # the worker's objects are gone: destroy the groups and join their threads before the
-    # interpreter's teardown (trainer.shutdown)
-    destroy_process_groups()
 
 
 def summarise(rows: list[dict], idle: dict | None = None) -> dict[str, float]:

@@ -54,8 +54,6 @@ class Container:
         while time.monotonic() < end:
             if self.proc.poll() is not None:
                 raise AssertionError(f"systemd-nspawn exited {self.proc.returncode}: {self.console.read_text()[-3000:]}")
-            if self.leader and not Path(f"/proc/{self.leader}").exists():
-                self.leader = 0  # nspawn's short-lived intermediate child, not the container's init
             if not self.leader:
                 self.leader = self._child_of(self.proc.pid)
             if self.leader:

@@ -27,9 +27,13 @@ GIL (torch drops a group's last reference with the GIL released).
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
 
 log = logging.getLogger("trainer.shutdown")
 
@@ -75,7 +79,7 @@ def destroy_process_groups() -> int:
     initialized), let go of the references torch keeps past the destroy, and collect. Call it
     last, when the objects that held the groups (the guard, the model) are gone. Returns the
     number of process-group worker threads still running (0 when every group was released);
-    logs a warning naming them otherwise. Not collective."""
+    logs a warning with their count otherwise. Not collective."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -91,3 +95,15 @@ def destroy_process_groups() -> int:
                     "something still holds a process group (the interpreter's teardown may abort if one "
                     "of them releases a collective then)", left)
     return left
+
+
+def then_destroy_process_groups(fn: Callable[..., T]) -> Callable[..., T]:
+    """Decorator for a worker's or a script's main function: when it returns, its frame and what
+    it held (the guard, the model) are gone; then :func:`destroy_process_groups`. Not after an
+    exception (peers may be gone, and the process is failing anyway)."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> T:
+        result = fn(*args, **kwargs)
+        destroy_process_groups()
+        return result
+    return run

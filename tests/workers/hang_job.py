@@ -27,7 +27,7 @@ import torch.distributed as dist  # noqa: E402
 from sentinel.channel import NullEndpoint  # noqa: E402
 from sentinel.hang import HangSettings  # noqa: E402
 from trainer.progress import JobWatch  # noqa: E402
-from trainer.shutdown import destroy_process_groups  # noqa: E402
+from trainer.shutdown import then_destroy_process_groups  # noqa: E402
 
 
 class Recorder(NullEndpoint):
@@ -42,6 +42,7 @@ class Recorder(NullEndpoint):
         return True
 
 
+@then_destroy_process_groups  # its objects gone, the groups' threads are joined (trainer.shutdown)
 def main() -> int:
     rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     out, fault, fault_rank, fault_step = Path(sys.argv[4]), sys.argv[5], int(sys.argv[6]), int(sys.argv[7])
@@ -84,6 +85,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    destroy_process_groups()  # main's objects are gone: join the groups' threads now (trainer.shutdown)
-    sys.exit(code)
+    sys.exit(main())

@@ -24,10 +24,11 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 
 from trainer.guard import ModelOptimState, SnapshotGuard
-from trainer.shutdown import destroy_process_groups
+from trainer.shutdown import then_destroy_process_groups
 from trainer.train import TinyTransformer, batch_for, state_digests
 
 
+@then_destroy_process_groups  # its objects gone, the groups' threads are joined (trainer.shutdown)
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--holders", required=True)
@@ -115,6 +116,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    destroy_process_groups()  # main's objects are gone: join the groups' threads now (trainer.shutdown)
-    sys.exit(code)
+    sys.exit(main())
