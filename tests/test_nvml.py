@@ -101,7 +101,7 @@ def test_gpu_lost():
 
 def test_hung_call_hits_deadline_and_never_stalls_poll():
     fake = FakePynvml(2)
-    src = started(fake, deadline=0.3)
+    src = started(fake, deadline=1.0)  # a deadline wide enough that "not waited for again" is not a race
     try:
         fake.behaviour[("temperature_celsius", 1)] = "hang"
         t0 = time.monotonic()
@@ -109,11 +109,11 @@ def test_hung_call_hits_deadline_and_never_stalls_poll():
         elapsed = time.monotonic() - t0
         assert r[1].hung and not r[0].hung
         assert r[0].values["temperature_celsius"] == 40
-        assert elapsed < 2.0  # the hung call never returns by itself: the poll returned at its deadline
+        assert elapsed < 5.0  # the hung call never returns by itself: the poll returned at its deadline
         # still stuck: the next poll skips GPU 1 at once instead of waiting again
         t0 = time.monotonic()
         r = src.poll()
-        assert r[1].hung and time.monotonic() - t0 < 0.3  # less than one more deadline: not waited for again
+        assert r[1].hung and time.monotonic() - t0 < 1.0  # less than one more deadline: not waited for again
         fake.behaviour.pop(("temperature_celsius", 1))
         fake.release.set()
         deadline = time.monotonic() + 3
@@ -165,7 +165,7 @@ def test_all_gpus_slow_still_one_budget_not_one_per_gpu():
         for _ in range(3):
             t0 = time.monotonic()
             r = src.poll()
-            assert time.monotonic() - t0 < 0.45
+            assert time.monotonic() - t0 < 1.0  # one 0.3 s budget for all, not 4 x 0.3 s one after another
             assert all(g.errors.get("poll_budget") == pynvml.NVML_ERROR_TIMEOUT and not g.hung for g in r)
             # every poll shows progress: the call cut off by the last budget is reported, not lost
             assert all(len(g.values) >= 1 for g in r), [g.values for g in r]
@@ -186,7 +186,7 @@ def test_slow_gpu_reads_every_field_over_a_few_polls_then_recovers_at_once():
         for _ in range(40):
             t0 = time.monotonic()
             g = src.poll()[1]
-            assert time.monotonic() - t0 < 0.3
+            assert time.monotonic() - t0 < 1.0  # the 0.2 s budget, not the whole 31 x 0.06 s read
             assert not g.hung and g.errors == {"poll_budget": pynvml.NVML_ERROR_TIMEOUT}
             # a partial set of NVLink counters would make the policy's sum over links jump
             assert g.nvlink == {}

@@ -157,16 +157,16 @@ def test_a_hung_batched_call_is_bounded_by_the_deadline_like_a_single_call():
     import time
 
     fake = FakePynvml(2)
-    src = started(fake, deadline=0.3)
+    src = started(fake, deadline=1.0)  # wide enough that "skipped at once" is not a race on a loaded host
     try:
         src.poll()
         fake.behaviour[("ecc_corrected_volatile", 1)] = "hang"  # a batched field: the whole call hangs
         t0 = time.monotonic()
         r = src.poll()
-        assert time.monotonic() - t0 < 0.3 + 0.25 + 0.5  # the budget plus the hung-call grace, with slack
+        assert time.monotonic() - t0 < 1.0 + 0.25 + 3.0  # the budget plus the hung-call grace, with slack
         assert r[1].hung and not r[0].hung and r[0].values["temperature_celsius"] == 40
         t0 = time.monotonic()
-        assert src.poll()[1].hung and time.monotonic() - t0 < 0.2  # still stuck: skipped at once
+        assert src.poll()[1].hung and time.monotonic() - t0 < 1.0  # still stuck: skipped at once, not one more deadline
         assert src.errors[("deadline", pynvml.NVML_ERROR_TIMEOUT)] == 1
         fake.behaviour.pop(("ecc_corrected_volatile", 1))
         fake.release.set()

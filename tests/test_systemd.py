@@ -113,7 +113,7 @@ def test_ready_after_bind_watchdog_while_healthy_and_through_a_hung_gpu_then_sto
         t_term = time.monotonic()
         d.proc.send_signal(signal.SIGTERM)
         d.proc.wait(timeout=5)
-        assert time.monotonic() - t_term < 1.5
+        assert time.monotonic() - t_term < 4.0  # no wait on the released call, nor on a stop timeout
         assert d.proc.returncode == 0
         ns.collect(0.3)
         assert any(m == "STOPPING=1" for _, m in ns.messages)
