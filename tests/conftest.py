@@ -135,6 +135,33 @@ def pytest_runtest_teardown(item, nextitem):
             _give_kernel_log()
 
 
+# -- where the suite's CPU goes (SENTINEL_TEST_CPU=FILE) ---------------------------------------------
+# The suite is CPU-bound on 2 cores: its wall time is about its CPU seconds / 2. With the variable
+# set, each test appends {"test", "cpu_s", "wall_s"} to FILE: the CPU of the pytest worker and of
+# every child it waited for (torchrun and its ranks, daemons, clusters' clients), setup and
+# teardown included. `python tests/cpu_report.py FILE` sums it per test and per file.
+CPU_LOG = os.environ.get("SENTINEL_TEST_CPU")
+
+
+def _cpu_now() -> float:
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not CPU_LOG:
+        yield
+        return
+    cpu0, t0 = _cpu_now(), time.monotonic()
+    yield
+    row = {"test": item.nodeid, "cpu_s": round(_cpu_now() - cpu0, 2), "wall_s": round(time.monotonic() - t0, 2)}
+    with open(CPU_LOG, "a") as f:  # one short line per write: appends from several workers do not interleave
+        f.write(json.dumps(row) + "\n")
+
+
 def _skip_reason(report) -> str:
     return report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
 

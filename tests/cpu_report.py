@@ -1,0 +1,30 @@
+"""Where the suite's CPU went: ``python tests/cpu_report.py FILE [N]`` reads what the suite wrote
+with ``SENTINEL_TEST_CPU=FILE`` (tests/conftest.py) and prints the N costliest files and tests."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+
+
+def main(path: str, top: int = 25) -> None:
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    per_file: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
+    for row in rows:
+        f = per_file[row["test"].split("::")[0]]
+        f[0] += row["cpu_s"]
+        f[1] += row["wall_s"]
+        f[2] += 1
+    total = sum(r["cpu_s"] for r in rows)
+    print(f"{len(rows)} tests, {total:.0f} CPU-s in tests (wall on 2 cores >= {total / 2:.0f} s)\n")
+    print(f"{'file':48} {'tests':>5} {'CPU-s':>7} {'wall-s':>7} {'share':>6}")
+    for name, (cpu, wall, n) in sorted(per_file.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"{name:48} {n:5d} {cpu:7.1f} {wall:7.1f} {cpu / total:6.1%}")
+    print(f"\n{'test':100} {'CPU-s':>7} {'wall-s':>7}")
+    for row in sorted(rows, key=lambda r: -r["cpu_s"])[:top]:
+        print(f"{row['test'][:100]:100} {row['cpu_s']:7.1f} {row['wall_s']:7.1f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], *(int(a) for a in sys.argv[2:3]))
