@@ -44,8 +44,6 @@ def xdist_group_of(item) -> str | None:
         return "kube"
     if item.path.name in KERNEL_FILES:
         return "kernel"
-    if item.path.name == "test_memory_tier.py" and "reference" in names:
-        return "memory_reference"  # its module fixture (a 4-rank reference job) is made once, not per worker
     return None
 
 

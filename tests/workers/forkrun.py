@@ -1,0 +1,97 @@
+"""Run a test job's N ranks as forks of one interpreter that imported torch once.
+
+    python tests/workers/forkrun.py --nproc N SCRIPT [ARGS...]
+
+For tests whose subject is what the ranks do (the memory tier, snapshots), not how they were
+launched. ``torchrun --standalone`` starts N+1 fresh interpreters that each import torch, about
+70 % of a small 4-rank job's CPU on a 2-core host; here SCRIPT is imported once (its work must be
+under ``if __name__ == "__main__"``, calling ``main()``), then each rank is a ``fork()`` that gets
+torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT) and
+calls ``main()``: the same start a rank gets from trainer.elastic's preloaded forkserver.
+
+Like torchrun: when a rank fails, the others are stopped (SIGTERM, then SIGKILL after 30 s) and
+the exit status is the first failure's; every rank's output goes to this process's stdout/stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import signal
+import socket
+import sys
+import time
+
+STOP_GRACE_S = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_rank(main, rank: int, world: int, port: int, argv: list[str]) -> int:
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                       "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "forkrun"})
+    sys.argv = argv
+    try:
+        rc = main()
+        return int(rc or 0)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        return 1
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="forkrun")
+    ap.add_argument("--nproc", type=int, required=True)
+    ap.add_argument("script")
+    ap.add_argument("args", nargs=argparse.REMAINDER)
+    a = ap.parse_args()
+    spec = importlib.util.spec_from_file_location("forkrun_job", a.script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # imports torch and the job's modules: once, before the forks
+    port = free_port()
+    children: dict[int, int] = {}
+    for rank in range(a.nproc):
+        pid = os.fork()
+        if pid == 0:
+            rc = 1
+            try:
+                rc = run_rank(module.main, rank, a.nproc, port, [a.script, *a.args])
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(rc)  # never back into the parent's code, nor its interpreter teardown
+        children[pid] = rank
+    first_failure = 0
+    stop_at = None
+    while children:
+        if stop_at is not None and time.monotonic() > stop_at:
+            for pid in children:
+                os.kill(pid, signal.SIGKILL)
+            stop_at = float("inf")
+        pid, status = os.waitpid(-1, os.WNOHANG) if stop_at is not None else os.waitpid(-1, 0)
+        if pid == 0:
+            time.sleep(0.05)
+            continue
+        rank = children.pop(pid)
+        rc = os.waitstatus_to_exitcode(status)
+        if rc != 0 and first_failure == 0:
+            print(f"forkrun: rank {rank} exited with {rc}; stopping the others", file=sys.stderr)
+            first_failure = rc if rc > 0 else 128 - rc
+            for other in children:
+                os.kill(other, signal.SIGTERM)
+            stop_at = time.monotonic() + STOP_GRACE_S
+    return first_failure
+
+
+if __name__ == "__main__":
+    sys.exit(main())
