@@ -133,6 +133,31 @@ def pytest_runtest_teardown(item, nextitem):
             _give_kernel_log()
 
 
+# -- made once per session, shared by the workers -----------------------------------------------------
+def made_once(tmp_path_factory, name: str, make) -> Path:
+    """A directory ``make(directory)`` fills once per test session, shared by every xdist worker:
+    the first worker to ask makes it while the others wait on a file lock (released when closed,
+    or when its holder dies); they all get the same path. For an expensive input several tests
+    read (a reference run, snapshots to resume from), without an xdist group queueing those tests
+    on the one worker that would hold a module fixture. A ``make`` that fails leaves nothing: the
+    next worker to ask tries again in a new directory."""
+    import fcntl
+    import tempfile
+
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent / f"made-once-{run}" if run else base / "made-once"
+    root.mkdir(exist_ok=True)
+    made = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not made.is_dir():
+            attempt = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root))
+            make(attempt)
+            os.rename(attempt, made)
+    return made
+
+
 # -- where the suite's CPU goes (SENTINEL_TEST_CPU=FILE) ---------------------------------------------
 # The suite is CPU-bound on 2 cores: its wall time is about its CPU seconds / 2. With the variable
 # set, each test appends {"test", "cpu_s", "wall_s"} to FILE: the CPU of the pytest worker and of

@@ -6,7 +6,6 @@ which test_trainer and the drills run as torchrun and trainer.elastic."""
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import subprocess
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SYSTEM_PYTHON
+from conftest import REPO, SYSTEM_PYTHON, made_once
 
 pytestmark = [pytest.mark.needs_torch]
 torch = pytest.importorskip("torch")
@@ -259,22 +258,14 @@ def job(tmp_path: Path, *args: str, run_id: str, timeout: float = 240) -> list[d
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
-    """The uninterrupted run every restore must equal bitwise: run once per test session, shared
-    by the xdist workers through a file under the session's common temporary directory (the first
-    worker to need it runs it while the others wait on the lock), so these tests spread over the
-    workers instead of queueing on the one that holds a module fixture."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    root = tmp_path_factory.getbasetemp().parent / f"memory-reference-{run}" if run else tmp_path_factory.mktemp("ref")
-    root.mkdir(exist_ok=True)
-    with open(root / "lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed, or when its holder dies
-        result = root / "reference.json"
-        if not result.exists():
-            rows, r = job(root, "--steps", "12", "--memory-interval-steps", "0", run_id="ref")
-            assert len(rows) == 4, r.stdout[-2000:] + r.stderr[-2000:]
-            result.with_suffix(".tmp").write_text(json.dumps(rows[0]))
-            os.replace(result.with_suffix(".tmp"), result)
-        return json.loads(result.read_text())
+    """The uninterrupted run every restore must equal bitwise: run once per test session and
+    shared by the xdist workers (conftest.made_once), so these tests spread over the workers."""
+    def make(d: Path) -> None:
+        rows, r = job(d, "--steps", "12", "--memory-interval-steps", "0", run_id="ref")
+        assert len(rows) == 4, r.stdout[-2000:] + r.stderr[-2000:]
+        (d / "reference.json").write_text(json.dumps(rows[0]))
+
+    return json.loads((made_once(tmp_path_factory, "memory-reference", make) / "reference.json").read_text())
 
 
 def crash_then_resume(tmp_path: Path, *, run_id: str, exit_at: int = 6, between=None, resume_run_id: str | None = None,

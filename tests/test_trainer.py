@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, register_agent, wait_for
+from conftest import REPO, made_once, register_agent, wait_for
 from sentinel.channel import NullEndpoint
 from sentinel.daemon_endpoint import DaemonEndpoint
 
@@ -36,6 +36,16 @@ def torchrun(nproc: int, *args: str, env: dict | None = None, module: str = "tra
     full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1", **(env or {})}
     if not wait:
         return subprocess.Popen(cmd, env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    return subprocess.run(cmd, env=full, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def forkrun(nproc: int, *args: str, timeout: float = 180):
+    """trainer.train's ranks as forks of one interpreter that imported torch once
+    (tests/workers/forkrun.py): for tests of what the ranks do with snapshots, where the launcher
+    is not the subject (about half the CPU of torchrun's nproc + 1 interpreters). The tests of
+    the launch path (exit, signals, the migrate hold) use torchrun."""
+    cmd = [sys.executable, str(REPO / "tests" / "workers" / "forkrun.py"), "--nproc", str(nproc), "-m", "trainer.train", *args]
+    full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1"}
     return subprocess.run(cmd, env=full, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
@@ -129,15 +139,14 @@ def test_one_request_id_is_one_snapshot_however_often_it_arrives(tmp_path):
         daemon.close()
 
 
-@pytest.mark.xdist_group("ten_steps")
 def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, ten_steps):
     """Resumes the shared ten-step run (snapshots of steps 4 and 9) to 20 steps and compares it
     with 20 uninterrupted steps (merged #29: the interrupted run is the ten_steps fixture)."""
     a, b = tmp_path / "a", tmp_path / "b"
-    r = torchrun(2, "--steps", "20", "--snapshot-dir", str(a / "s"), "--final", str(a / "final.json"))
+    r = forkrun(2, "--steps", "20", "--snapshot-dir", str(a / "s"), "--final", str(a / "final.json"))
     assert r.returncode == 0, why(r)
     shutil.copytree(ten_steps, b / "s")
-    r = torchrun(2, "--steps", "20", "--interval-steps", "5", "--snapshot-dir", str(b / "s"), "--final", str(b / "final.json"))
+    r = forkrun(2, "--steps", "20", "--interval-steps", "5", "--snapshot-dir", str(b / "s"), "--final", str(b / "final.json"))
     assert r.returncode == 0, why(r)
     assert final(b / "final.json")["resumed_at"] == 10
     assert final(b / "final.json")["params"] == final(a / "final.json")["params"]
@@ -146,43 +155,43 @@ def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, ten_steps):
 
 def test_resume_reshards_from_four_ranks_to_two(tmp_path):
     s = tmp_path / "s"
-    r = torchrun(4, "--steps", "6", "--interval-steps", "6", "--snapshot-dir", str(s), "--final", str(tmp_path / "saved.json"))
+    r = forkrun(4, "--steps", "6", "--interval-steps", "6", "--snapshot-dir", str(s), "--final", str(tmp_path / "saved.json"))
     assert r.returncode == 0, why(r)
     # --steps 6 again: resume at 6 and compute nothing; the state is exactly what was loaded
-    r = torchrun(2, "--steps", "6", "--snapshot-dir", str(s), "--final", str(tmp_path / "loaded.json"))
+    r = forkrun(2, "--steps", "6", "--snapshot-dir", str(s), "--final", str(tmp_path / "loaded.json"))
     assert r.returncode == 0, why(r)
     got, want = final(tmp_path / "loaded.json"), final(tmp_path / "saved.json")
     assert got["resumed_at"] == 6 and got["world"] == 2
     assert got["params"] == want["params"] and got["optim"] == want["optim"]
 
 
-@pytest.mark.xdist_group("ten_steps")
 def test_resume_reshards_from_two_ranks_to_four(tmp_path, ten_steps):
     """Loads the shared two-rank snapshot of step 9 on four ranks (merged #29: the two-rank save
     is the ten_steps fixture's)."""
     s = tmp_path / "s"
     shutil.copytree(ten_steps, s)
     # --steps 10: resume at 10 and compute nothing; the state is exactly what was saved
-    r = torchrun(4, "--steps", "10", "--snapshot-dir", str(s), "--final", str(tmp_path / "loaded.json"))
+    r = forkrun(4, "--steps", "10", "--snapshot-dir", str(s), "--final", str(tmp_path / "loaded.json"))
     assert r.returncode == 0, why(r)
     got, want = final(tmp_path / "loaded.json"), final(ten_steps.parent / "final.json")
     assert got["resumed_at"] == 10 and got["world"] == 4
     assert got["params"] == want["params"] and got["optim"] == want["optim"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ten_steps(tmp_path_factory) -> Path:
-    """Snapshots of steps 4 and 9 from 10 steps on 2 ranks, made once (its tests share one xdist
-    group, so one worker makes it): each test takes a copy. ``final.json`` beside it: the state
-    after the 10 steps."""
-    s = tmp_path_factory.mktemp("ten-steps") / "s"
-    r = torchrun(2, "--steps", "10", "--interval-steps", "5", "--snapshot-dir", str(s), "--final", str(s.parent / "final.json"))
-    assert r.returncode == 0, why(r)
-    assert [n for n, _ in complete_snapshots(s)] == [9, 4]
-    return s
+    """Snapshots of steps 4 and 9 from 10 steps on 2 ranks, made once per session and shared by
+    the xdist workers (conftest.made_once): each test takes a copy. ``final.json`` beside it: the
+    state after the 10 steps."""
+    def make(d: Path) -> None:
+        s = d / "s"
+        r = forkrun(2, "--steps", "10", "--interval-steps", "5", "--snapshot-dir", str(s), "--final", str(d / "final.json"))
+        assert r.returncode == 0, why(r)
+        assert [n for n, _ in complete_snapshots(s)] == [9, 4]
+
+    return made_once(tmp_path_factory, "ten-steps", make) / "s"
 
 
-@pytest.mark.xdist_group("ten_steps")
 def test_corrupt_newest_snapshot_is_skipped_for_the_previous_and_moved_aside(tmp_path, ten_steps):
     """Merged (#29): also test_kill_9_mid_async_save_never_loads_the_half_written_snapshot: the
     second run here is killed (SIGKILL on rank 1) while its asynchronous save of step 9 is being
@@ -202,7 +211,7 @@ def test_corrupt_newest_snapshot_is_skipped_for_the_previous_and_moved_aside(tmp
     assert len(aside) == 1 and (aside[0] / MARKER).is_file()  # kept for inspection, never listed
     assert newest.is_dir() and not (newest / MARKER).exists()
     assert [n for n, _ in complete_snapshots(s)] == [4]
-    r = torchrun(2, "--steps", "10", "--snapshot-dir", str(s), "--final", str(tmp_path / "f.json"))
+    r = forkrun(2, "--steps", "10", "--snapshot-dir", str(s), "--final", str(tmp_path / "f.json"))
     assert r.returncode == 0, why(r)
     assert final(tmp_path / "f.json")["resumed_at"] == 5
     assert final(tmp_path / "f.json")["guard"]["skipped_on_resume"] == []
@@ -231,7 +240,6 @@ RANKS_DISAGREE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xdist_group("ten_steps")
 def test_resume_is_rank0s_choice_and_a_fallback_is_agreed(tmp_path, ten_steps):
     s = tmp_path / "s"
     shutil.copytree(ten_steps, s)

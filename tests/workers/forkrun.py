@@ -1,6 +1,7 @@
 """Run a test job's N ranks as forks of one interpreter that imported torch once.
 
     python tests/workers/forkrun.py --nproc N SCRIPT [ARGS...]
+    python tests/workers/forkrun.py --nproc N -m MODULE [ARGS...]
 
 For tests whose subject is what the ranks do (the memory tier, snapshots), not how they were
 launched. ``torchrun --standalone`` starts N+1 fresh interpreters that each import torch, about
@@ -15,7 +16,7 @@ the exit status is the first failure's; every rank's output goes to this process
 
 from __future__ import annotations
 
-import argparse
+import importlib
 import importlib.util
 import os
 import signal
@@ -50,22 +51,27 @@ def run_rank(main, rank: int, world: int, port: int, argv: list[str]) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(prog="forkrun")
-    ap.add_argument("--nproc", type=int, required=True)
-    ap.add_argument("script")
-    ap.add_argument("args", nargs=argparse.REMAINDER)
-    a = ap.parse_args()
-    spec = importlib.util.spec_from_file_location("forkrun_job", a.script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # imports torch and the job's modules: once, before the forks
+    argv = sys.argv[1:]  # parsed by hand: everything after SCRIPT or MODULE is the job's, verbatim
+    if len(argv) < 3 or argv[0] != "--nproc" or not argv[1].isdigit() or (argv[2] == "-m" and len(argv) < 4):
+        print(__doc__, file=sys.stderr)
+        return 2
+    nproc = int(argv[1])
+    if argv[2] == "-m":  # imports torch and the job's modules: once, before the forks
+        module = importlib.import_module(argv[3])
+        script, args = module.__file__, argv[4:]
+    else:
+        script, args = argv[2], argv[3:]
+        spec = importlib.util.spec_from_file_location("forkrun_job", script)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
     port = free_port()
     children: dict[int, int] = {}
-    for rank in range(a.nproc):
+    for rank in range(nproc):
         pid = os.fork()
         if pid == 0:
             rc = 1
             try:
-                rc = run_rank(module.main, rank, a.nproc, port, [a.script, *a.args])
+                rc = run_rank(module.main, rank, nproc, port, [script, *args])
             finally:
                 sys.stdout.flush()
                 sys.stderr.flush()
