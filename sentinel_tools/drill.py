@@ -47,6 +47,36 @@ FAULTS = {
 }
 
 
+def cached_reference(cache: Path, world: int, steps: int, run) -> tuple[dict[str, Any] | None, str]:
+    """``--reference-cache``: the uninterrupted run's final state for this world size, step count
+    and trainer code (a digest of ``trainer/``'s sources), made by ``run(directory)`` once and
+    reused by every later drill that verifies the same job; drills running at once wait for the
+    first (a file lock). A failed run is not kept."""
+    import fcntl
+    import hashlib
+
+    code = hashlib.sha256()
+    for src in sorted((repo_root() / "trainer").rglob("*.py")):
+        code.update(src.relative_to(repo_root()).as_posix().encode() + b"\0" + src.read_bytes())
+    key = f"world{world}-steps{steps}-{code.hexdigest()[:16]}"
+    cache.mkdir(parents=True, exist_ok=True)
+    kept = cache / f"{key}.json"
+    with open(cache / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if kept.exists():
+            return json.loads(kept.read_text()), ""
+        work = Path(tempfile.mkdtemp(prefix=f"{key}-", dir=cache))
+        try:
+            want, error = run(work)
+            if want is not None:
+                tmp = cache / f"{key}.json.tmp"
+                tmp.write_text(json.dumps(want))
+                os.replace(tmp, kept)
+            return want, error
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+
 def alive(pid: int) -> bool:
     """``pid`` runs (a dead spare must be noticed while it is a zombie): :func:`sentinel.procs.running`."""
     return running(pid)
@@ -607,18 +637,29 @@ class Drill:
         return out
 
     def verify(self, finished: dict[str, Any]) -> dict[str, Any]:
+        cache = self.args.reference_cache
+        if cache is None:
+            want, error = self.reference_run(self.work / "reference")
+        else:
+            want, error = cached_reference(Path(cache), self.args.nodes * self.args.procs_per_node, self.args.steps,
+                                           self.reference_run)
+        if want is None:
+            return {"bitwise_equal": False, "error": error}
+        return {"bitwise_equal": want["params"] == finished["params"] and want["optim"] == finished["optim"],
+                "reference_params_sha256": want["params"], "drill_params_sha256": finished["params"]}
+
+    def reference_run(self, ref: Path) -> tuple[dict[str, Any] | None, str]:
+        """The same job uninterrupted, under plain torchrun (independent of the agent under test):
+        its final state, or None and why."""
         a = self.args
-        ref = self.work / "reference"
-        ref.mkdir(exist_ok=True)
+        ref.mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nodes * a.procs_per_node}",
                 "-m", "trainer.train", "--steps", str(a.steps), "--snapshot-dir", str(ref / "snapshots"),
                 "--final", str(ref / "final.json")]
         r = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=600, cwd=str(repo_root()))
         if r.returncode != 0:
-            return {"bitwise_equal": False, "error": r.stderr[-2000:]}
-        want = json.loads((ref / "final.json").read_text())
-        return {"bitwise_equal": want["params"] == finished["params"] and want["optim"] == finished["optim"],
-                "reference_params_sha256": want["params"], "drill_params_sha256": finished["params"]}
+            return None, r.stderr[-2000:]
+        return json.loads((ref / "final.json").read_text()), ""
 
     def cleanup(self) -> None:
         pids = set()
@@ -818,6 +859,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torchrun worker start method (--agent torchrun; a -m module ignores it)")
     p.add_argument("--timeout", type=float, default=180.0)
     p.add_argument("--verify", action="store_true", help="also run uninterrupted and compare final parameters bitwise")
+    p.add_argument("--reference-cache", metavar="DIR",
+                   help="--verify: keep the uninterrupted run's final state in DIR and reuse it for the same world size, "
+                        "steps and trainer code (drills of one job verify against one run; the test suite shares one)")
     p.add_argument("--json", action="store_true", help="print the machine-readable result")
     p.add_argument("--workdir", help="keep everything here (default: a temporary directory, removed)")
     p.add_argument("--keep", action="store_true", help="keep the temporary work directory")

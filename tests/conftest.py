@@ -134,6 +134,16 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 # -- made once per session, shared by the workers -----------------------------------------------------
+def session_shared_dir(tmp_path_factory, name: str) -> Path:
+    """A directory of this test session that every xdist worker sees (the workers' temporary
+    directories are siblings under one per-session directory; their test run has one id)."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    base = tmp_path_factory.getbasetemp()
+    d = base.parent / f"{name}-{run}" if run else base / name
+    d.mkdir(exist_ok=True)
+    return d
+
+
 def made_once(tmp_path_factory, name: str, make) -> Path:
     """A directory ``make(directory)`` fills once per test session, shared by every xdist worker:
     the first worker to ask makes it while the others wait on a file lock (released when closed,
@@ -144,10 +154,7 @@ def made_once(tmp_path_factory, name: str, make) -> Path:
     import fcntl
     import tempfile
 
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    base = tmp_path_factory.getbasetemp()
-    root = base.parent / f"made-once-{run}" if run else base / "made-once"
-    root.mkdir(exist_ok=True)
+    root = session_shared_dir(tmp_path_factory, "made-once")
     made = root / name
     with open(root / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

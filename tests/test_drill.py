@@ -9,14 +9,22 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, session_shared_dir
 
 pytestmark = [pytest.mark.needs_torch, pytest.mark.slow]
 pytest.importorskip("torch")
 
 
-def drill(*args: str, timeout: float = 400) -> dict:
-    r = subprocess.run([sys.executable, "-m", "sentinel", "drill", "--json", *args], capture_output=True, text=True,
+@pytest.fixture(scope="session")
+def references(tmp_path_factory) -> Path:
+    """The drills' --reference-cache: the uninterrupted runs --verify compares with, one per world
+    size, shared by every drill of the session (cached_reference is tested on its own below)."""
+    return session_shared_dir(tmp_path_factory, "drill-references")
+
+
+def drill(*args: str, timeout: float = 400, references: Path | None = None) -> dict:
+    cache = ["--reference-cache", str(references)] if references is not None else []
+    r = subprocess.run([sys.executable, "-m", "sentinel", "drill", "--json", *args, *cache], capture_output=True, text=True,
                        timeout=timeout, cwd=REPO)
     assert r.stdout.strip().startswith("{"), r.stdout[-2000:] + r.stderr[-3000:]
     result = json.loads(r.stdout)  # stdout is the result alone: progress goes to stderr
@@ -58,10 +66,10 @@ def in_order(result: dict, names: list[str]) -> bool:
     return times == sorted(times)
 
 
-def test_xid79_migrates_to_the_spare_with_no_lost_step_and_bitwise_equal_result():
+def test_xid79_migrates_to_the_spare_with_no_lost_step_and_bitwise_equal_result(references):
     """Merged (#29): also what test_warm_spare_is_admitted_and_trains_and_survivors_leave_their_hold_
     within_a_second_of_the_drain checked, from a second drill of the same fault."""
-    r = drill("--fault", "xid79", "--verify")
+    r = drill("--fault", "xid79", "--verify", references=references)
     assert r["rc"] == 0 and r["ok"], why(r)
     assert r["recomputed_steps"] == [] and r["spare_in_place"] and "node1" not in r["final_nodes"]
     assert "spare0" in r["final_nodes"] and r["finished"]
@@ -111,8 +119,8 @@ def test_rank_crash_with_a_cold_spare_present_ends_with_the_job_running():
     assert "spare0" not in r["final_nodes"]
 
 
-def test_sudden_kill_of_a_whole_node_loses_at_most_one_step_with_the_memory_tier():
-    r = drill("--fault", "kill", "--verify")
+def test_sudden_kill_of_a_whole_node_loses_at_most_one_step_with_the_memory_tier(references):
+    r = drill("--fault", "kill", "--verify", references=references)
     assert r["ok"], why(r)
     assert len(r["recomputed_steps"]) <= 1 and r["spare_in_place"] and r["verify"]["bitwise_equal"]
     # the killed node's memory died with it: its shard came from the replica on the survivor. Which
@@ -123,8 +131,8 @@ def test_sudden_kill_of_a_whole_node_loses_at_most_one_step_with_the_memory_tier
     assert loaded["tier"] == "memory" and loaded["source"].startswith("memory:step-")
 
 
-def test_two_nodes_holding_each_other_s_replicas_killed_fall_back_to_disk_and_say_so():
-    r = drill("--fault", "kill", "--victims", "2", "--spares", "2", "--verify")
+def test_two_nodes_holding_each_other_s_replicas_killed_fall_back_to_disk_and_say_so(references):
+    r = drill("--fault", "kill", "--victims", "2", "--spares", "2", "--verify", references=references)
     assert r["ok"], why(r)
     assert sorted(r["final_nodes"]) == ["spare0", "spare1"] and r["verify"]["bitwise_equal"]
     assert r["restore"]["tier"] == "disk" and 0 < len(r["recomputed_steps"]) <= 10
@@ -141,8 +149,8 @@ def test_rank_crash_restores_from_the_node_s_own_memory_without_disk_or_peer():
     assert r["restore"]["tier"] == "memory" and r["restore"]["peer"] == [] and r["restore"]["own"] == [0, 1]
 
 
-def test_two_nodes_fail_at_once():
-    r = drill("--nodes", "3", "--spares", "2", "--victims", "2", "--fault", "dbe", "--verify")
+def test_two_nodes_fail_at_once(references):
+    r = drill("--nodes", "3", "--spares", "2", "--victims", "2", "--fault", "dbe", "--verify", references=references)
     assert r["ok"], why(r)
     assert sorted(r["final_nodes"]) == ["node0", "spare0", "spare1"] and r["recomputed_steps"] == []
     assert r["other_migrations"][0]["phase"] == "drained"
@@ -219,9 +227,9 @@ def test_failed_migrate_snapshot_still_drains_and_resumes_from_the_older_one():
     assert r["recomputed_steps"] == list(range(newest_ok + 1, committed["step"] + 1))
 
 
-def test_rank_preserving_rendezvous_replaces_two_nodes_in_one_generation_with_no_lost_step():
+def test_rank_preserving_rendezvous_replaces_two_nodes_in_one_generation_with_no_lost_step(references):
     r = drill("--nodes", "3", "--spares", "2", "--victims", "2", "--fault", "dbe", "--rdzv-backend", "sentinel",
-              "--verify")
+              "--verify", references=references)
     assert r["ok"], why(r)
     assert sorted(r["final_nodes"]) == ["node0", "spare0", "spare1"] and r["recomputed_steps"] == []
     assert r["membership_changes"] == 1  # both slots filled in one generation
@@ -232,3 +240,36 @@ def test_sentinel_rendezvous_needs_the_warm_agent():
     r = subprocess.run([sys.executable, "-m", "sentinel", "drill", "--agent", "torchrun", "--rdzv-backend", "sentinel"],
                        capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 2 and "needs --agent warm" in r.stderr
+
+
+def test_the_reference_cache_reuses_one_run_per_world_steps_and_code_and_never_keeps_a_failed_one(tmp_path, monkeypatch):
+    """--reference-cache: the second drill of the same job reuses the first's uninterrupted run;
+    another world size or step count, or another trainer code, is another run; a failed run is
+    not kept (the next drill runs it again)."""
+    from sentinel_tools import drill as drill_mod
+
+    repo = tmp_path / "repo"
+    (repo / "trainer").mkdir(parents=True)
+    (repo / "trainer" / "train.py").write_text("# v1\n")
+    monkeypatch.setattr(drill_mod, "repo_root", lambda: repo)
+    runs: list[Path] = []
+
+    def run(d: Path, result=("p1", "o1")):
+        runs.append(d)
+        assert d.is_dir() and d.parent == cache
+        return ({"params": result[0], "optim": result[1]}, "") if result else (None, "rank 1 failed")
+
+    cache = tmp_path / "cache"
+    first = drill_mod.cached_reference(cache, 2, 60, run)
+    assert first == ({"params": "p1", "optim": "o1"}, "") and len(runs) == 1
+    assert drill_mod.cached_reference(cache, 2, 60, run) == first and len(runs) == 1  # reused
+    drill_mod.cached_reference(cache, 3, 60, run)
+    drill_mod.cached_reference(cache, 2, 30, run)
+    assert len(runs) == 3  # another world size, another step count
+    (repo / "trainer" / "train.py").write_text("# v2\n")
+    drill_mod.cached_reference(cache, 2, 60, run)
+    assert len(runs) == 4  # the trainer changed: the old run no longer counts
+    (repo / "trainer" / "train.py").write_text("# v3\n")
+    assert drill_mod.cached_reference(cache, 2, 60, lambda d: run(d, None)) == (None, "rank 1 failed")
+    assert drill_mod.cached_reference(cache, 2, 60, run)[0] == {"params": "p1", "optim": "o1"} and len(runs) == 6
+    assert not [p for p in cache.iterdir() if p.is_dir()]  # the runs' work directories are removed
