@@ -268,20 +268,53 @@ def reference(tmp_path_factory):
     return json.loads((made_once(tmp_path_factory, "memory-reference", make) / "reference.json").read_text())
 
 
-def crash_then_resume(tmp_path: Path, *, run_id: str, exit_at: int = 6, between=None, resume_run_id: str | None = None,
-                      extra: tuple = ()):
-    rows, r = job(tmp_path, "--steps", "12", "--exit-at", str(exit_at), "--interval-steps", "4", *extra, run_id=run_id)
-    assert rows == [] and r.returncode != 0, r.stderr[-2000:]
+CRASH_RUN = "crash"
+
+
+@pytest.fixture(scope="session")
+def crashed(tmp_path_factory) -> Path:
+    """The job crashed after step 6 (every rank at once, os._exit, nothing cleaned up; disk
+    snapshot of step 3, memory of steps 5 and 6 with their replicas): made once per session and
+    shared (conftest.made_once). Each test resumes from its own copy, after doing its damage."""
+    def make(d: Path) -> None:
+        rows, r = job(d, "--steps", "12", "--exit-at", "6", "--interval-steps", "4", run_id=CRASH_RUN)
+        assert rows == [] and r.returncode != 0, r.stderr[-2000:]
+
+    return made_once(tmp_path_factory, "memory-crashed", make)
+
+
+@pytest.fixture(scope="session")
+def finished(tmp_path_factory) -> Path:
+    """The job run to its end (12 steps, disk snapshots of 3, 7 and 11, memory of 11): made once
+    per session and shared; each test restores from its own copy."""
+    def make(d: Path) -> None:
+        rows, r = job(d, "--steps", "12", "--interval-steps", "4", run_id=CRASH_RUN)
+        assert len(rows) == 4, r.stdout[-2000:] + r.stderr[-2000:]
+        assert (d / "snaps" / "step-000000011").is_dir()  # disk: 3, 7 and 11 (close writes the last)
+
+    return made_once(tmp_path_factory, "memory-finished", make)
+
+
+def copy_of(made: Path, tmp_path: Path) -> None:
+    """A test's own copy of a shared job's holders and snapshots (modes kept: a holder is 0700)."""
+    import shutil
+
+    for name in ("holders", "snaps"):
+        shutil.copytree(made / name, tmp_path / name, symlinks=True)
+
+
+def crash_then_resume(tmp_path: Path, crashed: Path, *, between=None, resume_run_id: str = CRASH_RUN):
+    copy_of(crashed, tmp_path)
     if between:
         between(tmp_path / "holders")
-    rows, r = job(tmp_path, "--steps", "12", "--interval-steps", "4", run_id=resume_run_id or run_id)
+    rows, r = job(tmp_path, "--steps", "12", "--interval-steps", "4", run_id=resume_run_id)
     assert len(rows) == 4, r.stdout[-2000:] + r.stderr[-3000:]
     return rows, r
 
 
 @pytest.mark.slow
-def test_crash_restores_from_own_memory_bitwise_equal(tmp_path, reference):
-    rows, _ = crash_then_resume(tmp_path, run_id="own")
+def test_crash_restores_from_own_memory_bitwise_equal(tmp_path, reference, crashed):
+    rows, _ = crash_then_resume(tmp_path, crashed)
     # The crash (os._exit right after step 6) may land while step 6's replica is still copying:
     # then the newest agreed memory snapshot is step 5 and one step is recomputed, never more.
     assert len({row["start"] for row in rows}) == 1
@@ -292,10 +325,10 @@ def test_crash_restores_from_own_memory_bitwise_equal(tmp_path, reference):
 
 
 @pytest.mark.slow
-def test_a_lost_node_s_shards_are_pulled_from_the_peer_replica_bitwise_equal(tmp_path, reference):
+def test_a_lost_node_s_shards_are_pulled_from_the_peer_replica_bitwise_equal(tmp_path, reference, crashed):
     import shutil
 
-    rows, _ = crash_then_resume(tmp_path, run_id="peer", between=lambda h: shutil.rmtree(h / "node1"))
+    rows, _ = crash_then_resume(tmp_path, crashed, between=lambda h: shutil.rmtree(h / "node1"))
     # at most one step lost to the crash (step 6's copy may still have been in flight)
     assert {r["restore"]["tier"] for r in rows} == {"memory"} and rows[0]["start"] in (6, 7)
     assert rows[0]["restore"]["own"] == [0, 1] and rows[0]["restore"]["peer"] == [2, 3]
@@ -304,33 +337,31 @@ def test_a_lost_node_s_shards_are_pulled_from_the_peer_replica_bitwise_equal(tmp
 
 
 @pytest.mark.slow
-def test_both_copies_lost_falls_back_to_disk_and_says_so(tmp_path, reference):
+def test_both_copies_lost_falls_back_to_disk_and_says_so(tmp_path, reference, crashed):
     import shutil
 
     def wipe(h):
         shutil.rmtree(h / "node0")
         shutil.rmtree(h / "node1")
 
-    rows, r = crash_then_resume(tmp_path, run_id="both", between=wipe)
+    rows, r = crash_then_resume(tmp_path, crashed, between=wipe)
     assert rows[0]["restore"]["tier"] == "disk" and rows[0]["start"] == 4  # disk snapshot at step 3
     assert rows[0]["resumed_from"].endswith("step-000000003")
     assert rows[0]["params"] == reference["params"]
 
 
 @pytest.mark.slow
-def test_a_shard_lost_from_memory_is_read_alone_from_the_disk_snapshot_of_the_same_step(tmp_path, reference):
+def test_a_shard_lost_from_memory_is_read_alone_from_the_disk_snapshot_of_the_same_step(tmp_path, reference, finished):
     """Node 1 and every replica of its shards are gone (two adjacent nodes failed), but the newest
     disk snapshot is of the newest memory step: ranks 2 and 3 read their own parts of it, without
     a collective load, while ranks 0 and 1 restore from node 0's memory — bitwise equal."""
-    rows, r = job(tmp_path, "--steps", "12", "--interval-steps", "4", run_id="mixed")
-    assert len(rows) == 4, r.stdout[-2000:] + r.stderr[-2000:]
-    assert (tmp_path / "snaps" / "step-000000011").is_dir()  # disk: 3, 7 and 11 (close writes the last)
+    copy_of(finished, tmp_path)
     import shutil
 
     shutil.rmtree(tmp_path / "holders" / "node1")
     for replica in (tmp_path / "holders" / "node0").glob("replica-*.mem"):
         replica.unlink()
-    rows, r = job(tmp_path, "--steps", "12", "--interval-steps", "4", run_id="mixed")
+    rows, r = job(tmp_path, "--steps", "12", "--interval-steps", "4", run_id=CRASH_RUN)
     assert len(rows) == 4, r.stdout[-2000:] + r.stderr[-3000:]
     for row in rows:
         assert row["start"] == 12 and row["resumed_from"] == "memory:step-000000011", row
@@ -339,12 +370,11 @@ def test_a_shard_lost_from_memory_is_read_alone_from_the_disk_snapshot_of_the_sa
 
 
 @pytest.mark.slow
-def test_an_unreadable_disk_part_sends_every_rank_to_the_previous_disk_snapshot(tmp_path, reference):
+def test_an_unreadable_disk_part_sends_every_rank_to_the_previous_disk_snapshot(tmp_path, reference, finished):
     """The same loss, but the lost shards' part of the disk snapshot is damaged: no rank keeps a
     half-restored state — all fall back together, the damaged snapshot is set aside, and the job
     resumes from the one before, recomputing the steps since (bitwise equal at the end)."""
-    rows, r = job(tmp_path, "--steps", "12", "--interval-steps", "4", run_id="mixbad")
-    assert len(rows) == 4, r.stdout[-2000:] + r.stderr[-2000:]
+    copy_of(finished, tmp_path)
     import shutil
 
     shutil.rmtree(tmp_path / "holders" / "node1")
@@ -354,7 +384,7 @@ def test_an_unreadable_disk_part_sends_every_rank_to_the_previous_disk_snapshot(
     assert damaged
     for part in damaged:
         part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])
-    rows, r = job(tmp_path, "--steps", "12", "--interval-steps", "4", run_id="mixbad")
+    rows, r = job(tmp_path, "--steps", "12", "--interval-steps", "4", run_id=CRASH_RUN)
     assert len(rows) == 4, r.stdout[-2000:] + r.stderr[-3000:]
     for row in rows:
         assert row["start"] == 8 and row["restore"]["tier"] == "disk", row
@@ -366,7 +396,7 @@ def test_an_unreadable_disk_part_sends_every_rank_to_the_previous_disk_snapshot(
 
 
 @pytest.mark.slow
-def test_a_torn_replica_is_never_loaded(tmp_path, reference):
+def test_a_torn_replica_is_never_loaded(tmp_path, reference, crashed):
     """Node 1 is lost and node 0's newest replica of its shards was torn (its sender died
     mid-copy): the previous complete replica is used, one step older."""
     import shutil
@@ -385,15 +415,15 @@ def test_a_torn_replica_is_never_loaded(tmp_path, reference):
                 f.seek(12)
                 f.write(struct.pack("<I", WRITING))
 
-    rows, _ = crash_then_resume(tmp_path, run_id="torn", between=tear)
+    rows, _ = crash_then_resume(tmp_path, crashed, between=tear)
     assert rows[0]["restore"]["tier"] == "memory" and rows[0]["start"] == 6  # step 5, not 6
     assert rows[0]["restore"]["memory_rejected"]["torn"] == 2
     assert rows[0]["params"] == reference["params"]
 
 
 @pytest.mark.slow
-def test_stale_memory_from_an_older_run_is_rejected(tmp_path, reference):
-    rows, _ = crash_then_resume(tmp_path, run_id="old-run", resume_run_id="new-run")
+def test_stale_memory_from_an_older_run_is_rejected(tmp_path, reference, crashed):
+    rows, _ = crash_then_resume(tmp_path, crashed, resume_run_id="new-run")
     assert rows[0]["restore"]["tier"] == "disk" and rows[0]["start"] == 4
     assert rows[0]["restore"]["memory_rejected"]["stale_run"] > 0
     assert rows[0]["params"] == reference["params"]
