@@ -33,6 +33,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def die_with_parent() -> None:
+    """A rank gets SIGKILL when this launcher dies (a test's timeout kills only the launcher)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:  # the launcher died before the call
+        os._exit(1)
+
+
 def run_rank(main, rank: int, world: int, port: int, argv: list[str]) -> int:
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                        "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
@@ -71,6 +81,7 @@ def main() -> int:
         if pid == 0:
             rc = 1
             try:
+                die_with_parent()
                 rc = run_rank(module.main, rank, nproc, port, [script, *args])
             finally:
                 sys.stdout.flush()
