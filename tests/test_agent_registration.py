@@ -115,7 +115,9 @@ def test_only_a_job_process_is_recorded_under_its_host_pid(sim_state, start_daem
         assert (record.pid, record.uid) == (host, attacker.uid)
         written = json.loads(pidfile.read_text().splitlines()[1])
         assert written["pid"] == host and written["pidns"] == procs.pid_namespace()
-        assert metric_value(d.scrape(), "sentinel_channel_messages_total", kind="register", outcome="ok") == 1
+        # the record is written before the counters are next published: wait for them, no order assumed
+        wait_for(lambda: metric_value(d.scrape(), "sentinel_channel_messages_total", kind="register", outcome="ok") == 1,
+                 timeout=20, what="the registration counted")
     finally:
         (gate / "exit").write_text("")
         pod.wait(timeout=20)

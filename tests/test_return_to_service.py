@@ -26,7 +26,7 @@ def test_uncordon_returns_the_running_daemon_to_service_and_the_next_xid_migrate
 
     simulated.inject(sim_state, 0, ["xid=79"])
     first = wait_for(lambda: drained(d), timeout=30, what="first migration drained")["migration"]["request_id"]
-    assert metric_value(d.scrape(), "sentinel_node_cordoned") == 1
+    wait_for(lambda: metric_value(d.scrape(), "sentinel_node_cordoned") == 1, timeout=20, what="the metric follows")  # published apart from status.json
 
     # another user cannot return the node to service: what `sentinel uncordon` removes lies in the
     # state directory, root's alone
@@ -42,7 +42,7 @@ def test_uncordon_returns_the_running_daemon_to_service_and_the_next_xid_migrate
     assert r.returncode == 0, r.stderr
     # the running daemon follows: not cordoned in status.json nor in the metric, no migration
     wait_for(lambda: not d.status["cordoned"] and d.status["migration"] is None, timeout=20, what="status uncordoned")
-    assert metric_value(d.scrape(), "sentinel_node_cordoned") == 0
+    wait_for(lambda: metric_value(d.scrape(), "sentinel_node_cordoned") == 0, timeout=20, what="the metric follows")  # published apart from status.json
     assert all(g["health"] == "healthy" for g in d.status["gpus"])
 
     # the next failure is handled like the first: a new migration, cordoned again
