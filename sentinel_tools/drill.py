@@ -82,10 +82,40 @@ def alive(pid: int) -> bool:
     return running(pid)
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports for servers started later (a store, etcd, slurmctld and
+    slurmd), picked at random *below* the kernel's ephemeral range: a port from ``bind(0)`` is
+    free only until the kernel hands it to some other bind(0) or outgoing connection, and a
+    second suite on the host once took a slurmd's that way (EADDRINUSE). Only another explicit
+    picker can collide here. Falls back to bind(0) when the range leaves no room below it."""
+    import random
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(200 * n):
+            if len(socks) == n:
+                break
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", random.randint(10000, low - 1) if low > 11000 else 0))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+        if len(socks) < n:
+            raise OSError(f"no {n} free ports below {low}")
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 @dataclass

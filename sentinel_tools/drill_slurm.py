@@ -21,7 +21,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -55,19 +54,6 @@ def stop_groups(procs, grace: float) -> None:
 
 class SlurmUnavailable(RuntimeError):
     pass
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def missing() -> str:
@@ -113,7 +99,7 @@ class SlurmCluster:
         self.nodes = tuple(nodes)
         self.topology = topology
         self.procs: dict[str, subprocess.Popen] = {}
-        self.ctld_port, *self.node_ports = free_ports(1 + len(self.nodes))
+        self.ctld_port, *self.node_ports = drill.free_ports(1 + len(self.nodes))
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
 
     def write_conf(self) -> None:

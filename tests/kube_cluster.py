@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from sentinel_tools.drill_slurm import free_ports, stop_groups
+from sentinel_tools.drill import free_ports
+from sentinel_tools.drill_slurm import stop_groups
 
 KUBE_APISERVER = Path(os.environ.get("SENTINEL_KUBE_BIN", "/var/cache/sentinel-ci/kube/bin")) / "kube-apiserver"
 NODES = ("node1", "node2", "node3", "node4")
