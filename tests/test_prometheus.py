@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -14,6 +13,7 @@ import urllib.request
 import pytest
 
 from conftest import REPO, wait_for
+from sentinel_tools.drill import free_port
 
 pytestmark = pytest.mark.needs_prometheus
 
@@ -25,10 +25,6 @@ def need(tool: str) -> str:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_promtool_check_metrics_on_a_scrape(sim_state, start_daemon):
@@ -49,7 +45,7 @@ def test_real_prometheus_scrapes_injected_value(sim_state, start_daemon, tmp_pat
     from sentinel.sources import simulated
 
     simulated.inject(sim_state, 1, ["ecc-dbe=+3"])
-    prom_port = free_port()
+    prom_port = free_port()  # below the ephemeral range: no other suite's connection takes it first
     cfg = tmp_path / "prometheus.yml"
     cfg.write_text(
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
@@ -104,7 +100,7 @@ def test_source_down_alert_fires_only_when_the_node_is_blind(sim_state, start_da
     d = start_daemon("--simulate", str(sim_state), "--no-ebpf")
     rules = tmp_path / "alerts.yml"  # the shipped rules, with every `for:` at 0s so a test can see them fire
     rules.write_text(re.sub(r"(?m)^(\s+for:) \S+$", r"\1 0s", (REPO / "monitoring" / "alerts.yml").read_text()))
-    prom_port = free_port()
+    prom_port = free_port()  # below the ephemeral range: no other suite's connection takes it first
     cfg = tmp_path / "prometheus.yml"
     cfg.write_text(
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"

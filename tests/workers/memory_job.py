@@ -47,16 +47,22 @@ def main() -> int:
     ap.add_argument("--step-seconds", type=float, default=0.0)
     ap.add_argument("--slow-disk-seconds", type=float, default=0.0,
                     help="every disk snapshot write takes this much longer (a slow shared filesystem)")
+    ap.add_argument("--hold-disk-step", type=int, default=-1,
+                    help="the disk snapshot of this step is held until the last step is done (a filesystem that "
+                         "stalls, whatever the load on this host: the next one due finds it still running)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=180))  # --hold-copies: peers wait in a receive
-    if args.slow_disk_seconds > 0:
+    disk_released = threading.Event()
+    if args.slow_disk_seconds > 0 or args.hold_disk_step >= 0:
         import torch.distributed.checkpoint as dcp
 
         save = dcp.save
 
         def slow_save(*a, **kw):
+            if str(kw.get("checkpoint_id", "")).endswith(f"step-{args.hold_disk_step:09d}"):
+                disk_released.wait(120)
             time.sleep(args.slow_disk_seconds)
             return save(*a, **kw)
 
@@ -105,6 +111,7 @@ def main() -> int:
         if pad > 0:
             time.sleep(pad)
     copies_released.set()
+    disk_released.set()
     guard.close()  # writes a disk snapshot still owed at the end: the summary comes after it
     summary = {"rank": rank, "start": start, "restore": guard.restore_summary(), "memory": guard.memory_summary(),
                "resumed_from": str(guard.resumed_from or ""), "max_step_seconds": max(step_times, default=0.0),
