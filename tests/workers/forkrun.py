@@ -20,28 +20,12 @@ import importlib
 import importlib.util
 import os
 import signal
-import socket
 import sys
 import time
 
+from sentinel_tools.drill import free_port  # below the ephemeral range: no bind(0) elsewhere takes it
+
 STOP_GRACE_S = 30.0
-
-
-def free_port() -> int:
-    """A free port for rank 0's store, below the kernel's ephemeral range (32768-60999): a port
-    the kernel hands to any bind(0) or connect between this check and rank 0's bind could be
-    taken from under it; one picked at random here only by another explicit picker."""
-    import random
-
-    for _ in range(100):
-        port = random.randint(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("forkrun: no free port in 20000-32000")
 
 
 def die_with_parent() -> None:
