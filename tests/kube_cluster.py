@@ -177,11 +177,30 @@ def kube():
     if why:
         pytest.skip(f"a kube-apiserver needs {why}")
     warnings.filterwarnings("ignore", message="Unverified HTTPS request")
-    root = Path(tempfile.mkdtemp(prefix="sentinel-kube-", dir="/tmp"))
-    cluster = KubeCluster(root)
+    cluster = start_cluster()
     try:
-        cluster.start()
         yield cluster
     finally:
         cluster.stop()
-        subprocess.run(["rm", "-rf", str(root)], check=False)
+        subprocess.run(["rm", "-rf", str(cluster.root)], check=False)
+
+
+START_ATTEMPTS = 3
+
+
+def start_cluster() -> KubeCluster:
+    """A started cluster. A port taken between the pick and etcd's or the apiserver's bind (by
+    something that is not one of our pickers: those reserve what they hand out) costs a new
+    cluster on new ports, not the session's kube tests; any other failure is raised at once."""
+    for attempt in range(1, START_ATTEMPTS + 1):
+        cluster = KubeCluster(Path(tempfile.mkdtemp(prefix="sentinel-kube-", dir="/tmp")))
+        try:
+            cluster.start()
+            return cluster
+        except Exception as e:
+            cluster.stop()
+            subprocess.run(["rm", "-rf", str(cluster.root)], check=False)
+            if not isinstance(e, KubeUnavailable) or "address already in use" not in str(e) \
+                    or attempt == START_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -78,3 +79,26 @@ def test_drill_wait_says_what_it_waits_for_on_stderr():
     with pytest.raises(drill.DrillError, match="timed out after 12 s waiting for the spare"):
         drill.wait(lambda: False, 12, "the spare", clock=lambda: now[0],
                    sleep=lambda s: now.__setitem__(0, now[0] + 5), report_every=10, out=out)
+
+
+def test_picked_ports_are_reserved_host_wide_until_they_go_stale(tmp_path, monkeypatch):
+    """Two pickers (other xdist workers, another suite) never hand out the same port while the
+    first one's server may still be starting; a reservation older than its lifetime is taken
+    again; a directory this user cannot use leaves the pick random."""
+    monkeypatch.setattr(drill, "PORT_RESERVATIONS", tmp_path / "reservations")
+    first = drill.free_ports(50)
+    second = drill.free_ports(50)
+    assert len(set(first)) == 50 and not set(first) & set(second)
+    held = sorted(p.name for p in (tmp_path / "reservations").iterdir())
+    assert held == sorted(str(p) for p in first + second)
+
+    port = first[0]
+    assert not drill._reserve(port, time.time())  # held
+    assert drill._reserve(port, time.time() + drill.PORT_RESERVATION_SECONDS + 1)  # stale: claimed again
+    assert not drill._reserve(port, time.time())
+
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("")
+    monkeypatch.setattr(drill, "PORT_RESERVATIONS", blocked)
+    assert drill._reserve(port, time.time())  # unusable: advisory, the pick goes on
+    assert len(drill.free_ports(3)) == 3

@@ -151,6 +151,15 @@ def venv_with_sentinel(venv):
     return site
 
 
+def imported_package(interpreter):
+    """The directory of the `sentinel` package ``interpreter`` imports, asked as the installer asks
+    (isolated, a bare PATH); "" when it has none."""
+    r = subprocess.run([interpreter, "-I", "-c", "import importlib.util as u; s = u.find_spec('sentinel'); "
+                        "print(s.origin if s and s.origin else '')"], capture_output=True, text=True, timeout=60,
+                       env={"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"})
+    return os.path.dirname(os.path.realpath(r.stdout.strip())) if r.stdout.strip() else ""
+
+
 def install_bin(root, script):
     return subprocess.run([sys.executable, "-m", "sentinel", "install", "--root", str(root), "--bin", str(script),
                            "--no-reload"], capture_output=True, text=True, timeout=120,
@@ -188,7 +197,13 @@ def test_an_installation_the_unit_sees_or_binds_in_is_installed(opt_dir, tmp_pat
     dropin = tmp_path / "node2/etc/systemd/system/sentinel.service.d"
     dropin.mkdir(parents=True)
     top = "/".join(HOME_PYTHON.split("/")[:3])  # /root/.pyenv
-    (dropin / "bind.conf").write_text(f"[Service]\nBindReadOnlyPaths={top}\n")
+    binds = [top]
+    # that Python's own `sentinel` may be an editable install of a checkout the unit hides (a CI
+    # clone under /tmp): the operator binds it in too, as the refusal's message tells them
+    package = imported_package(HOME_PYTHON)
+    if package and not package.startswith(top + "/"):
+        binds.append(package)
+    (dropin / "bind.conf").write_text("[Service]\n" + "".join(f"BindReadOnlyPaths={b}\n" for b in binds))
     r = install_bin(tmp_path / "node2", script)
     assert r.returncode == 0, r.stderr
 
