@@ -59,6 +59,7 @@ import json
 import logging
 import os
 import subprocess
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -135,6 +136,7 @@ class Migrator:
         self._retry_delay = 0.0
         self.cordon_problem = ""
         self._persisted = False  # the record reached the disk: its removal means `sentinel uncordon`
+        self._save_lock = threading.Lock()  # the loop and a step's thread save: the last file is the newest
         self.returned_to_service = 0
         self._restore()
 
@@ -197,7 +199,8 @@ class Migrator:
         if self.record is None:
             return
         try:
-            write_json_atomic(self.record_path, asdict(self.record))
+            with self._save_lock:
+                write_json_atomic(self.record_path, asdict(self.record))
             self._persisted = True
         except OSError as exc:  # a full or read-only disk never stops a migration
             self._count("state_write_failed")
@@ -567,9 +570,9 @@ class Migrator:
             self.record.notes.append(note)
             self.record.notes.extend(self.backend.take_notes())
             if choice is not None:
-                self.record.spare = choice.as_dict()
-                self.record.times["spare_chosen"] = self.wall()
-                self._save()
+                self.record.spare, self.record.times["spare_chosen"] = choice.as_dict(), self.wall()
+            self.record.times["spare_called"] = self.wall()  # returned, a spare or not: the record is whole
+            self._save()
         event(log, "spare", backend=self.backend.name, result=note,
               **({"spare": choice.node, "distance": choice.distance} if choice is not None else {}))
 

@@ -105,7 +105,7 @@ def test_restart_mid_sequence_resumes_instead_of_starting_again(tmp_path):
         # the daemon restarts: a new Migrator over the same state directory
         kills = []
         m2 = make(tmp_path, ep, kills=kills)
-        assert m2.active and m2.record.request_id == "r1" and "restarted" in m2.record.notes[0]
+        assert m2.active and m2.record.request_id == "r1" and any("restarted" in n for n in m2.record.notes)
         m2.begin("r9", TRIP)
         assert m2.record.request_id == "r1" and rank.poll() == []  # no second request to the ranks
         rank.ack(Ack(id="r1", rank=0, step=5, ok=True))

@@ -75,6 +75,31 @@ def test_a_migration_records_the_choice_and_counts_it(tmp_path):
         ep.close()
 
 
+def test_a_failed_spare_call_is_on_disk_with_its_answer_time(tmp_path):
+    """The spare is asked for without waiting (it warms while the snapshot is written); whatever
+    the call answers is saved with ``times.spare_called``, so a reader of the record (the drill's
+    report, an operator) can tell an unanswered call from one that found no spare."""
+    run_dir = tmp_path / "run"
+    register_agent(run_dir)
+    ep = DaemonEndpoint(run_dir)
+    (tmp_path / "state").mkdir()
+    actions = ActionsConfig(backend="command", ack_timeout_seconds=0.5, drain=False,
+                            spare_command=(sys.executable, "-c", "import sys; sys.exit('no spare in the pool')"))
+    m = Migrator(actions, ep, state_dir=tmp_path / "state", runtime_dir=run_dir, node="node1",
+                 signal_agent=lambda rec, sig: None, workers=concurrent.futures.ThreadPoolExecutor(2))
+    try:
+        m.begin("r1", Trip(rule="xid", action="migrate", gpu=0, cause="xid:79", message="Xid 79", values={}))
+        record = tmp_path / "state" / "migration.json"
+        wait_for(lambda: (m.tick([]), "spare_called" in json.loads(record.read_text())["times"])[1], timeout=30,
+                 what="the spare call's answer on disk")
+        saved = json.loads(record.read_text())
+        assert saved.get("spare") is None and "spare_chosen" not in saved["times"]
+        assert any(n.startswith("no spare started: spare command") and "no spare in the pool" in n for n in saved["notes"])
+    finally:
+        m.close()
+        ep.close()
+
+
 def test_sentinel_topology_prints_the_model_and_the_choice_and_names_a_contradiction(tmp_path):
     import subprocess
 
