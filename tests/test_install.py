@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
+from sentinel.install import needed_paths
 
 BIN = "/usr/bin/true"  # any absolute executable: what the units' ExecStart= will name
 
@@ -151,15 +152,6 @@ def venv_with_sentinel(venv):
     return site
 
 
-def imported_package(interpreter):
-    """The directory of the `sentinel` package ``interpreter`` imports, asked as the installer asks
-    (isolated, a bare PATH); "" when it has none."""
-    r = subprocess.run([interpreter, "-I", "-c", "import importlib.util as u; s = u.find_spec('sentinel'); "
-                        "print(s.origin if s and s.origin else '')"], capture_output=True, text=True, timeout=60,
-                       env={"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"})
-    return os.path.dirname(os.path.realpath(r.stdout.strip())) if r.stdout.strip() else ""
-
-
 def install_bin(root, script):
     return subprocess.run([sys.executable, "-m", "sentinel", "install", "--root", str(root), "--bin", str(script),
                            "--no-reload"], capture_output=True, text=True, timeout=120,
@@ -200,9 +192,8 @@ def test_an_installation_the_unit_sees_or_binds_in_is_installed(opt_dir, tmp_pat
     binds = [top]
     # that Python's own `sentinel` may be an editable install of a checkout the unit hides (a CI
     # clone under /tmp): the operator binds it in too, as the refusal's message tells them
-    package = imported_package(HOME_PYTHON)
-    if package and not package.startswith(top + "/"):
-        binds.append(package)
+    binds += sorted({path for path, what in needed_paths(str(script))[0]
+                     if what == "the sentinel package it imports" and not path.startswith(top + "/")})
     (dropin / "bind.conf").write_text("[Service]\n" + "".join(f"BindReadOnlyPaths={b}\n" for b in binds))
     r = install_bin(tmp_path / "node2", script)
     assert r.returncode == 0, r.stderr

@@ -25,8 +25,6 @@ def need(tool: str) -> str:
     return path
 
 
-
-
 def test_promtool_check_metrics_on_a_scrape(sim_state, start_daemon):
     promtool = need("promtool")
     d = start_daemon("--simulate", str(sim_state))
