@@ -11,9 +11,12 @@ rendezvous handler; what differs answers one measured slow path of a node replac
   interpreter that imports torch (1-3 s on a loaded 2-core host). Here the ``-m`` module runs as
   a function entry point under the ``forkserver`` start method, and the forkserver imports torch,
   what torch imports lazily on a worker's first steps (:mod:`trainer.warmup`) and every
-  ``--preload`` module once, when the agent starts: a worker is a ``fork()`` of it. Only
-  preload a training module that can be imported without side effects (its work is under
-  ``if __name__ == "__main__"``); the forkserver never initialises CUDA, so forking it is safe.
+  ``--preload`` module once, when the agent starts: a worker is a ``fork()`` of it. The
+  forkserver itself is forked from the agent once the agent has imported them
+  (:mod:`trainer.forkserver`: one torch import per node, not two), or started as a new
+  interpreter where that is not safe. Only preload a training module that can be imported
+  without side effects (its work is under ``if __name__ == "__main__"``); the agent and the
+  forkserver never initialise CUDA, so forking them is safe.
 * **--warm: a spare that does not join.** The agent starts completely — torch imported,
   forkserver up with the preloaded modules, the rendezvous handler connected to its store — and
   then waits, *outside* the rendezvous, for SIGUSR1 (``sentinel admit``). A spare inside the
@@ -420,18 +423,15 @@ def main(argv: list[str] | None = None) -> int:
                         datefmt="%H:%M:%S")
     t0 = time.monotonic()
 
-    import multiprocessing
-
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
     from torch.distributed.launcher.api import _get_addr_and_port
 
-    from trainer import slot_rendezvous
+    from trainer import forkserver, slot_rendezvous
 
     slot_rendezvous.register()  # --rdzv-backend sentinel
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_NoAgentTraceback())
     targs = torchrun.parse_args(torchrun_argv)
     if targs.standalone or targs.rdzv_backend == "static":
         print("trainer.elastic: needs a shared rendezvous (--rdzv-backend sentinel, c10d or etcd-v2 with --rdzv-endpoint)",
@@ -453,9 +453,9 @@ def main(argv: list[str] | None = None) -> int:
         if importlib.util.find_spec(name) is None:
             print(f"trainer.elastic: --preload {name}: no such module", file=sys.stderr)
             return 2
-    multiprocessing.set_forkserver_preload(preload)
-    _warm_forkserver()
-    log.info("forkserver up with %s preloaded in %.2f s", ", ".join(preload), time.monotonic() - t0)
+    how = forkserver.start(preload)
+    log.info("forkserver up (%s) with %s preloaded in %.2f s", how, ", ".join(preload), time.monotonic() - t0)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_NoAgentTraceback())
 
     params = RendezvousParameters(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
                                   min_nodes=config.min_nodes, max_nodes=config.max_nodes,
@@ -522,21 +522,6 @@ def _run_agent(agent: Any, rdzv: Rendezvous) -> int:
     finally:
         if close_rendezvous:
             rdzv.handler.shutdown()
-
-
-def _noop() -> None:
-    pass
-
-
-def _warm_forkserver() -> None:
-    """Start the forkserver now and wait until it has imported the preload modules (a first
-    process forked from it returns only then)."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("forkserver")
-    p = ctx.Process(target=_noop)
-    p.start()
-    p.join()
 
 
 if __name__ == "__main__":
