@@ -124,3 +124,33 @@ def test_port_in_use_and_unwritable_runtime_dir(sim_state, tmp_path):
     blocker.write_text("")
     r = run_cli("run", "--simulate", str(sim_state), "--runtime-dir", str(blocker / "sub"), "--port", "0")
     assert r.returncode == 2 and "is not writable" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_trend_only_fault_trips_the_predictor_and_starts_a_migration(sim_state, start_daemon, tmp_path):
+    """Merged (#29): was test_drill's sbe-ramp drill (a whole 2-node job with a spare). The fault is
+    the drill's own: 40 pages retired at once, then one more every 0.3 s — below every threshold,
+    a trend only the predictor catches — under the drill's policy. What follows the trip (the
+    migrate snapshot, the drain, the spare: 0 lost steps) does not depend on the rule that tripped,
+    and test_drill's xid79 and dbe drills run it end to end."""
+    import json
+    import time
+
+    from sentinel.sources import simulated
+
+    cfg = tmp_path / "sentinel.toml"
+    cfg.write_text("[daemon]\npoll_interval_seconds = 0.2\nnode_name = \"node1\"\n"
+                   "[policy]\nlead_time_seconds = 600.0\ndebounce_samples = 3\n"
+                   "[actions]\nack_timeout_seconds = 30.0\n")
+    d = start_daemon("--config", str(cfg), "--simulate", str(sim_state))
+    assert run_cli("inject", str(sim_state), "--gpu", "0", "retired-sbe=+40").returncode == 0
+    record = tmp_path / "state" / "migration.json"
+    deadline = time.monotonic() + 30  # as the drill: the ramp goes on until the node is cordoned
+    while not record.exists() and time.monotonic() < deadline:
+        simulated.inject(sim_state, 0, ["retired-sbe=+1"])  # what the drill's ramp calls
+        time.sleep(0.3)
+    mig = wait_for(lambda: json.loads(record.read_text()) if record.exists() else None, what="the migration record")
+    assert mig["rule"] == "trend" and mig["gpu"] == 0 and "retired_pages forecast" in mig["reason"], mig
+    text = d.scrape()
+    assert metric_value(text, "sentinel_policy_trips_total", rule="trend", action="migrate") == 1
+    assert not [line for line in text.splitlines()
+                if line.startswith("sentinel_policy_trips_total{") and 'rule="trend"' not in line and not line.endswith(" 0.0")]

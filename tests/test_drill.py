@@ -94,13 +94,6 @@ def test_xid79_migrates_to_the_spare_with_no_lost_step_and_bitwise_equal_result(
     assert any(p.startswith("waiting for the job to finish") for p in progress)
 
 
-def test_trend_only_fault_is_caught_by_the_predictor():
-    r = drill("--fault", "sbe-ramp")
-    assert r["ok"], why(r)
-    detected = next(e for e in r["timeline"] if e["stage"] == "detected")
-    assert detected["rule"] == "trend" and r["recomputed_steps"] == []
-
-
 def test_sudden_kill_without_the_memory_tier_resumes_from_the_periodic_disk_snapshot():
     r = drill("--fault", "kill", "--interval-steps", "10", "--memory-interval-steps", "0")
     assert r["ok"], why(r)
