@@ -15,11 +15,16 @@ import json, logging, multiprocessing, os, signal, sys, threading, time
 from trainer import forkserver
 
 def report(q, fd):
+    from multiprocessing import forkserver as mpf
+
+    lock_free = mpf._forkserver._lock.acquire(timeout=5)  # a worker may start processes of its own
+    if lock_free:
+        mpf._forkserver._lock.release()
     links = [os.path.realpath(f"/proc/self/fd/{n}") for n in os.listdir("/proc/self/fd")]
     open_fd = fd in links
     q.put({"pid": os.getpid(), "ppid": os.getppid(), "usr1": signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL,
            "term": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, "root_handlers": len(logging.getLogger().handlers),
-           "secret_open": open_fd, "json": "json" in sys.modules})
+           "secret_open": open_fd, "json": "json" in sys.modules, "lock_free": lock_free})
 
 
 # everything a worker runs is defined before the fork, as in trainer.elastic (its __main__ is the
@@ -71,6 +76,7 @@ def test_workers_fork_from_a_forkserver_forked_from_the_agent_with_the_agent_s_s
     # what the agent had changed is put back, as in a new interpreter
     assert child["usr1"] and child["term"] and child["root_handlers"] == 0
     assert not child["secret_open"]
+    assert child["lock_free"]  # multiprocessing's lock, held by the agent when it forked
 
 
 def test_the_forked_forkserver_ends_with_its_agent(tmp_path):

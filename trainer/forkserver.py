@@ -57,7 +57,7 @@ def start(preload: list[str]) -> str:
     """Start this process's forkserver with ``preload`` imported and wait until it serves; how it
     was started: "forked from the agent" or "a new interpreter (<why>)"."""
     import multiprocessing
-    from multiprocessing import connection, forkserver, resource_tracker
+    from multiprocessing import connection, forkserver, resource_tracker, util
 
     multiprocessing.set_forkserver_preload(preload)
     fs = forkserver._forkserver
@@ -74,7 +74,8 @@ def start(preload: list[str]) -> str:
         with socket.socket(socket.AF_UNIX) as listener:
             address = connection.arbitrary_address("AF_UNIX")
             listener.bind(address)
-            os.chmod(address, 0o600)
+            if not util.is_abstract_socket_namespace(address):
+                os.chmod(address, 0o600)
             listener.listen()
             alive_r, alive_w = os.pipe()
             sys.stdout.flush()
@@ -94,6 +95,10 @@ def _serve(listener_fd: int, alive_r: int, preload: list[str]) -> None:
     """In the forked child: become what a spawned forkserver is, then serve until the agent is gone."""
     code = 0
     try:
+        from multiprocessing import forkserver
+
+        # forked while the agent held it: a worker starting processes of its own would wait forever
+        forkserver._forkserver._lock = threading.Lock()
         signal.set_wakeup_fd(-1)
         for sig in _SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
@@ -105,8 +110,6 @@ def _serve(listener_fd: int, alive_r: int, preload: list[str]) -> None:
         os.closerange(3, keep[0])
         os.closerange(keep[0] + 1, keep[1])
         os.closerange(keep[1] + 1, os.sysconf("SC_OPEN_MAX"))
-        from multiprocessing import forkserver
-
         forkserver.main(listener_fd, alive_r, preload)
     except SystemExit:  # main's way out: every client (the agent) is gone
         pass
