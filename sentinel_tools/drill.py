@@ -252,7 +252,9 @@ class Drill:
                         "--log-level", "warn"], self.work / "store.log")
         else:
             self.spawn([sys.executable, "-m", "trainer.store", "--port", str(self.store_port)], self.work / "store.log")
-        wait(lambda: _port_open(self.store_port), 30, "rendezvous store")
+        # a third of the drill's --timeout, at least 30 s: the store's torch import took over 30 s
+        # on a 2-core host running two test suites
+        wait(lambda: _port_open(self.store_port), max(30.0, self.args.timeout / 3), "rendezvous store")
 
     def agent_argv(self, node: Node) -> list[str]:
         a = self.args
@@ -334,7 +336,8 @@ class Drill:
 
     def wait_daemon(self, node: Node) -> None:
         status = node.runtime / "status.json"
-        wait(lambda: status.exists() or (node.daemon and node.daemon.poll() is not None), 60, f"{node.name} daemon")
+        wait(lambda: status.exists() or (node.daemon and node.daemon.poll() is not None), max(60.0, self.args.timeout / 3),
+             f"{node.name} daemon")
         if node.daemon and node.daemon.poll() is not None:
             raise DrillError(f"{node.name}'s daemon exited: {(node.root / 'daemon.log').read_text()[-1500:]}")
         node.metrics_port = json.loads(status.read_text())["metrics_port"]
