@@ -15,7 +15,8 @@ bytes each (O(N^2) store work) and re-numbers the ranks. Here the job's membersh
   arrival that brings the counter to N writes the record ``g<f>`` and ``latest``. Everyone else
   learns the generation with one ``wait`` on ``g<f>`` and one ``get`` of it.
 * a survivor's next rendezvous is: ``get latest``, ``compare_set`` its arrival, ``add``,
-  ``wait``, ``get`` — 5 store operations whatever N is (6 when it was behind by a generation);
+  ``wait``, ``get`` — 5 store operations whatever N is (a node whose last call timed out after
+  it arrived, the generation committing meanwhile, ``get``-s its own mark and joins that one);
 * a node that leaves (``leave()``, the agent does it when drained) marks its slot in the forming
   generation ``LEFT:<id>`` and posts a vacancy; the k-th vacancy goes to the spare holding the
   k-th spare ticket, which ``compare_set``-s the slot from ``LEFT:<id>`` to itself. Several
@@ -331,6 +332,11 @@ class SlotRendezvousHandler(RendezvousHandler):
             mark = self._store.get(self._k(f"g{latest}", f"s{self.slot}")).decode()
             if mark.startswith(LEFT) or json.loads(mark).get("id") != self.node_id:
                 raise SlotTakenError(f"slot {self.slot} belongs to another node since generation {latest}")
+            # Our own mark: this node arrived in ``latest`` and its call ended (timed out) before the
+            # generation committed. The others run it with this slot in it: join it, do not open
+            # the next one (nobody else would arrive there).
+            self._forming = latest
+            return latest
         f = latest + 1
         if not self._claim(f, ""):
             raise SlotTakenError(f"slot {self.slot} was given to another node in generation {f}")
