@@ -524,5 +524,21 @@ def _run_agent(agent: Any, rdzv: Rendezvous) -> int:
             rdzv.handler.shutdown()
 
 
+def exit_now(code: int) -> None:
+    """End the agent process once its work is done: flush what it wrote, then ``os._exit``. The
+    interpreter's own teardown of a process that imported torch, the training module and torch's
+    elastic agent cost 0.7-0.9 CPU seconds here (measured: 2.6 vs 3.3 CPU-s for import + exit),
+    spent after the agent has stopped its workers and left the rendezvous: on a drained node it
+    is CPU the node's remaining work (and, in a one-host drill, the spare) does not get. Nothing
+    is lost by skipping it: the workers are stopped, the forkserver and the heartbeat thread end
+    with this process, and the log handlers are flushed and closed here."""
+    try:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
