@@ -335,7 +335,6 @@ class SlotRendezvousHandler(RendezvousHandler):
             # Our own mark: this node arrived in ``latest`` and its call ended (timed out) before the
             # generation committed. The others run it with this slot in it: join it, do not open
             # the next one (nobody else would arrive there).
-            self._forming = latest
             return latest
         f = latest + 1
         if not self._claim(f, ""):
