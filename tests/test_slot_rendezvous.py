@@ -147,19 +147,21 @@ def test_a_spare_that_dies_mid_admission_is_replaced_by_the_next_spare(server):
     assert spare.gen == hs[0].gen == 2
 
 
+def round_times_out(h: SlotRendezvousHandler) -> None:
+    """``h`` arrives, its call gives up after 1 s (the round is not complete), its timeout goes back."""
+    before, h.join_timeout = h.join_timeout, 1.0
+    with pytest.raises(RendezvousTimeoutError):
+        h.next_rendezvous()
+    h.join_timeout = before
+
+
 def test_a_survivor_that_restarts_during_the_round_is_counted_once(server):
     hs = first_join(server, 3)
     hs[2].leave()
     # survivor 0 gives up while the spare has not come yet, and calls again (its agent restarted
     # the round); its first arrival must not count twice and complete the round without the spare
-    hs[0].join_timeout = 1.0
-    with pytest.raises(RendezvousTimeoutError):
-        hs[0].next_rendezvous()
-    hs[0].join_timeout = 60.0
-    hs[1].join_timeout = 1.0
-    with pytest.raises(RendezvousTimeoutError):  # both survivors arrived, twice for one: still not complete
-        hs[1].next_rendezvous()
-    hs[1].join_timeout = 60.0
+    round_times_out(hs[0])
+    round_times_out(hs[1])  # both survivors arrived, twice for one: still not complete
     spare = handler(server, 3)
     infos = rendezvous([hs[0], hs[1], spare])
     assert [i.rank for i in infos] == [0, 1, 2]
@@ -172,12 +174,9 @@ def test_a_survivor_whose_round_timed_out_joins_the_generation_that_committed_wi
     # not open generation 3, where nobody else arrives
     hs = first_join(server, 3)
     hs[2].leave()
-    hs[1].join_timeout = 1.0
-    with pytest.raises(RendezvousTimeoutError):
-        hs[1].next_rendezvous()
+    round_times_out(hs[1])
     spare = handler(server, 3)
     first = rendezvous([hs[0], spare])
-    hs[1].join_timeout = 10.0
     late = hs[1].next_rendezvous()
     assert [i.rank for i in first] + [late.rank] == [0, 2, 1]
     assert {hs[0].gen, hs[1].gen, spare.gen} == {2}
