@@ -38,7 +38,8 @@ Contract
   :meth:`SnapshotGuard.summary`: never a silent loss of the channel.
 
 The guard only coordinates (the channel, the agreement, the hold); the tiers store (:mod:`trainer.disk`,
-:mod:`trainer.memory`); :mod:`trainer.progress` watches each step for hangs and stragglers.
+:mod:`trainer.memory`); :mod:`trainer.hold` is how a hold ends; :mod:`trainer.progress` watches each
+step for hangs and stragglers.
 """
 
 from __future__ import annotations
@@ -47,8 +48,6 @@ import functools
 import logging
 import math
 import os
-import signal
-import threading
 import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
@@ -62,6 +61,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from sentinel.channel import Ack, NullEndpoint, RankEndpoint, Request
 from trainer.disk import (  # noqa: F401 - re-exported: trainer.guard's names from before the split
     CORRUPT, MARKER, PREFIX, DiskTier, DiskWrite, complete_snapshots, snapshot_path, staged_bytes)
+from trainer.hold import NodeDrained, SigtermDuringHold  # noqa: F401 - NodeDrained re-exported
 from trainer.memory import MemoryTier, MemoryTierError, RestoreResult, default_holder_dir
 from trainer.progress import JobWatch
 from trainer.state import ModelOptimState, StagingState  # noqa: F401 - ModelOptimState re-exported
@@ -74,10 +74,6 @@ SERVED_IDS = 256
 # ranks would go back to training just before the node is drained.
 DEFAULT_MIGRATE_HOLD_SECONDS = 180.0
 NONE, SNAPSHOT, MIGRATE = 0, 1, 2
-
-
-class NodeDrained(RuntimeError):
-    """A peer left during the migrate hold: the node was drained; exit so torchrun restarts."""
 
 
 @dataclass
@@ -493,32 +489,14 @@ class SnapshotGuard:
         log.warning("migrate snapshot at step %d committed; holding up to %.0f s for the drain", step, seconds)
         beats = max(1, math.ceil(seconds / HOLD_BEAT))
         flag = torch.zeros(1, dtype=torch.int32)
-        # The membership change can also reach this rank as its own agent's SIGTERM: a warm spare
-        # that moves to the rendezvous' wait list once the drained node left makes every agent
-        # restart its workers, and that may come before this rank's next all-reduce sees the dead
-        # peer. Either way the hold is over: leave the same way (NodeDrained), not killed mid-beat.
-        # It is raised only while waiting (the all-reduce, the sleep): never halfway through
-        # writing a marker or answering a request; a SIGTERM there is raised right after.
-        previous = None
-        pending: list[str] = []
-        waiting = [False]
-        if threading.current_thread() is threading.main_thread():
-            def stopped(signum, _frame):
-                why = (f"stopped by the agent ({signal.Signals(signum).name}) during the migrate hold at step "
-                       f"{step}: the membership change began")
-                if waiting[0]:
-                    raise NodeDrained(why)
-                pending.append(why)
-            previous = signal.signal(signal.SIGTERM, stopped)
-        try:
+        # The membership change can also reach this rank as its own agent's SIGTERM: trainer.hold.
+        with SigtermDuringHold(step) as stop:
             for _ in range(beats):
                 if self._inflight is not None and self._inflight.write.done():
                     self._reap()  # the migrate snapshot committed in memory is now on disk: its marker
                 self._answer_while_holding()
-                if pending:
-                    raise NodeDrained(pending[0])
-                waiting[0] = True
-                try:
+                stop.check()
+                with stop.waiting():
                     if self.distributed and self.world > 1:
                         try:
                             dist.all_reduce(flag, group=self.control_group)
@@ -527,13 +505,7 @@ class SnapshotGuard:
                         except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError/DistBackendError on a dead peer
                             raise NodeDrained(f"a peer left during the migrate hold at step {step}: {exc}") from exc
                     time.sleep(HOLD_BEAT)
-                finally:
-                    waiting[0] = False
-            if pending:
-                raise NodeDrained(pending[0])
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            stop.check()
         log.warning("no drain within %.0f s; training continues", seconds)
 
     def _answer_while_holding(self) -> None:

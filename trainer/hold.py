@@ -1,0 +1,83 @@
+"""The migrate hold's exit: :class:`NodeDrained`, and the SIGTERM that can end a hold.
+
+A rank holds after a migrate snapshot until its node is drained. The membership change reaches it
+one of two ways: its heartbeat all-reduce fails on the dead peer, or its own agent's SIGTERM (a
+warm spare that moves to the rendezvous' wait list makes every agent restart its workers, and the
+agent stops the rest of a worker group once one worker exited). Either way the rank leaves the
+same way, by :class:`NodeDrained`, and records why before it exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import Any
+
+log = logging.getLogger("sentinel.trainer")
+
+
+class NodeDrained(RuntimeError):
+    """A peer left during the migrate hold: the node was drained; exit so torchrun restarts.
+    From the raise on, a SIGTERM no longer kills the rank (the caller is already exiting)."""
+
+
+class SigtermDuringHold:
+    """``with SigtermDuringHold(step) as stop:`` turns the agent's SIGTERM into :class:`NodeDrained`.
+
+    It is raised only inside ``with stop.waiting():`` (the all-reduce, the sleep): never halfway
+    through writing a marker or answering a request; a SIGTERM there is raised by the next
+    :meth:`check`. When the hold ends by :class:`NodeDrained` (either way), SIGTERM stays caught
+    and ignored: a failed all-reduce can bring the rank out before the agent's SIGTERM arrives, and
+    the default action would kill it before it records why it left. A hold that passes without a
+    drain puts the previous handler back. Outside the main thread signals cannot be caught, and it
+    does nothing.
+    """
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.pending: list[str] = []
+        self._waiting = False
+        self._previous: Any = None
+        self._installed = False
+
+    def __enter__(self) -> SigtermDuringHold:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._stopped)
+            self._installed = True
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: Any) -> None:
+        if self._installed:
+            leaving = kind is not None and issubclass(kind, NodeDrained)
+            signal.signal(signal.SIGTERM, _already_leaving if leaving else self._previous)
+
+    def _stopped(self, signum: int, _frame: Any) -> None:
+        why = (f"stopped by the agent ({signal.Signals(signum).name}) during the migrate hold at step "
+               f"{self.step}: the membership change began")
+        if self._waiting:
+            raise NodeDrained(why)
+        self.pending.append(why)
+
+    def check(self) -> None:
+        """Raise :class:`NodeDrained` for a SIGTERM that came outside a wait."""
+        if self.pending:
+            raise NodeDrained(self.pending[0])
+
+    def waiting(self) -> _Waiting:
+        return _Waiting(self)
+
+
+class _Waiting:
+    def __init__(self, hold: SigtermDuringHold) -> None:
+        self.hold = hold
+
+    def __enter__(self) -> None:
+        self.hold._waiting = True
+
+    def __exit__(self, *_: Any) -> None:
+        self.hold._waiting = False
+
+
+def _already_leaving(signum: int, _frame: Any) -> None:
+    """The rank is exiting after NodeDrained; the agent's stop changes nothing."""
