@@ -139,7 +139,7 @@ def test_slow_gpu_costs_one_budget_per_poll_and_is_not_hung():
         t0 = time.monotonic()
         r = src.poll()
         elapsed = time.monotonic() - t0
-        assert elapsed < 2.0  # one 0.3 s budget, not 31 calls x 0.25 s = 7.75 s
+        assert elapsed < 4.0  # one 0.3 s budget (+ a loaded host's scheduling), not 31 calls x 0.25 s = 7.75 s
         slow = r[1]
         assert slow.errors == {"poll_budget": pynvml.NVML_ERROR_TIMEOUT}
         assert not slow.hung and not slow.lost
