@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -299,7 +300,6 @@ def test_sigterm_during_the_migrate_hold_leaves_like_a_drain(tmp_path):
     # the membership change can reach a survivor as its own agent's SIGTERM (a warm spare in the
     # wait list restarts every agent's workers) before its all-reduce sees the dead peer: the rank
     # must leave the hold the same way (recorded, exit 75), not be killed without a trace
-    import signal
     import time
 
     runtime = tmp_path / "run"
@@ -360,6 +360,22 @@ def test_a_rank_leaving_the_hold_on_its_own_survives_the_agents_sigterm_until_it
                        text=True, timeout=120, cwd=REPO)
     assert r.returncode == 75, why(r)
     assert "recorded: a peer left during the migrate hold at step 7" in r.stdout
+
+
+def test_a_loop_that_swallows_node_drained_is_still_stopped_by_the_agents_sigterm(tmp_path):
+    # the grace that lets a leaving rank record why may not hold up its agent's stop for good
+    script = LEAVING_RANK.replace("""    os.kill(os.getpid(), signal.SIGTERM)  # the agent saw the peer exit and stops this worker too
+    time.sleep(0.3)
+    print("recorded:", exc, flush=True)
+    os._exit(75)""", """    print("caught and training on", flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(1200):
+        time.sleep(0.1)
+    print("never stopped", flush=True)""")
+    r = subprocess.run([sys.executable, "-c", script, str(tmp_path / "s")], capture_output=True,
+                       text=True, timeout=120, cwd=REPO)
+    assert r.returncode == -signal.SIGTERM, why(r)  # the agent's SIGTERM took effect, after the grace
+    assert "caught and training on" in r.stdout and "never stopped" not in r.stdout
 
 
 def test_a_broken_control_channel_is_an_error_and_stays_visible(tmp_path, caplog):

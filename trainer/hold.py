@@ -9,17 +9,15 @@ same way, by :class:`NodeDrained`, and records why before it exits.
 
 from __future__ import annotations
 
-import logging
+import os
 import signal
 import threading
 from typing import Any
 
-log = logging.getLogger("sentinel.trainer")
-
 
 class NodeDrained(RuntimeError):
     """A peer left during the migrate hold: the node was drained; exit so torchrun restarts.
-    From the raise on, a SIGTERM no longer kills the rank (the caller is already exiting)."""
+    From the raise on, a SIGTERM kills the rank only after ``LEAVING_GRACE_S`` (the caller is exiting)."""
 
 
 class SigtermDuringHold:
@@ -27,9 +25,9 @@ class SigtermDuringHold:
 
     It is raised only inside ``with stop.waiting():`` (the all-reduce, the sleep): never halfway
     through writing a marker or answering a request; a SIGTERM there is raised by the next
-    :meth:`check`. When the hold ends by :class:`NodeDrained` (either way), SIGTERM stays caught
-    and ignored: a failed all-reduce can bring the rank out before the agent's SIGTERM arrives, and
-    the default action would kill it before it records why it left. A hold that passes without a
+    :meth:`check`. When the hold ends by :class:`NodeDrained` (either way), a SIGTERM gives the
+    rank ``LEAVING_GRACE_S`` to finish its exit: a failed all-reduce can bring the rank out before
+    the agent's SIGTERM arrives, and the default action would kill it before it records why it left. A hold that passes without a
     drain puts the previous handler back. Outside the main thread signals cannot be caught, and it
     does nothing.
     """
@@ -79,5 +77,16 @@ class _Waiting:
         self.hold._waiting = False
 
 
+# How long a rank that left the hold may take to record why and exit once its agent's SIGTERM came:
+# the caller's exit takes milliseconds; a loop that swallowed NodeDrained is stopped after this.
+LEAVING_GRACE_S = 5.0
+
+
 def _already_leaving(signum: int, _frame: Any) -> None:
-    """The rank is exiting after NodeDrained; the agent's stop changes nothing."""
+    """The rank is exiting after NodeDrained: this SIGTERM waits ``LEAVING_GRACE_S`` for that exit,
+    then takes effect (the default action; a second SIGTERM takes effect at once). The grace bounds
+    how long a loop that caught NodeDrained and went on can hold up its agent's stop."""
+    signal.signal(signum, signal.SIG_DFL)
+    timer = threading.Timer(LEAVING_GRACE_S, os.kill, (os.getpid(), signum))
+    timer.daemon = True
+    timer.start()
