@@ -66,7 +66,8 @@ def client(attacker, shared_tmp, name, *, pidns: bool):
         proc = subprocess.Popen(argv, env=env)
     else:
         proc = attacker.popen(argv, env=env)
-    wait_for(pidfile.exists, timeout=30, what=f"{name} to start")
+    # exists() can be seen before write_text's data: wait for the pid itself
+    wait_for(lambda: pidfile.exists() and pidfile.read_text().strip(), timeout=30, what=f"{name} to start")
     ns_pid = int(pidfile.read_text())
     host = procs.host_pid(ns_pid, procs.pid_namespace(_child(proc.pid))) if pidns else ns_pid
     return proc, gate, ns_pid, host

@@ -150,7 +150,10 @@ def test_a_trend_only_fault_trips_the_predictor_and_starts_a_migration(sim_state
         time.sleep(0.3)
     mig = wait_for(lambda: json.loads(record.read_text()) if record.exists() else None, what="the migration record")
     assert mig["rule"] == "trend" and mig["gpu"] == 0 and "retired_pages forecast" in mig["reason"], mig
-    text = d.scrape()
+    # the record is written by the action, before that poll publishes the trip to /metrics
+    text = wait_for(lambda: (lambda t: t if metric_value(t, "sentinel_policy_trips_total", rule="trend",
+                                                         action="migrate") is not None else None)(d.scrape()),
+                    what="the trip on /metrics")
     assert metric_value(text, "sentinel_policy_trips_total", rule="trend", action="migrate") == 1
     assert not [line for line in text.splitlines()
                 if line.startswith("sentinel_policy_trips_total{") and 'rule="trend"' not in line and not line.endswith(" 0.0")]

@@ -500,11 +500,13 @@ def test_a_partner_that_never_keeps_up_makes_memory_snapshots_late_not_the_step_
 
 @pytest.mark.slow
 def test_the_disk_snapshot_owed_at_the_end_is_written_by_close(tmp_path, reference):
-    """Disk every 3 steps on a filesystem that stalls (the write of step 8 is held until training
-    ends: --hold-disk-step, not a slower write, which a loaded host's slow steps outlasted once):
-    the one due at step 11 finds the previous write still running, so it is owed when training
-    ends; close() writes it from memory (it used to be lost). It restores bitwise."""
-    rows, r = job(tmp_path, "--steps", "12", "--interval-steps", "3", "--hold-disk-step", "8", run_id="owed-end")
+    """Disk every 3 steps on a filesystem that stalls (the first write, step 2's, is held until
+    training ends: --hold-disk-step, not a slower write, which a loaded host's slow steps outlasted
+    once; and not step 8's, which under two suites could start late, at step 9 or 10, when step
+    5's write was still running at step 8, so step 11 found no write running): every later one
+    due, step 11's last, finds that write still running, so it is owed when training ends; close()
+    writes it from memory (it used to be lost). It restores bitwise."""
+    rows, r = job(tmp_path, "--steps", "12", "--interval-steps", "3", "--hold-disk-step", "2", run_id="owed-end")
     assert len(rows) == 4, r.stderr[-3000:]
     assert {row["memory"]["flushed_at_close"] for row in rows} == {11}
     assert any(rec["step"] == 11 and rec["tier"] == "disk" and rec["ok"] for rec in rows[0]["records"])
