@@ -327,53 +327,55 @@ def test_sigterm_during_the_migrate_hold_leaves_like_a_drain(tmp_path):
     assert pids[0] in drained  # its peer left: the other rank leaves its hold too
 
 
-LEAVING_RANK = """
-import os, signal, sys, time
-import torch
-import trainer.guard as g
-from sentinel.channel import NullEndpoint
+def leaving_rank(tmp_path: Path, on_drained: str) -> subprocess.CompletedProcess:
+    """A rank of two whose peer has just died holds after a migrate snapshot (its all-reduce
+    raises as gloo's does), then runs ``on_drained`` on the NodeDrained it gets."""
+    script = textwrap.dedent("""
+        import os, signal, sys, time
+        import torch
+        import trainer.guard as g
+        from sentinel.channel import NullEndpoint
 
-guard = g.SnapshotGuard(sys.argv[1], {"model": torch.nn.Linear(2, 2)}, endpoint=NullEndpoint())
-guard.distributed, guard.world = True, 2  # a rank of two whose peer has just died
+        guard = g.SnapshotGuard(sys.argv[1], {"model": torch.nn.Linear(2, 2)}, endpoint=NullEndpoint())
+        guard.distributed, guard.world = True, 2
 
 
-def peer_gone(*_args, **_kwargs):
-    raise RuntimeError("[gloo] Connection closed by peer")
+        def peer_gone(*_args, **_kwargs):
+            raise RuntimeError("[gloo] Connection closed by peer")
 
 
-g.dist.all_reduce = peer_gone
-try:
-    guard._hold(7, 60)
-except g.NodeDrained as exc:
-    os.kill(os.getpid(), signal.SIGTERM)  # the agent saw the peer exit and stops this worker too
-    time.sleep(0.3)
-    print("recorded:", exc, flush=True)
-    os._exit(75)
-"""
+        g.dist.all_reduce = peer_gone
+        try:
+            guard._hold(7, 60)
+        except g.NodeDrained as exc:
+    """) + textwrap.indent(textwrap.dedent(on_drained), "    ")
+    return subprocess.run([sys.executable, "-c", script, str(tmp_path / "s")], capture_output=True,
+                          text=True, timeout=120, cwd=REPO)
 
 
 def test_a_rank_leaving_the_hold_on_its_own_survives_the_agents_sigterm_until_it_exits(tmp_path):
     # ci57: the peer rank's all-reduce failed first, so it left the hold before its agent's SIGTERM
     # came; the hold had put the default SIGTERM back, and the signal killed it before it wrote
     # its "drained" line. Once NodeDrained is raised the rank is leaving: a SIGTERM may not cut that short.
-    r = subprocess.run([sys.executable, "-c", LEAVING_RANK, str(tmp_path / "s")], capture_output=True,
-                       text=True, timeout=120, cwd=REPO)
+    r = leaving_rank(tmp_path, """
+        os.kill(os.getpid(), signal.SIGTERM)  # the agent saw the peer exit and stops this worker too
+        time.sleep(0.3)
+        print("recorded:", exc, flush=True)
+        os._exit(75)
+    """)
     assert r.returncode == 75, why(r)
     assert "recorded: a peer left during the migrate hold at step 7" in r.stdout
 
 
 def test_a_loop_that_swallows_node_drained_is_still_stopped_by_the_agents_sigterm(tmp_path):
     # the grace that lets a leaving rank record why may not hold up its agent's stop for good
-    script = LEAVING_RANK.replace("""    os.kill(os.getpid(), signal.SIGTERM)  # the agent saw the peer exit and stops this worker too
-    time.sleep(0.3)
-    print("recorded:", exc, flush=True)
-    os._exit(75)""", """    print("caught and training on", flush=True)
-    os.kill(os.getpid(), signal.SIGTERM)
-    for _ in range(1200):
-        time.sleep(0.1)
-    print("never stopped", flush=True)""")
-    r = subprocess.run([sys.executable, "-c", script, str(tmp_path / "s")], capture_output=True,
-                       text=True, timeout=120, cwd=REPO)
+    r = leaving_rank(tmp_path, """
+        print("caught and training on", flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1200):
+            time.sleep(0.1)
+        print("never stopped", flush=True)
+    """)
     assert r.returncode == -signal.SIGTERM, why(r)  # the agent's SIGTERM took effect, after the grace
     assert "caught and training on" in r.stdout and "never stopped" not in r.stdout
 

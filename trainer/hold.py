@@ -9,10 +9,11 @@ same way, by :class:`NodeDrained`, and records why before it exits.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 
 class NodeDrained(RuntimeError):
@@ -27,14 +28,14 @@ class SigtermDuringHold:
     through writing a marker or answering a request; a SIGTERM there is raised by the next
     :meth:`check`. When the hold ends by :class:`NodeDrained` (either way), a SIGTERM gives the
     rank ``LEAVING_GRACE_S`` to finish its exit: a failed all-reduce can bring the rank out before
-    the agent's SIGTERM arrives, and the default action would kill it before it records why it left. A hold that passes without a
-    drain puts the previous handler back. Outside the main thread signals cannot be caught, and it
+    the agent's SIGTERM arrives, and the default action would kill it before it records why it
+    left. A hold that passes without a drain puts the previous handler back. Outside the main thread signals cannot be caught, and it
     does nothing.
     """
 
     def __init__(self, step: int) -> None:
         self.step = step
-        self.pending: list[str] = []
+        self._pending: list[str] = []
         self._waiting = False
         self._previous: Any = None
         self._installed = False
@@ -55,26 +56,21 @@ class SigtermDuringHold:
                f"{self.step}: the membership change began")
         if self._waiting:
             raise NodeDrained(why)
-        self.pending.append(why)
+        self._pending.append(why)
 
     def check(self) -> None:
         """Raise :class:`NodeDrained` for a SIGTERM that came outside a wait."""
-        if self.pending:
-            raise NodeDrained(self.pending[0])
+        if self._pending:
+            raise NodeDrained(self._pending[0])
 
-    def waiting(self) -> _Waiting:
-        return _Waiting(self)
-
-
-class _Waiting:
-    def __init__(self, hold: SigtermDuringHold) -> None:
-        self.hold = hold
-
-    def __enter__(self) -> None:
-        self.hold._waiting = True
-
-    def __exit__(self, *_: Any) -> None:
-        self.hold._waiting = False
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """The span in which a SIGTERM raises :class:`NodeDrained` at once (the all-reduce, the sleep)."""
+        self._waiting = True
+        try:
+            yield
+        finally:
+            self._waiting = False
 
 
 # How long a rank that left the hold may take to record why and exit once its agent's SIGTERM came:
