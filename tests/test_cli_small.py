@@ -19,7 +19,7 @@ import pytest
 import sentinel
 from conftest import SYSTEM_PYTHON
 from sentinel import cli
-from sentinel_tools import drill
+from sentinel_tools import drill, ports
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -85,20 +85,20 @@ def test_picked_ports_are_reserved_host_wide_until_they_go_stale(tmp_path, monke
     """Two pickers (other xdist workers, another suite) never hand out the same port while the
     first one's server may still be starting; a reservation older than its lifetime is taken
     again; a directory this user cannot use leaves the pick random."""
-    monkeypatch.setattr(drill, "PORT_RESERVATIONS", tmp_path / "reservations")
-    first = drill.free_ports(50)
-    second = drill.free_ports(50)
+    monkeypatch.setattr(ports, "PORT_RESERVATIONS", tmp_path / "reservations")
+    first = ports.free_ports(50)
+    second = ports.free_ports(50)
     assert len(set(first)) == 50 and not set(first) & set(second)
     held = sorted(p.name for p in (tmp_path / "reservations").iterdir())
     assert held == sorted(str(p) for p in first + second)
 
     port = first[0]
-    assert not drill._reserve(port, time.time())  # held
-    assert drill._reserve(port, time.time() + drill.PORT_RESERVATION_SECONDS + 1)  # stale: claimed again
-    assert not drill._reserve(port, time.time())
+    assert not ports._reserve(port, time.time())  # held
+    assert ports._reserve(port, time.time() + ports.PORT_RESERVATION_SECONDS + 1)  # stale: claimed again
+    assert not ports._reserve(port, time.time())
 
     blocked = tmp_path / "not-a-dir"
     blocked.write_text("")
-    monkeypatch.setattr(drill, "PORT_RESERVATIONS", blocked)
-    assert drill._reserve(port, time.time())  # unusable: advisory, the pick goes on
-    assert len(drill.free_ports(3)) == 3
+    monkeypatch.setattr(ports, "PORT_RESERVATIONS", blocked)
+    assert ports._reserve(port, time.time())  # unusable: advisory, the pick goes on
+    assert len(ports.free_ports(3)) == 3

@@ -244,7 +244,7 @@ def test_the_reference_cache_reuses_one_run_per_world_steps_and_code_and_never_k
     """--reference-cache: the second drill of the same job reuses the first's uninterrupted run;
     another world size or step count, or another trainer code, is another run; a failed run is
     not kept (the next drill runs it again)."""
-    from sentinel_tools import drill as drill_mod
+    from sentinel_tools import drill_report as drill_mod  # where cached_reference lives
 
     repo = tmp_path / "repo"
     (repo / "trainer").mkdir(parents=True)

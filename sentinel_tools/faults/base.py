@@ -1,0 +1,60 @@
+"""The shape of a drill fault and what its verdict reads (:mod:`sentinel_tools.faults`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from sentinel_tools.drill_cluster import Drill, Node
+
+
+@dataclass
+class Outcome:
+    """What the report measured, for a fault's verdict."""
+
+    events: list[dict[str, Any]]
+    migration: dict[str, Any]  # the victim's migration record
+    victim: "Node"
+    t_fault: float
+    t_first: float | None  # the first step after the snapshot was loaded
+    lost: list[int]  # steps run more than once
+    bound: int  # recomputed steps the memory tier (or the disk interval) allows a sudden loss
+    final_nodes: list[str]
+    base_ok: bool  # finished with a spare in place of the victim
+
+
+def no_follow_up(drill: "Drill", victims: list["Node"], deadline: float) -> None:
+    return None
+
+
+def nothing_lost(drill: "Drill", result: dict[str, Any], outcome: Outcome) -> bool:
+    """A predicted failure: the spare is in place and no step is run twice."""
+    return outcome.base_ok and not outcome.lost
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    description: str
+    inject: Callable[["Drill", "Node"], None]
+    verdict: Callable[["Drill", dict[str, Any], Outcome], bool] = nothing_lost
+    follow_up: Callable[["Drill", list["Node"], float], None] = no_follow_up
+    replaces_node: bool = True  # False: the same nodes carry on (no spare, no migration)
+    sudden: bool = False  # True: the node dies with its daemon, no migration record
+    pg_timeout_seconds: int = 30  # the workers' process-group timeout
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def median(xs: list[float]) -> float | None:
+    return sorted(xs)[len(xs) // 2] if xs else None
+
+
+def step_health(events: list[dict[str, Any]], mig: dict[str, Any], t_fault: float,
+                t_first: float | None) -> tuple[list[tuple[float, int]], dict[str, Any]]:
+    """--fault hang / slow: the job's steps in time order, and the step time around the fault."""
+    steps = sorted((e["time"], e["step"]) for e in events if e["event"] == "step")
+    before = [b - a for (a, _), (b, _) in zip(steps, steps[1:]) if b < t_fault]
+    after = [b - a for (a, _), (b, _) in zip(steps, steps[1:]) if t_first is not None and a >= t_first]
+    return steps, {"rule": mig.get("rule"), "reason": mig.get("reason"),
+                   "step_seconds_before": median(before[-30:]), "step_seconds_after": median(after[5:])}
