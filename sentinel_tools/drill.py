@@ -89,6 +89,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a topology file (Slurm topology.conf syntax, or TOML [nodes.<name>] nvlink/switches/rack/power, "
                         "docs/topology.md) naming node0.. and spare0..: the nearest spare is admitted, the timeline shows "
                         "its distance, the memory tier keeps each replica outside its holder's rack")
+    p.add_argument("--hosts", choices=["loopback", "netns"], default="loopback",
+                   help="loopback: every node a set of processes of this machine; netns: every node, spare and the "
+                        "store a host of its own (root: network and mount namespaces on one bridge, 198.18.0.0/24, "
+                        "private /dev/shm and /run/sentinel), needed by the host faults (docs/drill.md)")
     p.add_argument("--scheduler", choices=["local", "slurm"], default="local",
                    help="slurm: run the job through a real Slurm cluster started here (root; slurm-wlm, munge): "
                         "the failed node is drained in Slurm, the spare comes from the job's allocation")
@@ -116,7 +120,16 @@ def run_drill(args: argparse.Namespace) -> int:
         return 2
     if args.spares < 1 and not args.min_nodes:
         print("sentinel drill: --spares 0 needs --min-nodes < --nodes (continue on fewer nodes)", file=sys.stderr)
-    drill = Drill(args)
+    fault = faults.get(args.fault)
+    if fault.needs_hosts and args.hosts != "netns":
+        print(f"sentinel drill: --fault {args.fault} is a fault of a whole host: it needs --hosts netns", file=sys.stderr)
+        return 2
+    if args.hosts == "netns":
+        from sentinel_tools.drill_netns import NetnsDrill
+
+        drill: Drill = NetnsDrill(args)
+    else:
+        drill = Drill(args)
     try:
         result = drill.run()
     except DrillError as exc:

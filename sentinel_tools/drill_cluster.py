@@ -29,6 +29,7 @@ from typing import Any
 from sentinel.sources import simulated
 from sentinel_tools import drill_report, faults
 from sentinel_tools.drill_report import Timeline
+from sentinel_tools.netns import HOST_RUNTIME
 from sentinel_tools.harness import DrillError, alive, descendants, progress, pythonpath, repo_root, wait
 from sentinel_tools.ports import free_port, port_open
 
@@ -46,10 +47,17 @@ class Node:
     daemon: subprocess.Popen | None = None
     agent: subprocess.Popen | None = None
     metrics_port: int | None = None
+    # a host of its own (sentinel_tools.netns.Host) or None: a process of this machine on loopback
+    host: Any = None
 
     @property
     def runtime(self) -> Path:
-        return self.root / "run"
+        """The runtime directory as the drill reaches it (a namespaced host's own /run/sentinel)."""
+        return self.host.view(HOST_RUNTIME) if self.host is not None else self.root / "run"
+
+    def local(self, path: Path) -> Path:
+        """``path`` (the drill's view) as the node's own processes name it."""
+        return self.host.inside(path) if self.host is not None else path
 
     @property
     def state_dir(self) -> Path:
@@ -137,16 +145,17 @@ class Drill:
         rdzv_conf = ("protocol=http," if a.rdzv_backend == "etcd-v2" else "is_host=false,") + (
             f"keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2,join_timeout={int(a.timeout)}")
         py = self.python
-        launch = [py, "-m", "sentinel", "launch", "--pidfile", str(node.pidfile), "--state-dir", str(node.state_dir)]
+        launch = [py, "-m", "sentinel", "launch", "--pidfile", str(node.local(node.pidfile)), "--state-dir",
+                  str(node.state_dir)]
         if a.agent == "warm":
             launch += ["--warm"] if node.spare else []
             agent = [py, "-m", "trainer.elastic", "--preload", "trainer.train",
-                     "--ready-file", str(self.ready_file(node)), "--"]
+                     "--ready-file", str(node.local(self.ready_file(node))), "--"]
         else:
             agent = [py, "-m", "torch.distributed.run", f"--start-method={a.start_method}"]
         return [
             *launch, "--", *agent, f"--nnodes={nnodes}", f"--nproc-per-node={a.procs_per_node}",
-            f"--rdzv-backend={a.rdzv_backend}", f"--rdzv-endpoint=127.0.0.1:{self.store_port}", f"--rdzv-id={self.run_id}",
+            f"--rdzv-backend={a.rdzv_backend}", f"--rdzv-endpoint={self.store_endpoint()}", f"--rdzv-id={self.run_id}",
             f"--rdzv-conf={rdzv_conf}", f"--max-restarts={a.max_restarts}", "--monitor-interval=0.1",
             "-m", "trainer.train", "--steps", str(a.steps), "--snapshot-dir", str(self.snapshots),
             "--interval-steps", str(a.interval_steps), "--step-seconds", str(a.step_seconds),
@@ -156,29 +165,46 @@ class Drill:
             "--memory-interval-steps", str(a.memory_interval_steps),
         ]
 
+    def store_endpoint(self) -> str:
+        """Where the agents reach the rendezvous store."""
+        return f"127.0.0.1:{self.store_port}"
+
+    def on_node(self, node: Node, argv: list[str]) -> list[str]:
+        """``argv`` run on ``node`` (here: a process of this machine, as it is)."""
+        return argv
+
+    def memory_dir(self, node: Node) -> Path:
+        """The node's memory-tier directory (a tmpfs: "node memory"), as its processes name it."""
+        return self.memory_root / node.name
+
+    def forget_memory(self, node: Node) -> None:
+        """The node's memory died with it."""
+        shutil.rmtree(self.memory_root / node.name, ignore_errors=True)
+
     def ready_file(self, node: Node) -> Path:
         """Where a warm agent says it is warm."""
         return node.runtime / "warm.json"
 
     def node_env(self, node: Node) -> dict[str, str]:
-        env = {**self.env, "SENTINEL_RUNTIME_DIR": str(node.runtime), "SENTINEL_NODE": node.name,
-               "SENTINEL_DRILL_FAULT_FILE": str(node.runtime / "drill-fault"),
-               "SENTINEL_MEMORY_DIR": str(self.memory_root / node.name)}
+        env = {**self.env, "SENTINEL_RUNTIME_DIR": str(node.local(node.runtime)), "SENTINEL_NODE": node.name,
+               "SENTINEL_DRILL_FAULT_FILE": str(node.local(node.runtime / "drill-fault")),
+               "SENTINEL_MEMORY_DIR": str(self.memory_dir(node))}
         if self.args.topology:  # the memory tier places each replica outside its holder's rack
             env["SENTINEL_TOPOLOGY"] = str(self.args.topology)
         return env
 
     def make_node(self, index: int, spare: bool) -> Node:
         name = f"spare{index}" if spare else f"node{index}"
-        node = Node(name, self.work / name, spare)
-        node.runtime.mkdir(parents=True)
+        node = self.new_node(name, spare)
+        node.root.mkdir(parents=True, exist_ok=True)
+        node.runtime.mkdir(parents=True, exist_ok=True)
         node.runtime.chmod(0o755)
         simulated.write_state(node.gpus, simulated.healthy_state(self.args.gpus_per_node))
         spare_cmd = json.dumps(self.claim_argv("{node}"))
         topology = f'[actions.topology]\nfile = {json.dumps(str(self.args.topology))}\n' if self.args.topology else ""
         (node.root / "sentinel.toml").write_text(
             "[daemon]\npoll_interval_seconds = 0.2\nnvml_deadline_seconds = 1.0\n"
-            f'runtime_dir = "{node.runtime}"\nstate_dir = "{node.state_dir}"\nnode_name = "{name}"\n'
+            f'runtime_dir = "{node.local(node.runtime)}"\nstate_dir = "{node.state_dir}"\nnode_name = "{name}"\n'
             'log_level = "info"\n'
             '[metrics]\nlisten_address = "127.0.0.1"\nport = 0\n'
             "[policy]\nlead_time_seconds = 600.0\ndebounce_samples = 3\n"
@@ -190,7 +216,7 @@ class Drill:
         if spare:
             self.pool.mkdir(exist_ok=True)
             (self.pool / f"{name}.json").write_text(json.dumps({
-                "name": name, "argv": self.agent_argv(node), "env": self.node_env(node),
+                "name": name, "argv": self.on_node(node, self.agent_argv(node)), "env": self.node_env(node),
                 "log": str(node.root / "agent.log"), "cwd": str(repo_root()),
                 "warm": self.args.agent == "warm", "pidfile": str(node.pidfile),
             }))
@@ -205,8 +231,9 @@ class Drill:
         return argv
 
     def start_daemon(self, node: Node) -> None:
-        node.daemon = self.spawn([sys.executable, "-m", "sentinel", "run", "--config", str(node.root / "sentinel.toml"),
-                                  "--simulate", str(node.gpus), "--no-ebpf"], node.root / "daemon.log")
+        node.daemon = self.spawn(self.on_node(node, [sys.executable, "-m", "sentinel", "run", "--config",
+                                                     str(node.root / "sentinel.toml"), "--simulate", str(node.gpus),
+                                                     "--no-ebpf"]), node.root / "daemon.log")
 
     def wait_daemon(self, node: Node) -> None:
         status = node.runtime / "status.json"
@@ -217,7 +244,11 @@ class Drill:
         node.metrics_port = json.loads(status.read_text())["metrics_port"]
 
     def start_agent(self, node: Node) -> None:
-        node.agent = self.spawn(self.agent_argv(node), node.root / "agent.log", env=self.node_env(node))
+        node.agent = self.spawn(self.on_node(node, self.agent_argv(node)), node.root / "agent.log",
+                                env=self.node_env(node))
+
+    def new_node(self, name: str, spare: bool) -> Node:
+        return Node(name, self.work / name, spare)
 
     # -- the drill -------------------------------------------------------------------------------
     def events(self) -> list[dict[str, Any]]:

@@ -281,9 +281,10 @@ def _remove(bridge: str, netns: list[str], links: list[str]) -> list[str]:
             left.append(str(exc))
         if _run("ip", "netns", "del", ns, check=False).returncode != 0:
             left.append(f"netns {ns}")
-    present = set(list_links())
     for link in [*links, bridge]:
-        if link in present and _run("ip", "link", "del", link, check=False).returncode != 0:
+        # a veth goes with its namespace, asynchronously: what is gone by now needs nothing
+        if link in list_links() and _run("ip", "link", "del", link, check=False).returncode != 0 \
+                and link in list_links():
             left.append(f"link {link}")
     return left
 

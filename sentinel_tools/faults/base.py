@@ -43,6 +43,7 @@ class Fault:
     replaces_node: bool = True  # False: the same nodes carry on (no spare, no migration)
     sudden: bool = False  # True: the node dies with its daemon, no migration record
     pg_timeout_seconds: int = 30  # the workers' process-group timeout
+    needs_hosts: bool = False  # True: a fault of a whole host, only on --hosts netns
     options: dict[str, Any] = field(default_factory=dict)
 
 

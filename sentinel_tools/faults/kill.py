@@ -4,7 +4,6 @@ The daemon has nothing to migrate; the scheduler (the drill) gives the job a spa
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 
@@ -20,7 +19,7 @@ def inject(drill, victim) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    shutil.rmtree(drill.memory_root / victim.name, ignore_errors=True)  # the node's memory died with it
+    drill.forget_memory(victim)  # the node's memory died with it
 
 
 def replace(drill, victims, deadline: float) -> None:

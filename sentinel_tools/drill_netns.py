@@ -1,0 +1,138 @@
+"""`sentinel drill --hosts netns`: the drill's nodes as hosts of their own (root only).
+
+Every node, every spare and the rendezvous store is a host of a
+:class:`sentinel_tools.netns.NetnsCluster`: its own network namespace and address on one
+bridge, its own ``/dev/shm`` (the memory tier's "node memory") and ``/run/sentinel`` (the
+daemon's runtime directory: socket, status, agent pidfile), its own daemon and agent. The job's
+traffic can only go over the bridge: the agents reach the store at its host's address, each
+agent advertises its own (``--local-addr``) for the workers' store, gloo is bound to ``eth0``,
+and a host's loopback reaches nobody else. What stays shared is what a cluster shares too: the
+work directory (the disk snapshots' filesystem, the job's progress log) and the scheduler's
+spare pool.
+
+The drill reads a host's files through ``/proc/<holder>/root``; a fault of a whole host
+(power-off, partition, slow link) acts on its namespaces; teardown removes every namespace,
+link, mount and process, also when the drill fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from sentinel_tools import netns
+from sentinel_tools.drill_cluster import Drill, Node
+from sentinel_tools.drill_report import Timeline
+from sentinel_tools.harness import DrillError, progress, repo_root, wait
+
+STORE_HOST = "store"
+
+
+class NetnsDrill(Drill):
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args)
+        self.cluster: netns.NetnsCluster | None = None
+        self.store_proc = None
+        self.bytes_at_fault: dict[str, dict[str, int]] = {}
+        self.bytes_after: dict[str, dict[str, int]] = {}
+
+    def host_names(self) -> list[str]:
+        a = self.args
+        return [STORE_HOST] + [f"node{i}" for i in range(a.nodes)] + [f"spare{i}" for i in range(a.spares)]
+
+    def start_cluster(self, t_start: float) -> None:
+        why = netns.missing()
+        if why:
+            raise DrillError(f"--hosts netns: {why}")
+        self.cluster = netns.NetnsCluster(self.host_names())
+        progress(f"starting {len(self.cluster.hosts)} namespaced hosts on bridge {self.cluster.bridge}")
+        try:
+            self.cluster.start()
+        except netns.NetnsError as exc:
+            raise DrillError(f"--hosts netns: {exc}") from None
+        super().start_cluster(t_start)
+
+    def host(self, name: str) -> netns.Host:
+        assert self.cluster is not None
+        return self.cluster.hosts[name]
+
+    # -- where things run and how they are reached ----------------------------------------------
+    def new_node(self, name: str, spare: bool) -> Node:
+        node = Node(name, self.work / name, spare)
+        node.host = self.host(name)
+        return node
+
+    def on_node(self, node: Node, argv: list[str]) -> list[str]:
+        return node.host.wrap(argv, cwd=repo_root()) if node.host is not None else argv
+
+    def store_endpoint(self) -> str:
+        return f"{self.host(STORE_HOST).address}:{self.store_port}"
+
+    def start_store(self) -> None:
+        if self.args.rdzv_backend == "etcd-v2":
+            raise DrillError("--hosts netns runs the job's own TCPStore (c10d or sentinel); etcd-v2 is not wired yet")
+        store, log = self.host(STORE_HOST), self.work / "store.log"
+        self.store_proc = self.spawn(store.wrap([sys.executable, "-m", "trainer.store", "--host", store.address,
+                                                 "--port", str(self.store_port)], cwd=repo_root()), log)
+        proc = self.store_proc
+
+        def up() -> bool:
+            return proc.poll() is not None or (log.exists() and "store listening" in log.read_text())
+
+        wait(up, max(30.0, self.args.timeout / 3), f"rendezvous store on {store.address}")
+        if proc.poll() is not None:
+            raise DrillError(f"the store on host {STORE_HOST} exited: {log.read_text()[-1500:]}")
+
+    def agent_argv(self, node: Node) -> list[str]:
+        argv = super().agent_argv(node)
+        # the address this agent's host advertises (the workers' store on the rank-0 agent)
+        at = next(i for i, x in enumerate(argv) if x.startswith("--nnodes="))
+        return [*argv[:at], f"--local-addr={node.host.address}", *argv[at:]]
+
+    def node_env(self, node: Node) -> dict[str, str]:
+        # gloo binds to the host's bridge interface, never its loopback
+        return {**super().node_env(node), "GLOO_SOCKET_IFNAME": "eth0"}
+
+    def forget_memory(self, node: Node) -> None:
+        if node.host is not None and not node.host.powered_off:
+            shutil.rmtree(node.host.view(self.memory_dir(node)), ignore_errors=True)
+
+    # -- host faults -------------------------------------------------------------------------
+    def inject(self, victim: Node) -> float:
+        assert self.cluster is not None
+        self.bytes_at_fault = {name: h.link_bytes() for name, h in self.cluster.hosts.items()}
+        return super().inject(victim)
+
+    def power_off(self, node: Node) -> None:
+        assert self.cluster is not None
+        self.cluster.power_off(node.name)
+
+    def bridge_bytes(self) -> dict[str, dict[str, int]]:
+        """Bytes through each host's link since the fault (``to_host``, ``from_host``)."""
+        assert self.cluster is not None
+        out = {}
+        for name, h in self.cluster.hosts.items():
+            now, then = h.link_bytes(), self.bytes_at_fault.get(name, {"to_host": 0, "from_host": 0})
+            out[name] = {k: max(0, now[k] - then[k]) for k in now} if not h.powered_off else {"to_host": 0, "from_host": 0}
+        return out
+
+    def report(self, tl: Timeline, victim: Node, t_fault: float) -> dict[str, Any]:
+        if self.cluster is not None:
+            self.bytes_after = self.bridge_bytes()  # read before the report's verdicts need it
+        result = super().report(tl, victim, t_fault)
+        if self.cluster is not None:
+            result["hosts"] = {name: h.address for name, h in self.cluster.hosts.items()}
+            result["bridge_bytes_since_fault"] = self.bytes_after
+        return result
+
+    def cleanup(self) -> None:
+        try:
+            super().cleanup()
+        finally:
+            if self.cluster is not None:
+                left = self.cluster.teardown()
+                if left:
+                    progress(f"teardown left {left}: python -m sentinel_tools.netns cleanup removes it")
