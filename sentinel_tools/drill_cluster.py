@@ -432,6 +432,10 @@ class Drill:
                    and not (self.pool / f"{n.name}.dead").exists()]
         return bool(agents) and all(p.poll() is not None for p in agents) and not claimed
 
+    def host_report(self) -> dict[str, Any]:
+        """What the report adds about the hosts (namespaced hosts: addresses, bytes over the bridge)."""
+        return {}
+
     def report(self, tl: Timeline, victim: Node, t_fault: float) -> dict[str, Any]:
         return drill_report.report(self, tl, victim, t_fault)
 

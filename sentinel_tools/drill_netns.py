@@ -25,7 +25,6 @@ from typing import Any
 
 from sentinel_tools import netns
 from sentinel_tools.drill_cluster import Drill, Node
-from sentinel_tools.drill_report import Timeline
 from sentinel_tools.harness import DrillError, progress, repo_root, wait
 
 STORE_HOST = "store"
@@ -37,7 +36,6 @@ class NetnsDrill(Drill):
         self.cluster: netns.NetnsCluster | None = None
         self.store_proc = None
         self.bytes_at_fault: dict[str, dict[str, int]] = {}
-        self.bytes_after: dict[str, dict[str, int]] = {}
 
     def host_names(self) -> list[str]:
         a = self.args
@@ -119,14 +117,10 @@ class NetnsDrill(Drill):
             out[name] = {k: max(0, now[k] - then[k]) for k in now} if not h.powered_off else {"to_host": 0, "from_host": 0}
         return out
 
-    def report(self, tl: Timeline, victim: Node, t_fault: float) -> dict[str, Any]:
-        if self.cluster is not None:
-            self.bytes_after = self.bridge_bytes()  # read before the report's verdicts need it
-        result = super().report(tl, victim, t_fault)
-        if self.cluster is not None:
-            result["hosts"] = {name: h.address for name, h in self.cluster.hosts.items()}
-            result["bridge_bytes_since_fault"] = self.bytes_after
-        return result
+    def host_report(self) -> dict[str, Any]:
+        assert self.cluster is not None
+        return {"hosts": {name: h.address for name, h in self.cluster.hosts.items()},
+                "bridge_bytes_since_fault": self.bridge_bytes()}
 
     def cleanup(self) -> None:
         try:

@@ -129,6 +129,7 @@ def report(drill: "Drill", tl: Timeline, victim: "Node", t_fault: float) -> dict
         "workdir": str(drill.work),
         "restore": restore_report(drill, events, t_fault),
     }
+    result.update(drill.host_report())
     if result["restore"].get("fallback"):
         result.setdefault("notes", []).append(result["restore"]["fallback"])
     if drill.args.verify and s.finished:
