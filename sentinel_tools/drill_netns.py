@@ -119,7 +119,7 @@ class NetnsDrill(Drill):
 
     def host_report(self) -> dict[str, Any]:
         assert self.cluster is not None
-        return {"hosts": {name: h.address for name, h in self.cluster.hosts.items()},
+        return {"netns_cluster": self.cluster.prefix, "hosts": {name: h.address for name, h in self.cluster.hosts.items()},
                 "bridge_bytes_since_fault": self.bridge_bytes()}
 
     def cleanup(self) -> None:
