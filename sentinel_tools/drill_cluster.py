@@ -94,6 +94,7 @@ class Drill:
         self.mounted = False
         self.run_id = f"drill-{os.getpid()}"
         self.victim_names: set[str] = set()  # set by run(): the nodes it faults
+        self.job_dead_at: float | None = None  # when every agent of the job was seen gone (the job did not finish)
         # Each node's memory-tier holder: a tmpfs directory of its own ("node memory").
         self.memory_root = Path("/dev/shm") / f"sentinel-drill-{os.getpid()}-{os.urandom(3).hex()}"
         # plain torchrun keeps the first round's worker-store address for good (a spare deadlocks
@@ -348,7 +349,12 @@ class Drill:
             if self.filler is not None and self._migration(victim).get("phase") == "drained":
                 self.filler.unlink(missing_ok=True)  # the operator frees space; later snapshots succeed
                 self.filler = None
-            return any(e["event"] == "finished" for e in events) or self._job_dead()
+            if any(e["event"] == "finished" for e in events):
+                return True
+            if self._job_dead():
+                self.job_dead_at = time.time()
+                return True
+            return False
 
         end = deadline
         if "waiting for a node" in what:  # nothing will come: say so after a bounded look, not at the deadline
@@ -427,7 +433,10 @@ class Drill:
                                         + (r.stdout.strip() or r.stderr.strip() or "no replacement"))
 
     def _job_dead(self) -> bool:
-        agents = [n.agent for n in self.nodes if n.agent is not None]
+        """Every agent of the job exited, and no claimed spare is on its way. A warm spare still
+        waiting outside the rendezvous is not part of the job: its agent keeps nothing alive."""
+        agents = [n.agent for n in self.nodes if n.agent is not None
+                  and (not n.spare or (self.pool / f"{n.name}.claimed").exists())]
         claimed = [n for n in self.nodes if n.spare and (self.pool / f"{n.name}.claimed").exists()
                    and not (self.pool / f"{n.name}.dead").exists()]
         return bool(agents) and all(p.poll() is not None for p in agents) and not claimed

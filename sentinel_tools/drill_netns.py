@@ -28,6 +28,7 @@ from sentinel_tools.drill_cluster import Drill, Node
 from sentinel_tools.harness import DrillError, progress, repo_root, wait
 
 STORE_HOST = "store"
+STORE_LOSS_LINE = "trainer.elastic: the rendezvous store"  # trainer.elastic's one line when its store is gone
 
 
 class NetnsDrill(Drill):
@@ -36,6 +37,7 @@ class NetnsDrill(Drill):
         self.cluster: netns.NetnsCluster | None = None
         self.store_proc = None
         self.bytes_at_fault: dict[str, dict[str, int]] = {}
+        self.fault_times: list[float] = []  # when each victim was hit
 
     def host_names(self) -> list[str]:
         a = self.args
@@ -102,11 +104,17 @@ class NetnsDrill(Drill):
     def inject(self, victim: Node) -> float:
         assert self.cluster is not None
         self.bytes_at_fault = {name: h.link_bytes() for name, h in self.cluster.hosts.items()}
-        return super().inject(victim)
+        t = super().inject(victim)
+        self.fault_times.append(t)
+        return t
 
     def power_off(self, node: Node) -> None:
         assert self.cluster is not None
         self.cluster.power_off(node.name)
+
+    def power_off_store(self) -> None:
+        assert self.cluster is not None
+        self.cluster.power_off(STORE_HOST)
 
     def bridge_bytes(self) -> dict[str, dict[str, int]]:
         """Bytes through each host's link since the fault (``to_host``, ``from_host``)."""
@@ -119,8 +127,27 @@ class NetnsDrill(Drill):
 
     def host_report(self) -> dict[str, Any]:
         assert self.cluster is not None
-        return {"netns_cluster": self.cluster.prefix, "hosts": {name: h.address for name, h in self.cluster.hosts.items()},
-                "bridge_bytes_since_fault": self.bridge_bytes()}
+        out: dict[str, Any] = {"netns_cluster": self.cluster.prefix,
+                               "hosts": {name: h.address for name, h in self.cluster.hosts.items()},
+                               "bridge_bytes_since_fault": self.bridge_bytes()}
+        if self.host(STORE_HOST).powered_off:
+            out["failed_node"] = STORE_HOST  # the fault's victim is the store's host, not a node
+            out["store_lost"] = self.store_lost()
+        return out
+
+    def store_lost(self) -> dict[str, Any]:
+        """What the agents said when the store's host went: the first agent's one line, and how
+        long after the fault the drill saw the whole job gone."""
+        lines = []
+        for n in self.nodes:
+            try:
+                text = (n.root / "agent.log").read_text(errors="replace")
+            except OSError:
+                continue
+            lines += [f"{n.name}: {line}" for line in text.splitlines() if line.startswith(STORE_LOSS_LINE)]
+        t_fault = next(iter(self.fault_times), None)
+        seconds = round(self.job_dead_at - t_fault, 3) if self.job_dead_at and t_fault else None
+        return {"line": lines[0] if lines else "", "agents_saying_so": len(lines), "seconds_after_fault": seconds}
 
     def cleanup(self) -> None:
         try:

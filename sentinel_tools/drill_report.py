@@ -258,6 +258,10 @@ def print_timeline(result: dict[str, Any]) -> None:
         disk = f", from the disk snapshot of that step (every memory copy lost): {rs['disk']}" if rs.get("disk") else ""
         print(f"restored from: {rs['tier']}" + (f" at step {rs['step']} (shards from this node's memory: {rs['own']}, "
                                                 f"from a peer's replica: {rs['peer']}{disk})" if rs["tier"] == "memory" else ""))
+    if result.get("store_lost"):
+        lost = result["store_lost"]
+        print(f"store lost: {lost['line'] or 'no agent said why'} (the job was gone {lost['seconds_after_fault']} s "
+              "after the fault)")
     for note in result["migration_notes"] + result.get("notes", []):
         print(f"note: {note}")
     if "verify" in result:

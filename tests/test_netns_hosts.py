@@ -190,3 +190,14 @@ def test_power_off_resumes_from_peer_replicas_pulled_over_the_bridge(host_drill)
     # the lost host's two shards came from their replicas on another host, pulled into the spare's
     assert r["restore"]["tier"] == "memory" and len(r["restore"]["peer"]) == 2, why(r)
     assert r["power_off"]["bytes_into_spare_hosts"] > 0 and r["bridge_bytes_since_fault"]["node1"]["to_host"] == 0
+
+
+def test_store_host_power_off_is_said_in_one_line_within_30_s(host_drill):
+    """A single c10d store has no replica: the job cannot go on, and must say so, not hang."""
+    r = host_drill("--fault", "store-host")
+    assert r["ok"] and r["rc"] == 0, why(r)
+    assert r["failed_node"] == "store" and not r["finished"]
+    lost = r["store_lost"]
+    assert "cannot be reached" in lost["line"] and "this job cannot continue" in lost["line"], why(r)
+    assert lost["seconds_after_fault"] is not None and lost["seconds_after_fault"] <= 30, why(r)
+    assert lost["agents_saying_so"] >= 1

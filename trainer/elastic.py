@@ -491,13 +491,14 @@ def main(argv: list[str] | None = None) -> int:
                                 log_line_prefix_template=config.log_line_prefix_template,
                                 shutdown_timeout=config.shutdown_timeout,
                                 rendezvous=rdzv, draining=_draining_check(ours.state_dir))
-    return _run_agent(agent, rdzv)
+    return _run_agent(agent, rdzv, endpoint=config.rdzv_endpoint)
 
 
-def _run_agent(agent: Any, rdzv: Rendezvous) -> int:
+def _run_agent(agent: Any, rdzv: Rendezvous, *, endpoint: str = "") -> int:
     """Run the agent to its end; the exit status, with one line on stderr saying why it ended."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousGracefulExitError
+    from torch.distributed.elastic.rendezvous.api import (RendezvousClosedError, RendezvousConnectionError,
+                                                          RendezvousGracefulExitError)
 
     close_rendezvous = True
     try:
@@ -518,6 +519,15 @@ def _run_agent(agent: Any, rdzv: Rendezvous) -> int:
     except (RendezvousClosedError, RendezvousGracefulExitError) as exc:
         close_rendezvous = False
         print(f"trainer.elastic: the rendezvous is closed: {exc or type(exc).__name__}", file=sys.stderr)
+        return 1
+    except RendezvousConnectionError as exc:
+        # the store's host is gone (or cut off): a single c10d store has no replica, so no agent can
+        # learn the next membership; say it once, plainly, instead of torch's traceback
+        close_rendezvous = False
+        cause = exc.__cause__ or exc
+        print(f"trainer.elastic: the rendezvous store {endpoint or '(endpoint unknown)'} cannot be reached "
+              f"({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else 'no detail'}): "
+              "this job cannot continue without it", file=sys.stderr)
         return 1
     finally:
         if close_rendezvous:
