@@ -38,6 +38,7 @@ class NetnsDrill(Drill):
         self.store_proc = None
         self.bytes_at_fault: dict[str, dict[str, int]] = {}
         self.fault_times: list[float] = []  # when each victim was hit
+        self.healed_at: float | None = None  # --fault partition: when the link came back
 
     def host_names(self) -> list[str]:
         a = self.args
@@ -111,6 +112,14 @@ class NetnsDrill(Drill):
     def power_off(self, node: Node) -> None:
         assert self.cluster is not None
         self.cluster.power_off(node.name)
+
+    def partition(self, node: Node) -> None:
+        assert self.cluster is not None
+        self.cluster.partition(node.name)
+
+    def heal(self, node: Node) -> None:
+        assert self.cluster is not None
+        self.cluster.heal(node.name)
 
     def power_off_store(self) -> None:
         assert self.cluster is not None
