@@ -93,6 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="loopback: every node a set of processes of this machine; netns: every node, spare and the "
                         "store a host of its own (root: network and mount namespaces on one bridge, 198.18.0.0/24, "
                         "private /dev/shm and /run/sentinel), needed by the host faults (docs/drill.md)")
+    p.add_argument("--link-rate", default="20mbit", help="--fault slow-link: the victim host's link rate (tc tbf syntax)")
     p.add_argument("--scheduler", choices=["local", "slurm"], default="local",
                    help="slurm: run the job through a real Slurm cluster started here (root; slurm-wlm, munge): "
                         "the failed node is drained in Slurm, the spare comes from the job's allocation")

@@ -441,6 +441,15 @@ class Drill:
                    and not (self.pool / f"{n.name}.dead").exists()]
         return bool(agents) and all(p.poll() is not None for p in agents) and not claimed
 
+    def straggler_seen(self, node: Node) -> dict[str, Any] | None:
+        """The newest straggler score ``node``'s daemon holds (its status file), or None."""
+        try:
+            job = json.loads((node.runtime / "status.json").read_text()).get("job") or {}
+        except (OSError, ValueError, AttributeError):
+            return None
+        st = job.get("straggler") if isinstance(job, dict) else None
+        return st if isinstance(st, dict) else None
+
     def host_report(self) -> dict[str, Any]:
         """What the report adds about the hosts (namespaced hosts: addresses, bytes over the bridge)."""
         return {}

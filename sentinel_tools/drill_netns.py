@@ -121,6 +121,10 @@ class NetnsDrill(Drill):
         assert self.cluster is not None
         self.cluster.heal(node.name)
 
+    def shape(self, node: Node, rate: str) -> None:
+        assert self.cluster is not None
+        self.cluster.shape(node.name, rate)
+
     def power_off_store(self) -> None:
         assert self.cluster is not None
         self.cluster.power_off(STORE_HOST)

@@ -9,7 +9,7 @@ bitwise ``--verify`` (which every fault must pass when it is asked for).
 
 from __future__ import annotations
 
-from sentinel_tools.faults import dbe, hang, hang_host, kill, partition, power_off, rank_crash, sbe_ramp, slow, store_host, xid79
+from sentinel_tools.faults import dbe, hang, hang_host, kill, partition, power_off, rank_crash, sbe_ramp, slow, slow_link, store_host, xid79
 from sentinel_tools.faults.base import Fault, Outcome
 
 __all__ = ["FAULTS", "Fault", "Outcome", "get"]
@@ -17,7 +17,7 @@ __all__ = ["FAULTS", "Fault", "Outcome", "get"]
 FAULTS: dict[str, Fault] = {f.name: f for f in (xid79.FAULT, dbe.FAULT, sbe_ramp.FAULT, kill.FAULT, rank_crash.FAULT,
                                                 hang.FAULT, slow.FAULT, power_off.FAULT,
                                                 store_host.FAULT, hang_host.FAULT,
-                                                partition.FAULT)}
+                                                partition.FAULT, slow_link.FAULT)}
 
 
 def get(name: str) -> Fault:
