@@ -201,3 +201,14 @@ def test_store_host_power_off_is_said_in_one_line_within_30_s(host_drill):
     assert "cannot be reached" in lost["line"] and "this job cannot continue" in lost["line"], why(r)
     assert lost["seconds_after_fault"] is not None and lost["seconds_after_fault"] <= 30, why(r)
     assert lost["agents_saying_so"] >= 1
+
+
+def test_partition_goes_on_without_the_cut_off_host_and_it_never_steps_again(host_drill):
+    r = host_drill("--fault", "partition", "--verify")
+    assert r["ok"] and r["rc"] == 0, why(r)
+    assert len(r["recomputed_steps"]) <= 1 and r["verify"]["bitwise_equal"], why(r)
+    p = r["partition"]
+    assert p["healed_seconds_after_fault"] is not None, why(r)  # the link came back while the job ran on
+    assert p["cut_off_host_steps_after_fault"] == [] and p["same_rank_twice"] == [], why(r)
+    assert "node1" not in r["final_nodes"] and "spare0" in r["final_nodes"]
+    assert r["restore"]["tier"] == "memory" and r["restore"]["peer"], why(r)
