@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -131,6 +132,12 @@ def run_drill(args: argparse.Namespace) -> int:
         drill: Drill = NetnsDrill(args)
     else:
         drill = Drill(args)
+    # a drill stopped by SIGTERM or SIGHUP (a CI job's timeout, a closed terminal) still runs its
+    # cleanup: every process it started, and on --hosts netns every namespace and link
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         result = drill.run()
     except DrillError as exc:
@@ -139,6 +146,8 @@ def run_drill(args: argparse.Namespace) -> int:
         return 1
     finally:
         drill.cleanup()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if args.json:
         print(json.dumps(result, indent=1))
     else:

@@ -201,7 +201,7 @@ class Drill:
         node.runtime.mkdir(parents=True, exist_ok=True)
         node.runtime.chmod(0o755)
         simulated.write_state(node.gpus, simulated.healthy_state(self.args.gpus_per_node))
-        spare_cmd = json.dumps(self.claim_argv("{node}"))
+        spare_cmd = json.dumps(self.spare_command())
         topology = f'[actions.topology]\nfile = {json.dumps(str(self.args.topology))}\n' if self.args.topology else ""
         (node.root / "sentinel.toml").write_text(
             "[daemon]\npoll_interval_seconds = 0.2\nnvml_deadline_seconds = 1.0\n"
@@ -223,6 +223,10 @@ class Drill:
             }))
             (self.pool / f"{name}.free").write_text("")
         return node
+
+    def spare_command(self) -> list[str]:
+        """The daemons' ``spare_command`` (``{node}``: the node it replaces)."""
+        return self.claim_argv("{node}")
 
     def claim_argv(self, departed: str) -> list[str]:
         """The spare command: with --topology, the free spare nearest ``departed``."""

@@ -18,6 +18,7 @@ link, mount and process, also when the drill fails.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -28,6 +29,8 @@ from sentinel_tools.drill_cluster import Drill, Node
 from sentinel_tools.harness import DrillError, progress, repo_root, wait
 
 STORE_HOST = "store"
+SCHEDULER_HOST = "sched"
+SCHEDULER_CALL_SECONDS = 20.0
 STORE_LOSS_LINE = "trainer.elastic: the rendezvous store"  # trainer.elastic's one line when its store is gone
 
 
@@ -39,10 +42,12 @@ class NetnsDrill(Drill):
         self.bytes_at_fault: dict[str, dict[str, int]] = {}
         self.fault_times: list[float] = []  # when each victim was hit
         self.healed_at: float | None = None  # --fault partition: when the link came back
+        self.scheduler_port = 8080  # on the scheduler's own host: nothing else listens there
+        self.scheduler_token = self.work / "scheduler.token"
 
     def host_names(self) -> list[str]:
         a = self.args
-        return [STORE_HOST] + [f"node{i}" for i in range(a.nodes)] + [f"spare{i}" for i in range(a.spares)]
+        return [STORE_HOST, SCHEDULER_HOST] + [f"node{i}" for i in range(a.nodes)] + [f"spare{i}" for i in range(a.spares)]
 
     def start_cluster(self, t_start: float) -> None:
         why = netns.missing()
@@ -54,7 +59,32 @@ class NetnsDrill(Drill):
             self.cluster.start()
         except netns.NetnsError as exc:
             raise DrillError(f"--hosts netns: {exc}") from None
+        self.start_scheduler()
         super().start_cluster(t_start)
+
+    def start_scheduler(self) -> None:
+        """The scheduler's host: the daemons' spare calls reach it over the bridge."""
+        sched, log = self.host(SCHEDULER_HOST), self.work / "scheduler.log"
+        self.scheduler_token.write_text(os.urandom(16).hex())
+        self.scheduler_token.chmod(0o600)
+        argv = [sys.executable, "-m", "sentinel_tools.drill_scheduler", "serve", "--address", sched.address,
+                "--port", str(self.scheduler_port), "--pool", str(self.pool), "--token-file", str(self.scheduler_token)]
+        if self.args.topology:
+            argv += ["--topology", str(self.args.topology)]
+        proc = self.spawn(sched.wrap(argv, cwd=repo_root()), log)
+
+        def up() -> bool:
+            return proc.poll() is not None or (log.exists() and "scheduler listening" in log.read_text())
+
+        wait(up, max(30.0, self.args.timeout / 3), f"the scheduler on {sched.address}")
+        if proc.poll() is not None:
+            raise DrillError(f"the scheduler on host {SCHEDULER_HOST} exited: {log.read_text()[-1500:]}")
+
+    def spare_command(self) -> list[str]:
+        sched = self.host(SCHEDULER_HOST)
+        return [sys.executable, "-m", "sentinel_tools.drill_scheduler", "claim", "--url",
+                f"http://{sched.address}:{self.scheduler_port}", "--for", "{node}", "--token-file",
+                str(self.scheduler_token), "--timeout", str(SCHEDULER_CALL_SECONDS)]
 
     def host(self, name: str) -> netns.Host:
         assert self.cluster is not None
