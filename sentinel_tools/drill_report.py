@@ -260,8 +260,11 @@ def print_timeline(result: dict[str, Any]) -> None:
                                                 f"from a peer's replica: {rs['peer']}{disk})" if rs["tier"] == "memory" else ""))
     if result.get("store_lost"):
         lost = result["store_lost"]
-        print(f"store lost: {lost['line'] or 'no agent said why'} (the job was gone {lost['seconds_after_fault']} s "
-              "after the fault)")
+        if result["finished"]:
+            print("store lost: the job finished without it (it needed no new membership after the fault)")
+        else:
+            print(f"store lost: {lost['line'] or 'no agent said why'} (the job was gone {lost['seconds_after_fault']} s "
+                  "after the fault)")
     for note in result["migration_notes"] + result.get("notes", []):
         print(f"note: {note}")
     if "verify" in result:
