@@ -199,3 +199,19 @@ def test_validating_a_config_loads_neither_the_http_server_nor_prometheus(tmp_pa
     r = subprocess.run([sys.executable, "-c", code, toml], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+def test_the_drill_harness_fits_the_same_limits_and_has_no_import_cycle():
+    """``sentinel_tools``' drill modules (the cluster runners, the faults, the report; not the
+    goodput simulator under ``sentinel_tools/sim``) keep the daemon's limits too (#41's split)."""
+    mods = {k: p for k, p in modules(("sentinel_tools",)).items() if not k.startswith("sentinel_tools.sim")}
+    too_long = [f"{p.relative_to(ROOT)}: {n} lines" for p in mods.values()
+                if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES]
+    long_functions = [f"{p.relative_to(ROOT)}:{node.lineno} {node.name}()" for p in mods.values()
+                      for node in ast.walk(ast.parse(p.read_text(), str(p)))
+                      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                      and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    graph = {name: {t for t in _imports(ast.parse(p.read_text(), str(p)), name, p.name == "__init__.py")
+                    if t in mods and t != name} for name, p in mods.items()}
+    assert "sentinel_tools.drill_cluster" in mods and "sentinel_tools.faults.power_off" in mods
+    assert not too_long and not long_functions and not cycles(graph), (too_long, long_functions, cycles(graph))

@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 import signal
 
-from sentinel_tools.faults import hang
+from sentinel_tools.faults.hang import FAULT as HANG
+from sentinel_tools.faults.hang import verdict as hang_verdict
 from sentinel_tools.faults.base import Fault
 
 
@@ -21,4 +22,4 @@ def inject(drill, victim) -> None:
 
 
 FAULT = Fault("hang-host", "every rank of one host SIGSTOPped at once (a GPU hang that takes the whole node)",
-              inject, verdict=hang.verdict, pg_timeout_seconds=hang.FAULT.pg_timeout_seconds)
+              inject, verdict=hang_verdict, pg_timeout_seconds=HANG.pg_timeout_seconds)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from sentinel_tools.faults import kill
+from sentinel_tools.faults.kill import replace
 from sentinel_tools.faults.base import Fault
 
 HEAL_POLL_SECONDS = 0.1
@@ -20,7 +20,7 @@ def inject(drill, victim) -> None:
 def replace_then_heal(drill, victims, deadline: float) -> None:
     """The scheduler's replacement, then the link back once the job steps on the spare."""
     t_fault = time.time()
-    kill.replace(drill, victims, deadline)
+    replace(drill, victims, deadline)
     gone = {v.name for v in victims}
     while time.time() < deadline:
         events = drill.events()

@@ -5,7 +5,7 @@ host's shards from their replicas on other hosts, pulled over the bridge."""
 
 from __future__ import annotations
 
-from sentinel_tools.faults import kill
+from sentinel_tools.faults.kill import replace
 from sentinel_tools.faults.base import Fault
 
 
@@ -28,4 +28,4 @@ def verdict(drill, result, outcome) -> bool:
 
 
 FAULT = Fault("power-off", "a host powers off (--hosts netns): all its processes SIGKILLed at once, its link and tmpfs "
-              "gone, no goodbye", inject, verdict=verdict, follow_up=kill.replace, sudden=True, needs_hosts=True)
+              "gone, no goodbye", inject, verdict=verdict, follow_up=replace, sudden=True, needs_hosts=True)
