@@ -1,6 +1,6 @@
 """The drill's scheduler host (sentinel_tools.drill_scheduler, `--hosts netns`): a daemon's spare
 call posts to it with the job's token; without the token it is refused and nothing is claimed; a
-spare is claimed once; an unreachable scheduler is a failure within the call's timeout."""
+spare is claimed once; an unreachable scheduler is a failure that says so."""
 
 from __future__ import annotations
 
