@@ -269,9 +269,25 @@ class JobConfig:
     # left. bench/migration.py measures it (docs/measured.json: warm_spare_trip_to_first_step_seconds);
     # a large job's restart is longer (docs/goodput.md), hence the conservative default.
     handover_seconds: float = 60.0
+    # Hang verdicts between the job's daemons (sentinel.peers): a verdict naming another node is
+    # forwarded to that node's daemon, signed with this key (root's, mode 0600, the same on every
+    # node of the job). Empty: verdicts stay on the node that heard them.
+    peer_key_file: str = ""
+    # JSON: node name -> "address:port" of its daemon's peer listener; read at each forward
+    peers_file: str = ""
+    # "address:port" this daemon's peer listener binds (UDP)
+    peer_listen_address: str = ""
 
     def validate(self, prefix: str) -> None:
         _number(prefix, "handover_seconds", self.handover_seconds, 0, DAY)
+        for key in ("peer_key_file", "peers_file", "peer_listen_address"):
+            _text(prefix, key, getattr(self, key))
+        if self.peer_key_file:
+            _path(prefix, "peers_file", self.peers_file, required=True)
+            try:
+                settings.parse_address(self.peer_listen_address)
+            except ValueError as exc:
+                raise ConfigError(f"{prefix}.peer_listen_address: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -303,7 +319,8 @@ LIVE_ON_RELOAD = frozenset({
 })
 # Keys inside a live section that still need a restart: the backend is built and checked
 # against the scheduler (node known, permissions) once, at start.
-RESTART_ONLY = frozenset({"actions.backend"} | {f"actions.{name}" for name in backends.SETTINGS})
+RESTART_ONLY = frozenset({"actions.backend", "job.peer_key_file", "job.peer_listen_address"}
+                         | {f"actions.{name}" for name in backends.SETTINGS})
 
 
 def _changed(old: Config, new: Config) -> list[tuple[str, bool]]:

@@ -21,6 +21,8 @@ from sentinel.config import Config
 from sentinel.families import Family, counter, gauge
 from sentinel.fsutil import UnsafePath, ensure_private_dir, probe_writable, write_json_atomic
 from sentinel.jobhealth import JobHealth
+from sentinel.peers import NullPeers, PeerError
+from sentinel.peers import from_config as peers_from_config
 from sentinel.log import event
 from sentinel.metrics import View, build_registry
 from sentinel.policy import Health, Policy, PolicyState
@@ -131,6 +133,8 @@ class Daemon:
         self.last_poll: float | None = None  # monotonic time of the last completed full poll
         # the job's hang and straggler reports (sentinel.jobhealth), read off the channel with the acks
         self.jobhealth = JobHealth(self.node, handover_seconds=config.job.handover_seconds)
+        # verdicts naming another node go to that node's daemon (sentinel.peers; off by default)
+        self.peers: Any = NullPeers()
 
     # -- start/stop ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -145,6 +149,10 @@ class Daemon:
         except OSError as exc:  # strerror is one sentence: "cannot listen for metrics on ...", or the unusable file
             raise StartupError(exc.strerror or str(exc)) from None
         self.metrics_port = self.httpd.port
+        try:
+            self.peers = peers_from_config(self.node, self.config.job)
+        except (OSError, PeerError) as exc:
+            raise StartupError(f"cannot start the peer listener ([job] peer_*): {exc}") from None
         self.start_nvml()
         for src in self.event_sources:
             src.wake = self._wake.set
@@ -208,6 +216,7 @@ class Daemon:
             self.endpoint.close()
         if self.migrator is not None:
             self.migrator.close()
+        self.peers.close()
         self.nvml.close()
 
     # -- one iteration ------------------------------------------------------------------------
@@ -312,6 +321,10 @@ class Daemon:
             self._guard("jobhealth", self.jobhealth.readings, readings.gpus, now)
         take = getattr(self.endpoint, "take_reports", None)
         reports = self._guard("channel", take, default=[]) if take is not None else []
+        for rep in reports:  # this node's ranks' verdicts only: a forwarded one is never sent on
+            if rep.kind == "hang":
+                self._guard("peers", self.peers.forward, rep)
+        reports = [*reports, *(self._guard("peers", self.peers.receive, default=[]) or [])]
         if not reports:
             return
         for rep in reports:

@@ -53,3 +53,11 @@ def command(prefix: str, key: str, argv: tuple[str, ...]) -> None:
         text(prefix, f"{key}[{i}]", arg)
     if argv and not argv[0]:
         raise ConfigError(f"{prefix}.{key}[0]: the program to run must not be empty")
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``"address:port"`` (an IPv6 address in brackets) -> (address, port); ValueError otherwise."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{text!r} is not address:port")
+    return host.strip("[]"), int(port)

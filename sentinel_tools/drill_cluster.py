@@ -94,6 +94,9 @@ class Drill:
         self.mounted = False
         self.run_id = f"drill-{os.getpid()}"
         self.victim_names: set[str] = set()  # set by run(): the nodes it faults
+        self.peer_key = self.work / "peer.key"  # the daemons' shared key for forwarded hang verdicts
+        self.peers_file = self.work / "peers.json"
+        self.peer_ports: dict[str, int] = {}
         self.job_dead_at: float | None = None  # when every agent of the job was seen gone (the job did not finish)
         # Each node's memory-tier holder: a tmpfs directory of its own ("node memory").
         self.memory_root = Path("/dev/shm") / f"sentinel-drill-{os.getpid()}-{os.urandom(3).hex()}"
@@ -211,6 +214,8 @@ class Drill:
             "[policy]\nlead_time_seconds = 600.0\ndebounce_samples = 3\n"
             f"[actions]\nack_timeout_seconds = 30.0\nbackend = \"command\"\nspare_command = {spare_cmd}\n"
             f"[job]\nhandover_seconds = {self.args.handover_seconds}\n"
+            f'peer_key_file = "{self.peer_key}"\npeers_file = "{self.peers_file}"\n'
+            f'peer_listen_address = "{self.peer_address(node)}"\n'
             "[ebpf]\nenabled = false\nkmsg_fallback = false\n"  # drills must not react to the host's kernel log
             + topology
         )
@@ -223,6 +228,19 @@ class Drill:
             }))
             (self.pool / f"{name}.free").write_text("")
         return node
+
+    def peer_address(self, node: Node) -> str:
+        """Where ``node``'s daemon hears hang verdicts forwarded by the others (sentinel.peers)."""
+        if node.name not in self.peer_ports:
+            self.peer_ports[node.name] = free_port()
+        return f"127.0.0.1:{self.peer_ports[node.name]}"
+
+    def write_peers(self) -> None:
+        """The job's peer key (root's, 0600) and every node's peer address, before any daemon starts."""
+        fd = os.open(self.peer_key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(os.urandom(24).hex())
+        self.peers_file.write_text(json.dumps({n.name: self.peer_address(n) for n in self.nodes}))
 
     def spare_command(self) -> list[str]:
         """The daemons' ``spare_command`` (``{node}``: the node it replaces)."""
@@ -299,6 +317,7 @@ class Drill:
         progress(f"starting {a.nodes} node(s) and {a.spares} spare(s) in {self.work}")
         self.start_store()
         self.nodes = [self.make_node(i, False) for i in range(a.nodes)] + [self.make_node(i, True) for i in range(a.spares)]
+        self.write_peers()
         for n in self.nodes:
             self.start_daemon(n)
         for n in self.nodes:

@@ -31,6 +31,7 @@ from sentinel_tools.harness import DrillError, progress, repo_root, wait
 STORE_HOST = "store"
 SCHEDULER_HOST = "sched"
 SCHEDULER_CALL_SECONDS = 20.0
+PEER_PORT = 9470  # each daemon's peer listener, on its own host's address
 STORE_LOSS_LINE = "trainer.elastic: the rendezvous store"  # trainer.elastic's one line when its store is gone
 
 
@@ -98,6 +99,9 @@ class NetnsDrill(Drill):
 
     def on_node(self, node: Node, argv: list[str]) -> list[str]:
         return node.host.wrap(argv, cwd=repo_root()) if node.host is not None else argv
+
+    def peer_address(self, node: Node) -> str:
+        return f"{node.host.address}:{PEER_PORT}" if node.host is not None else super().peer_address(node)
 
     def store_endpoint(self) -> str:
         return f"{self.host(STORE_HOST).address}:{self.store_port}"
