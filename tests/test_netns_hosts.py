@@ -217,3 +217,15 @@ def test_partition_goes_on_without_the_cut_off_host_and_it_never_steps_again(hos
     assert p["cut_off_host_steps_after_fault"] == [] and p["same_rank_twice"] == [], why(r)
     assert "node1" not in r["final_nodes"] and "spare0" in r["final_nodes"]
     assert r["restore"]["tier"] == "memory" and r["restore"]["peer"], why(r)
+
+
+def test_hang_host_hands_over_though_no_rank_of_the_culprit_host_can_report(host_drill):
+    """Every rank of node1 stopped: the live ranks' daemons forward the verdict to node1's daemon
+    over the bridge (sentinel.peers), which hands its node over."""
+    r = host_drill("--fault", "hang-host", "--verify")
+    assert r["ok"] and r["rc"] == 0, why(r)
+    assert len(r["recomputed_steps"]) <= 1 and r["verify"]["bitwise_equal"], why(r)
+    health = r["job_health"]
+    assert health["rule"] == "hang" and "forwarded by" in health["reason"], why(r)
+    assert health["last_completed_step_to_handover_seconds"] <= 60, why(r)
+    assert "spare0" in r["final_nodes"] and "node1" not in r["final_nodes"]
