@@ -271,3 +271,13 @@ def test_the_reference_cache_reuses_one_run_per_world_steps_and_code_and_never_k
     assert drill_mod.cached_reference(cache, 2, 60, lambda d: run(d, None)) == (None, "rank 1 failed")
     assert drill_mod.cached_reference(cache, 2, 60, run)[0] == {"params": "p1", "optim": "o1"} and len(runs) == 6
     assert not [p for p in cache.iterdir() if p.is_dir()]  # the runs' work directories are removed
+
+
+def test_a_hung_rank_alone_on_its_node_is_handed_over_by_the_forwarded_verdict(references):
+    """#41: with one rank per node the culprit's daemon hears nothing from its own (stopped) rank;
+    the live rank's daemon forwards the verdict to it (sentinel.peers) and the node is handed over."""
+    r = drill("--fault", "hang", "--verify", references=references)
+    assert r["ok"] and r["rc"] == 0, why(r)
+    assert len(r["recomputed_steps"]) <= 1 and r["verify"]["bitwise_equal"], why(r)
+    assert r["job_health"]["rule"] == "hang" and "forwarded by node0's daemon" in r["job_health"]["reason"], why(r)
+    assert r["job_health"]["last_completed_step_to_handover_seconds"] <= 60, why(r)
