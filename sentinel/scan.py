@@ -47,8 +47,8 @@ class ScanError(RuntimeError):
 class KernelLogStats:
     """What was read of one kernel log. A line is unreadable when it is not text (bad UTF-8, NUL
     bytes, longer than MAX_LINE: ``malformed``), when it starts like a log prefix the reader does
-    not know (``unrecognised``), or when it carries no prefix in a log whose other lines do
-    (``bare`` while ``prefixed`` > 0). Any unreadable line makes the verdict UNKNOWN unless a
+    not know (``unrecognised``), or when it carries no prefix in a log whose other lines do,
+    has no kernel-message shape and continues no record (``bare`` while ``prefixed`` > 0). Any unreadable line makes the verdict UNKNOWN unless a
     critical finding stands (what could not be read may hide a failure; OK is never said of it)."""
 
     source: str
@@ -129,49 +129,57 @@ def read_lines(stream: IO[bytes], stats: KernelLogStats) -> Iterator[tuple[int, 
         yield lineno, text.rstrip("\r\n")
 
 
-def logical_lines(lines: Iterator[tuple[int, str]], stats: KernelLogStats) -> Iterator[tuple[int, str]]:
-    """The kernel messages of a log, each as (its first line's number, its text): every line read
-    by :func:`sentinel.sources.kmsg.parse_log_line`; continuation lines joined to the record they
-    continue with newlines: indented lines with no prefix of their own (dmesg's and journalctl's
-    multi-line records, a /dev/kmsg record's KEY=value lines) and, in a log whose lines carry
-    prefixes, a line with none (a record the paste or the terminal wrapped); other programs'
-    lines skipped; the rest counted in ``stats``."""
+def logical_lines(lines: Iterator[tuple[int, str]], stats: KernelLogStats,
+                  catalog: signatures.Catalog | None = None) -> Iterator[tuple[int, str]]:
+    """The kernel records of a log, each as (its first line's number, its text): every line read
+    by :func:`sentinel.sources.kmsg.parse_log_line`, then assembled by
+    :class:`sentinel.records.Joiner` (a line that starts a catalog record on its own is never a
+    continuation; an indented bare line, or in a prefixed log a bare line with no kernel-message
+    shape, continues the record before it); other programs' lines skipped; the rest counted in
+    ``stats``. A log in which no line has the shape of a kernel message holds none (``messages``
+    is 0: random text, an application's output, a wrong file)."""
+    from sentinel.records import Joiner, kernel_shaped
     from sentinel.sources.kmsg import parse_log_line
 
-    pending: tuple[int, str, str] | None = None  # (line number, kind, text)
-    first_bare = 0
+    joiner = Joiner(catalog or signatures.default_catalog())
+    first_orphan = 0
+    shaped = 0
     for lineno, text in lines:
         parsed = parse_log_line(text)
-        wrapped = stats.prefixed > 0  # a line with no prefix of its own in a prefixed log: the paste wrapped a record
-        if (pending is not None and parsed is not None and parsed.kind == "bare"
-                and (text[:1] in (" ", "\t") or wrapped)):
-            if pending[1] != "other" and len(pending[2]) + len(parsed.message) < MAX_CONTINUATION:
-                pending = (pending[0], pending[1], pending[2] + "\n" + parsed.message)
-            continue  # a continuation of another program's line, or beyond a record's size: not ours
-        if pending is not None and pending[1] != "other":
-            yield pending[0], pending[2]
-        pending = None
         if parsed is None:
             stats.unrecognised += 1
             stats.unreadable_at(lineno)
+            yield from joiner.feed(lineno, None)
             continue
         if parsed.kind == "bare":
-            stats.bare += 1
-            if stats.prefixed == 0 and stats.bare == 1:
-                first_bare = lineno
-            if stats.prefixed:
-                stats.unreadable_at(lineno)
+            message = parsed.message
+            looks = kernel_shaped(message)
+            how = "indented" if text[:1] in (" ", "\t") else "wrapped" if stats.prefixed and not looks else "record"
+            done = joiner.feed(lineno, message, how)
+            if not joiner.joined:
+                stats.messages += 1
+                if looks or joiner.catalog.classify(message) is not None:
+                    shaped += 1
+                else:  # a bare line of no kernel shape that continues nothing
+                    stats.bare += 1
+                    if stats.prefixed:
+                        stats.unreadable_at(lineno)
+                    elif stats.bare == 1:
+                        first_orphan = lineno
+            yield from done
         elif parsed.kind in ("kernel", "other", "meta"):
             if stats.prefixed == 0 and stats.bare:
-                stats.unreadable_at(first_bare)  # the bare lines before it were unreadable too
+                stats.unreadable_at(first_orphan)  # the bare lines of no kernel shape before it were unreadable too
             stats.prefixed += 1
-        if parsed.kind in ("kernel", "bare"):
-            stats.messages += 1
-            pending = (lineno, parsed.kind, parsed.message)
-        elif parsed.kind == "other":
-            pending = (lineno, "other", "")
-    if pending is not None and pending[1] != "other":
-        yield pending[0], pending[2]
+            if parsed.kind == "kernel":
+                stats.messages += 1
+                shaped += 1
+                yield from joiner.feed(lineno, parsed.message)
+            else:
+                yield from joiner.feed(lineno, None)
+    yield from joiner.close()
+    if shaped == 0:
+        stats.messages = 0
 
 
 def kmsg_records(path: str = "/dev/kmsg") -> Iterator[bytes]:
@@ -219,7 +227,7 @@ def scan_kernel_log(stream: IO[bytes] | _Records, source: str, result: Result, c
     from sentinel.rules.xid import XID_APPLICATION
 
     stats = result.kernel_log = KernelLogStats(source)
-    for lineno, text in logical_lines(read_lines(stream, stats), stats):
+    for lineno, text in logical_lines(read_lines(stream, stats), stats, catalog):
         m = catalog.classify(text)
         if m is None:
             continue
