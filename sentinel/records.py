@@ -96,3 +96,25 @@ class Joiner:
     def _flush(self) -> list[tuple[int, str]]:
         text, self._text, self._open = self._text, None, False
         return [] if text is None else [(self._line, text)]
+
+
+class LiveRecords:
+    """The same assembly for paths that hand over whole records one at a time and must act on
+    each at once (/dev/kmsg, printk:console): a record is classified as it comes; a record that
+    continues a message the driver prints in parts (the catalog's ``joins``) is classified joined
+    to the parts before it, so the message is found when its last part arrives, never later."""
+
+    def __init__(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+        self._head: str | None = None
+        self._parts = 0
+
+    def record(self, text: str) -> str:
+        """The text to classify for this record: itself, or the split message it completes."""
+        head = self._head
+        if head is not None and self._parts < 8 and len(head) + len(text) < MAX_RECORD \
+                and self.catalog.continues(head, text):
+            self._head, self._parts = head + "\n" + text, self._parts + 1
+            return self._head
+        self._head, self._parts = (text, 0) if self.catalog.opens_split(text) else (None, 0)
+        return text

@@ -28,6 +28,7 @@ from typing import IO, Iterator
 
 from sentinel import signatures
 from sentinel.pci import port_map
+from sentinel.scan_explain import explain_finding, explain_misses
 
 OK, WARNING, CRITICAL, UNKNOWN = 0, 1, 2, 3
 EXIT_NAMES = {OK: "OK", WARNING: "WARNING", CRITICAL: "CRITICAL", UNKNOWN: "UNKNOWN"}
@@ -83,6 +84,8 @@ class Result:
     worst: int = OK
     counts: dict[str, int] = field(default_factory=lambda: {"critical": 0, "warning": 0, "info": 0})
     kernel_log: KernelLogStats | None = None
+    explain: bool = False  # --explain: each finding keeps its record and catalog entry; misses are kept
+    misses: list[dict] = field(default_factory=list)  # records that start like an entry and match none
 
     def add(self, finding: dict) -> None:
         self.counts[finding["severity"]] += 1
@@ -230,6 +233,8 @@ def scan_kernel_log(stream: IO[bytes] | _Records, source: str, result: Result, c
     for lineno, text in logical_lines(read_lines(stream, stats), stats, catalog):
         m = catalog.classify(text)
         if m is None:
+            if result.explain and len(result.misses) < MAX_FINDINGS and catalog.starts_like_entry(text):
+                result.misses.append({"lineno": lineno, "record": text})
             continue
         gpu = None
         for bus in (m.source_bus_id, m.pci_bus_id):
@@ -241,8 +246,11 @@ def scan_kernel_log(stream: IO[bytes] | _Records, source: str, result: Result, c
             action = "alert" if action in (None, "ignore") else action
         else:
             severity, action = m.severity, m.action
-        result.add(finding(lineno=lineno, kind=m.kind, severity=severity, pci_bus_id=m.pci_bus_id, gpu=gpu, xid=m.xid,
-                           action=action, message=m.message))
+        found = finding(lineno=lineno, kind=m.kind, severity=severity, pci_bus_id=m.pci_bus_id, gpu=gpu, xid=m.xid,
+                        action=action, message=m.message)
+        if result.explain:
+            found.update(record=text, signature=m.signature)
+        result.add(found)
 
 
 # -- NVML -----------------------------------------------------------------------------------------
@@ -309,7 +317,7 @@ def run(args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:
         return _unknown(f"{exc}", out, args.json)
     catalog = signatures.default_catalog()
     policy = Policy(cfg.policy)
-    result = Result()
+    result = Result(explain=args.explain)
     gpus: list = []
     try:
         if not args.no_nvml:
@@ -358,8 +366,10 @@ def verdict(result: Result) -> int:
 def write_report(result: Result, code: int, out: IO[str], as_json: bool) -> None:
     kl = result.kernel_log
     if as_json:
+        extra = {"not_counted": result.misses} if result.explain else {}
         out.write(json.dumps({"findings": result.findings, "gpus": result.gpus,
-                              "kernel_log": None if kl is None else kl.as_dict(), "status": EXIT_NAMES[code]}) + "\n")
+                              "kernel_log": None if kl is None else kl.as_dict(), "status": EXIT_NAMES[code],
+                              **extra}) + "\n")
         out.flush()
         return
     c = result.counts
@@ -371,6 +381,10 @@ def write_report(result: Result, code: int, out: IO[str], as_json: bool) -> None
         where = f"GPU {f['gpu']}" if f["gpu"] is not None else (f["pci_bus_id"] or "node")
         line = f"line {f['lineno']}" if f["lineno"] is not None else "nvml"
         out.write(f"  {f['severity'].upper():<8} {line:<12} {where:<14} {f['kind']} -> {f['action']}: {f['message']}\n")
+        if result.explain:
+            explain_finding(f, out)
+    if result.explain:
+        explain_misses(result.misses, out)
     for g in result.gpus:
         out.write(f"  GPU {g['index']} {g['pci_bus_id']} {g['verdict'].upper()} ({g['findings']} finding(s))\n")
     if kl is not None:
@@ -415,6 +429,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML config whose [policy] applies (Xid overrides, thresholds)")
     p.add_argument("--deadline", type=float, default=2.0, help="seconds an NVML call may take (default 2)")
     p.add_argument("--json", action="store_true", help='print {"findings": [...], "gpus": [...]} (plus kernel_log, status)')
+    p.add_argument("--explain", action="store_true", help="print each finding's record as joined and the catalog entry "
+                   "that matched it, and the records that start like an entry but match none")
 
 
 def explain(args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:

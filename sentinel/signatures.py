@@ -104,12 +104,15 @@ class Catalog:
             return None
         return self._classify(text)
 
-    def explain(self, text: object) -> tuple[Match, Signature] | None:
-        """The match and the catalog entry that made it (``sentinel scan --explain``), or None."""
-        m = self.classify(text)
-        if m is None:
-            return None
-        return m, next(s for s in self.signatures if s.name == m.signature)
+    def entry(self, name: str) -> Signature | None:
+        """The catalog entry of that name (``sentinel scan --explain``)."""
+        return next((s for s in self.signatures if s.name == name), None)
+
+    def starts_like_entry(self, text: str) -> list[str]:
+        """The entries whose prefix (or needle) ``text`` has, though it may match none of them."""
+        text = text.replace("\\x0a", "\n").strip()
+        return [s.name for s in self.signatures
+                if text.startswith(s.prefixes) or (s.needle is not None and s.needle in text)]
 
     def continues(self, head: str, text: str) -> bool:
         """True when ``text`` (a record's message) continues ``head``, the message of a record
@@ -120,6 +123,11 @@ class Catalog:
             if head.startswith(starts) and text.startswith(joins) and sig.match(head) is None:
                 return True
         return False
+
+    def opens_split(self, head: str) -> bool:
+        """True when ``head`` starts a message printed in parts (an entry with ``joins``) that
+        it does not complete on its own."""
+        return any(head.startswith(starts) and sig.match(head) is None for sig, starts, _ in self._joins)
 
     def _classify(self, text: str) -> Match | None:
         for sig in self.signatures:
