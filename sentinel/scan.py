@@ -114,22 +114,31 @@ def read_lines(stream: IO[bytes], stats: KernelLogStats) -> Iterator[tuple[int, 
         lineno += 1
         stats.lines += 1
         if not raw.endswith(b"\n") and len(raw) >= MAX_LINE:
-            stats.malformed += 1
-            stats.unreadable_at(lineno)
+            line_text(stats, lineno, None)
             while raw and not raw.endswith(b"\n"):  # skip the rest of the overlong line
                 raw = stream.readline(MAX_LINE)
             continue
-        if b"\0" in raw:
-            stats.malformed += 1
-            stats.unreadable_at(lineno)
-            continue
+        text = line_text(stats, lineno, raw)
+        if text is not None:
+            yield lineno, text
+
+
+def line_text(stats: KernelLogStats, lineno: int, raw: bytes | None, text: str | None = None) -> str | None:
+    """One line's text from its bytes (``raw``) or its decoded text, or None when it is
+    malformed (counted): longer than MAX_LINE (``raw`` and ``text`` None), a NUL byte, not UTF-8."""
+    if text is None and raw is not None and b"\0" not in raw:
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
-            stats.malformed += 1
-            stats.unreadable_at(lineno)
-            continue
-        yield lineno, text.rstrip("\r\n")
+            pass
+    body = text[:-1] if text is not None and text.endswith("\n") else text
+    if body is not None and (len(body) if body.isascii() else len(body.encode("utf-8"))) >= MAX_LINE:
+        text = None
+    if text is None:
+        stats.malformed += 1
+        stats.unreadable_at(lineno)
+        return None
+    return text.rstrip("\r\n")
 
 
 def logical_lines(lines: Iterator[tuple[int, str]], stats: KernelLogStats,
@@ -148,6 +157,14 @@ def logical_lines(lines: Iterator[tuple[int, str]], stats: KernelLogStats,
     first_orphan = 0
     shaped = 0
     for lineno, text in lines:
+        if type(text) is int:  # a run of lines the fast path passed over: kernel messages that match nothing
+            if stats.prefixed == 0 and stats.bare:
+                stats.unreadable_at(first_orphan)
+            stats.prefixed += text
+            stats.messages += text
+            shaped += text
+            yield from joiner.close()
+            continue
         parsed = parse_log_line(text)
         if parsed is None:
             stats.unrecognised += 1
@@ -230,7 +247,13 @@ def scan_kernel_log(stream: IO[bytes] | _Records, source: str, result: Result, c
     from sentinel.rules.xid import XID_APPLICATION
 
     stats = result.kernel_log = KernelLogStats(source)
-    for lineno, text in logical_lines(read_lines(stream, stats), stats, catalog):
+    if hasattr(stream, "read"):  # a file or a pipe: runs of lines that cannot matter are passed over in C
+        from sentinel import scan_fast
+
+        lines = scan_fast.read_lines(stream, stats, lambda n, raw, text=None: line_text(stats, n, raw, text), catalog)
+    else:
+        lines = read_lines(stream, stats)
+    for lineno, text in logical_lines(lines, stats, catalog):
         m = catalog.classify(text)
         if m is None:
             if result.explain and len(result.misses) < MAX_FINDINGS and catalog.starts_like_entry(text):

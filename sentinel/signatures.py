@@ -81,8 +81,13 @@ class Catalog:
     def __post_init__(self) -> None:
         # one C call rejects the messages no signature can match (nearly all of a log)
         object.__setattr__(self, "_starts", tuple({p for s in self.signatures for p in s.prefixes}))
-        object.__setattr__(self, "_needles", tuple({s.needle for s in self.signatures if s.needle}))
         object.__setattr__(self, "_joins", tuple((s, s.prefixes, s.joins) for s in self.signatures if s.joins))
+        needles = sorted({s.needle for s in self.signatures if s.needle})
+        object.__setattr__(self, "_needle", re.compile("|".join(map(re.escape, needles))) if needles else None)
+        # every pattern in one alternation, in catalog order: the first alternative that matches is the
+        # first entry whose pattern does (its own groups made non-capturing: one C call per message)
+        alternatives = "|".join(f"(?P<_{i}>{_uncaptured(s.regex.pattern)})" for i, s in enumerate(self.signatures))
+        object.__setattr__(self, "_any", re.compile(alternatives))
 
     def prefixes(self, *, without_xid: bool = False) -> tuple[str, ...]:
         """The distinct prefixes, longest first dropped when a shorter one covers it (the eBPF
@@ -99,10 +104,16 @@ class Catalog:
         """The signature a bare kernel message text starts with, or None. Never raises."""
         if not isinstance(text, str):
             return None
-        text = text[:MAX_MESSAGE].replace("\\x0a", "\n").strip()  # /dev/kmsg escapes a record's newlines
-        if not text.startswith(self._starts) and not any(n in text for n in self._needles):
+        text = text[:MAX_MESSAGE]
+        if "\\x0a" in text:
+            text = text.replace("\\x0a", "\n")  # /dev/kmsg escapes a record's newlines
+        text = text.strip()
+        if not text.startswith(self._starts) and (self._needle is None or self._needle.search(text) is None):
             return None
-        return self._classify(text)
+        first = self._any.match(text)
+        if first is None:
+            return None
+        return self._classify(text, int(next(k for k, v in first.groupdict().items() if v is not None)[1:]))
 
     def entry(self, name: str) -> Signature | None:
         """The catalog entry of that name (``sentinel scan --explain``)."""
@@ -129,8 +140,8 @@ class Catalog:
         it does not complete on its own."""
         return any(head.startswith(starts) and sig.match(head) is None for sig, starts, _ in self._joins)
 
-    def _classify(self, text: str) -> Match | None:
-        for sig in self.signatures:
+    def _classify(self, text: str, start: int = 0) -> Match | None:
+        for sig in self.signatures[start:]:
             m = sig.match(text)
             if m is None:
                 continue
@@ -149,6 +160,14 @@ class Catalog:
         if not isinstance(line, str):
             return None
         return self.classify(strip_prefix(line[:MAX_MESSAGE]))
+
+
+_GROUP = re.compile(r"\(\?P<[A-Za-z_]\w*>")
+
+
+def _uncaptured(pattern: str) -> str:
+    """``pattern`` with its named groups made non-capturing (for the one alternation)."""
+    return _GROUP.sub("(?:", pattern)
 
 
 def _bus(text: str | None) -> str | None:

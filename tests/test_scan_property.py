@@ -100,7 +100,7 @@ def logs(draw):
     return "\n".join(pieces) + "\n", alone
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(logs())
 def test_the_findings_of_a_file_are_the_union_of_the_findings_of_its_lines(case):
     text, alone = case

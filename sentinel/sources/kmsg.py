@@ -153,54 +153,55 @@ def parse_log_line(line: str) -> LogLine | None:
     return parsed
 
 
+_FAC = "(?:" + "|".join(_FACILITIES) + ")(?![a-z0-9])"
+# Every prefix of FORMATS in one alternation, in the order they take precedence (one C call a line;
+# the group that matched says which): wrappers, Talos, the caller id, /dev/kmsg and <N> headers,
+# dmesg -x, journal short-monotonic, syslog with a kernel tag, dmesg, another program's syslog line,
+# a syslog time with no tag (unreadable), a bare kernel: tag, journalctl's notes, an unknown prefix.
+_READERS = (
+    rf"(?P<talos>\S{{1,253}}: (?P<tfac>{_FAC}):\s{{0,8}}{_LEVELS}[a-z]{{0,3}}: \[{_ISO}\]: )",
+    rf"(?P<caller>\[\s{{0,8}}[TC]\d{{1,7}}\]\s?)",
+    rf"(?P<kmsg>(?P<kprio>\d{{1,3}}),\d{{1,20}},\d{{1,20}},[^;\s]*;|<(?P<rprio>\d{{1,3}})>\s*(?:{_DMESG_TS}\s?)?)",
+    rf"(?P<decode>(?P<dfac>{_FAC})\s*:\s*{_LEVELS}\s*:\s?(?:(?:{_DMESG_TS}|{_ISO})\s?)?)",
+    rf"(?P<monotonic>\[{_NUM}\] \S+ kernel: )",
+    rf"(?P<syslog>{_SYSLOG_TIME} (?:\S* )?)(?=kernel(?:\[\d{{1,10}}\])?:(?: |$|(?=\[)))",
+    rf"(?P<dmesg>(?:{_DMESG_TS}|{_ISO})(?:\[\s{{0,8}}[TC]\d{{1,7}}\])?(?: |$))",
+    rf"(?P<other>{_SYSLOG_TIME} )(?=(?:\S+ )?[^\s:\[\]]+(?:\[\d{{1,10}}\])?:(?: |$)|(?:\S* )?-- .{{1,200}} --$)",
+    rf"(?P<untagged>{_SYSLOG_TIME} )",
+    r"(?P<tag>)(?=kernel(?:\[\d{1,10}\])?:(?: |$|(?=\[)))",
+    r"(?P<meta>-- .{1,200} --$)",
+    rf"(?P<unknown>{_LOOKS_PREFIXED.pattern})",
+)
+_WRAPPER = (rf"(?P<wrapper>\[{_ISO_ANY}\]\s?|{_ISO} (?:stdout|stderr) [FP] |\[(?:pod|deployment|daemonset|job)/[^\]\s]{{1,253}}\] "
+            rf"|\[kernel\] |(?:> ?){{1,4}}|{_ISO} (?=\[|<\d{{1,3}}>|\d{{1,3}},\d{{1,20}},|kern\s*:|{_MON} ))")
+_READ = re.compile("|".join((_WRAPPER, *_READERS)))
+_READ_INNER = re.compile("|".join(_READERS))  # inside two wrappers: no third
+
+
 def _parse_text(text: str, depth: int = 0) -> LogLine | None:
-    if depth < 2 and text[:1] in "[0123456789>":  # a wrapper's time or prefix, then a line read again
-        for wrapper in _WRAPPERS:
-            m = wrapper.match(text)
-            if m:
-                return _wrapped(text[m.end():], depth)
-        m = _KUBECTL_TS.match(text)
-        if m:
-            return _wrapped(text[m.end():], depth)
-    m = _TALOS.match(text) if ": " in text[:260] and "]: " in text else None
-    if m and m.group("facility") in _FACILITIES:
-        return LogLine("kernel" if m.group("facility") == "kern" else "other", text[m.end():].strip())
-    m = _CALLER.match(text) if text[:1] == "[" else None
-    if m:  # dmesg -t on a kernel with the caller id: the caller is the only prefix
-        return LogLine("kernel", text[m.end():].strip())
-    m = _KMSG_HEADER.match(text) or _RAW.match(text)
-    if m:
-        rest = text[m.end():]
-        if not _facility_is_kernel(m.group("prio")):
+    m = (_READ if depth < 2 else _READ_INNER).match(text)
+    if m is None:
+        return LogLine("bare", text)
+    how, rest = m.lastgroup, text[m.end():]
+    if how == "wrapper":
+        return _wrapped(rest, depth)
+    if how == "talos":
+        return LogLine("kernel" if m.group("tfac") == "kern" else "other", rest.strip())
+    if how in ("caller", "monotonic", "dmesg"):
+        return LogLine("kernel", rest.strip())
+    if how == "kmsg":
+        if not _facility_is_kernel(m.group("kprio") or m.group("rprio")):
             return LogLine("other")
         return LogLine("kernel", _after_kernel_tag(rest))
-    m = _DECODE.match(text)
-    if m and m.group("facility") in _FACILITIES:
-        return LogLine("kernel" if m.group("facility") == "kern" else "other", text[m.end():].strip())
-    m = _MONOTONIC_JOURNAL.match(text)
-    if m:
-        return LogLine("kernel", text[m.end():].strip())
-    syslog = _SYSLOG.match(text)
-    if syslog:  # "<time> [host] kernel: ..." (an RFC 3339 time is dmesg --time-format=iso's too)
-        rest = text[syslog.end():]
-        host = rest.split(" ", 1)
-        if _KERNEL_TAG.match(rest):
-            return LogLine("kernel", _after_kernel_tag(rest))
-        if len(host) == 2 and _KERNEL_TAG.match(host[1]):
-            return LogLine("kernel", _after_kernel_tag(host[1]))
-    m = _DMESG.match(text)
-    if m:
-        return LogLine("kernel", text[m.end():].strip())
-    if syslog:  # another program's line
-        rest = text[syslog.end():]
-        return LogLine("other") if _OTHER_TAG.match(rest) or _META.match(rest.split(" ", 1)[-1]) else None
-    if _KERNEL_TAG.match(text):
-        return LogLine("kernel", _after_kernel_tag(text))
-    if _META.match(text):
+    if how == "decode":
+        return LogLine("kernel" if m.group("dfac") == "kern" else "other", rest.strip())
+    if how in ("syslog", "tag"):
+        return LogLine("kernel", _after_kernel_tag(rest))
+    if how == "other":
+        return LogLine("other")
+    if how == "meta":
         return LogLine("meta")
-    if _LOOKS_PREFIXED.match(text):
-        return None
-    return LogLine("bare", text)
+    return None  # a syslog time with no tag, or a prefix this reader does not know
 
 
 def _wrapped(rest: str, depth: int) -> LogLine | None:
