@@ -27,6 +27,7 @@ import re
 
 from sentinel.signatures import Catalog
 
+MAX_LINE = 8192  # bytes: a longer line of a kernel log is malformed (a record is at most 1 KiB of text)
 MAX_RECORD = 2048  # a record printed over several lines is at most this long; what follows is not joined
 # A subsystem/driver tag: "NVRM:", "ACPI:", "x86/fpu:", "BIOS-e820:", "EXT4-fs (sda1):", "usb 1-1:",
 # "pcieport 0000:00:1c.5:", "e1000e 0000:00:19.0 eth0:", "sd 0:0:0:0: [sda]", "nvidia-nvswitch0:",

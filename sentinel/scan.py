@@ -28,13 +28,13 @@ from typing import IO, Iterator
 
 from sentinel import signatures
 from sentinel.pci import port_map
+from sentinel.records import MAX_LINE  # a longer line is malformed
 from sentinel.scan_explain import explain_finding, explain_misses
 
 OK, WARNING, CRITICAL, UNKNOWN = 0, 1, 2, 3
 EXIT_NAMES = {OK: "OK", WARNING: "WARNING", CRITICAL: "CRITICAL", UNKNOWN: "UNKNOWN"}
 SEVERITY_EXIT = {"info": OK, "warning": WARNING, "critical": CRITICAL}
 ACTION_SEVERITY = {"migrate": "critical", "snapshot": "warning", "alert": "warning"}
-MAX_LINE = 8192
 MAX_FINDINGS = 1000
 MAX_CONTINUATION = 2048  # a record printed over several lines (dmesg indents its continuation lines)
 KMSG_READ_LIMIT = 1 << 20  # records read from /dev/kmsg at most (its ring holds far fewer)

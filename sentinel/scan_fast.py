@@ -19,6 +19,7 @@ import re
 from typing import IO, Iterator
 
 from sentinel import signatures
+from sentinel.records import MAX_LINE
 from sentinel.sources import kmsg
 
 BLOCK = 1 << 20
@@ -77,8 +78,6 @@ def read_lines(stream: IO[bytes], stats, slow_line, catalog: signatures.Catalog)
     of boring lines. ``slow_line(lineno, raw, text=None)`` reads one line as ``sentinel.scan``
     does, from its bytes or its decoded text (None: malformed, counted; ``raw`` and ``text`` both
     None: longer than MAX_LINE). Such a line is never held whole."""
-    from sentinel.scan import MAX_LINE
-
     runs, needle = _compiled(catalog)
     lineno, carry, skipping = 0, b"", False
     while True:
