@@ -33,9 +33,9 @@ MAX_RECORD = 2048  # a record printed over several lines is at most this long; w
 # "pcieport 0000:00:1c.5:", "e1000e 0000:00:19.0 eth0:", "sd 0:0:0:0: [sda]", "nvidia-nvswitch0:",
 # "{3}[Hardware Error]:", "[drm] ", "[Firmware Bug]:", "Spectre V2 :" (the kernel's pr_fmt shapes).
 _TAG = re.compile(
-    r"(?:\{\d{1,6}\})?\[[A-Za-z][\w .-]{0,31}\]:? \S"  # [drm] x, [Hardware Error]: x, [Firmware Bug]: x
-    r"|[A-Za-z_][\w.+/-]{0,40}(?:\[\d{1,10}\])?(?: ?\([^()\s]{1,40}\))?"  # a tag, a pid, (dev)
-    r"(?: [\w:./#-]{1,64}){0,2} ?: \S"  # up to two device words, then ": text"
+    r"(?:\{\d{1,6}\})?\[[A-Za-z][\w .-]{0,31}\]:?[ \t]+\S"  # [drm] x, [Hardware Error]: x, [Firmware Bug]: x
+    r"|[A-Za-z_][\w.+/-]{0,40}(?:\[\d{1,10}\])?(?: ?\([^()]{1,40}\))?"  # a tag, a pid, (dev)
+    r"(?: (?=[\w:./#-]{0,63}[\d:./#-])[\w:./#-]{1,64}){0,2} ?:[ \t]+\S"  # up to two device names (1-1, 0000:00:1c.5, eth0), ": text"
     r"|(?:Linux version|Command line|Kernel command line|Booting|Freeing|Calibrating|Run /|Kernel panic|"
     r"Out of memory|Memory failure|Call Trace|Hardware name|Modules linked in|RIP|Code|Oops|CPU\d{1,5}|"
     r"Critical temperature|critical temperature|Console|Detected|Mount-cache|Built \d|Policy zone|"
