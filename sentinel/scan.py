@@ -163,7 +163,8 @@ def logical_lines(lines: Iterator[tuple[int, str]], stats: KernelLogStats,
             stats.prefixed += text
             stats.messages += text
             shaped += text
-            yield from joiner.close()
+            # the run's last record stays open, as a record that matches nothing: a continuation after it joins it
+            yield from joiner.feed(lineno + text - 1, "")
             continue
         parsed = parse_log_line(text)
         if parsed is None:

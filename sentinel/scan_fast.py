@@ -7,9 +7,9 @@ the only trace it leaves is the counts (a line, a kernel message) and the end of
 it. :func:`read_lines` finds runs of them with one regular expression built from the log-format
 reader's own patterns (:data:`sentinel.sources.kmsg._READERS`, in their order of precedence, so a
 line is boring only where the reader would read it as that kernel message) and hands a run over as
-``(first line number, count)``; every other line is read one by one, as before. A run never holds
-its last line, so the record assembly sees the record that a continuation line after the run
-belongs to. The result is the same as reading every line (tests/test_scan_property.py, and the
+``(first line number, count)``; every other line is read one by one, as before. The run's last
+record stays open in the record assembly (a record that matches nothing), so a continuation line
+after the run continues it, as it would have. The result is the same as reading every line (tests/test_scan_property.py, and the
 ``scan_fast`` tests compare the two paths on every corpus and capture).
 """
 
@@ -50,16 +50,20 @@ def boring_regex(catalog: signatures.Catalog) -> tuple[re.Pattern[str], re.Patte
     after_tag = rf"(?>kernel(?:\[\d{{1,10}}\])?:(?: |(?=\n)|(?=\[)))?+(?>(?:{ts}[ \t]?)?)"  # _after_kernel_tag
     kern_kmsg = rf"(?>0{{0,2}}[0-7],\d{{1,20}},\d{{1,20}},[^;\s]{{0,64}};|<0{{0,2}}[0-7]>[ \t]*(?:{ts}[ \t]?)?)"
     not_monotonic = r"(?![!-~]++ kernel: )"  # "[time] host kernel: " is journalctl's short-monotonic, not dmesg
+    kern_decode = rf"(?>kern(?![a-z0-9])[ \t]*:[ \t]*{kmsg._LEVELS}[ \t]*:[ \t]?(?:(?:{ts}|{kmsg._ISO})[ \t]?)?)"
+    kern_talos = rf"(?>[!-~]{{1,253}}: kern:[ \t]{{0,8}}{kmsg._LEVELS}[a-z]{{0,3}}: \[{kmsg._ISO}\]: )"
     bracket = rf"(?>{alt['dmesg']}){not_monotonic}"
-    letter = rf"(?>{syslog}){after_tag}"
-    digit = (rf"(?!{alt['wrapper']}|{alt['talos']})(?:{kern_kmsg}{after_tag}|(?!{alt['kmsg']})"
-             rf"(?:(?>{syslog}){after_tag}|(?!{alt['syslog']})(?>{alt['dmesg']})))")
+    # a line that starts with a letter: Talos (a host name), dmesg -x (a facility) or syslog (a month);
+    # no two of them can start one line (the host is followed by ': ', the facility by ':', the month by a day)
+    letter = rf"(?:{kern_talos}|(?!{alt['talos']})(?:{kern_decode}|(?>{syslog}){after_tag}))"
+    digit = (rf"(?!{alt['wrapper']})(?:{kern_talos}|(?!{alt['talos']})(?:{kern_kmsg}{after_tag}|(?!{alt['kmsg']})"
+             rf"(?:(?>{syslog}){after_tag}|(?!{alt['syslog']})(?>{alt['dmesg']}))))")
     raw = rf"{kern_kmsg}{after_tag}"
     starts = sorted({p for s in catalog.signatures for p in (*s.prefixes, *s.joins)}, key=len, reverse=True)
     first = "".join(sorted({re.escape(s[0]) for s in starts}))
     message = (r"[ \t]*+(?>(?:\[[ \t]{0,8}[TC]\d{1,7}\][ \t]?)?)[ \t]*+"  # the caller id parse_log_line takes off
                rf"(?!(?=[{first}])(?:{'|'.join(map(re.escape, starts))}))[\t\x20-\x7e]{{0,{MAX_BORING}}}\n")
-    line = rf"(?:(?=\[){bracket}|(?=[A-Z]){letter}|(?=\d){digit}|(?=<){raw}){message}"
+    line = rf"(?:(?=\[){bracket}|(?=[A-Za-z]){letter}|(?=\d){digit}|(?=<){raw}){message}"
     needles = sorted({s.needle for s in catalog.signatures if s.needle} | {"\\x0a"})
     return re.compile(rf"(?:{line})+"), re.compile("|".join(map(re.escape, needles)))
 
@@ -149,13 +153,12 @@ def _complete_lines(complete: bytes, lineno: int, stats, slow_line, runs, needle
         if pos < limit:
             m = runs.match(text, pos, limit)
             if m is not None:
-                last = text.rfind("\n", pos, m.end() - 1) + 1  # the run's last line is read alone
-                count = text.count("\n", pos, last)
-                if count:
-                    yield lineno + 1, count
-                    lineno += count
-                    stats.lines += count
-                    pos = last
+                count = text.count("\n", pos, m.end())
+                yield lineno + 1, count
+                lineno += count
+                stats.lines += count
+                pos = m.end()
+                continue
         nl = text.find("\n", pos)
         lineno += 1
         stats.lines += 1
