@@ -132,3 +132,31 @@ def test_runs_are_passed_over_where_a_log_is_plain():
                                           lambda n, raw, t=None: t, CATALOG))
         runs = [count for _, count in items if type(count) is int]
         assert sum(runs) >= 990, prefix
+
+
+ADVERSARIAL = {"letters": "a" * 8000, "colons": ":" * 8000, "bracket-blank": "[ " * 4000, "tag-colon": "x: " * 2666,
+               "digits": "1" * 8000, "dates": "2026-" * 1600, "hosts": ("h" * 250 + ": ") * 30, "nvrm": "NVRM: " * 1333,
+               "aer": "pcieport 0000:00:1c.5: AER: " * 280, "facility": "kern :" * 1333, "brackets": "[" * 8000,
+               "quotes": "> " * 4000, "panic": "Kernel panic - not syncing: " + "x" * 7900, "caller": "[ T1]" * 1600,
+               "syslog": "Dec  1 21:31:52 " * 500, "iso": "2026-12-01T21:31:52+0000 " * 300}
+
+
+@pytest.mark.parametrize("name", sorted(ADVERSARIAL))
+def test_a_crafted_line_costs_no_more_than_a_line(name):
+    """No pattern backtracks without bound: the longest line the scan reads, made of the pieces its
+    patterns repeat, costs milliseconds of CPU in every reader (a log is input anyone can shape)."""
+    import time
+
+    from sentinel.records import kernel_shaped
+    from sentinel.sources.kmsg import parse_log_line
+
+    runs, _ = scan_fast.boring_regex(CATALOG)
+    line = ADVERSARIAL[name]
+    start = time.process_time()
+    for _ in range(5):
+        parsed = parse_log_line(line)
+        CATALOG.classify(line)
+        CATALOG.classify(parsed.message if parsed is not None and parsed.message else line)
+        kernel_shaped(line)
+        runs.match(line + "\n")
+    assert time.process_time() - start < 1.0  # 5 rounds; ~1 ms a round here, exponential backtracking takes years
