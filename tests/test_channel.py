@@ -77,6 +77,28 @@ def test_idle_poll_never_blocks_and_reconnects_only_on_schedule(tmp_path):
         rank.close()
 
 
+def test_an_idle_second_of_polling_costs_almost_no_cpu(tmp_path):
+    """No busy loop: a rank that polls at every step of an idle second (1 ms steps, nothing
+    asked) spends a small fraction of that second on the CPU. Measured as this thread's own CPU
+    time, which other processes' load does not inflate (a poll that spun or retried while
+    waiting for the daemon would cost its whole wait here, however loaded the host)."""
+    register_agent(tmp_path)
+    daemon = DaemonEndpoint(tmp_path)
+    rank = RankEndpoint.open(tmp_path)
+    try:
+        polls = 0
+        cpu0, end = time.thread_time(), time.monotonic() + 1.0
+        while time.monotonic() < end or polls < 500:  # at least 500 polls, however slow the host
+            assert rank.poll() == []
+            polls += 1
+            time.sleep(0.001)  # the step's own work: not this thread's CPU
+        cpu = time.thread_time() - cpu0
+        assert cpu < 0.25, f"{polls} idle polls cost {cpu:.3f} CPU-s"
+    finally:
+        rank.close()
+        daemon.close()
+
+
 def test_daemon_restart_keeps_ranks_reachable(tmp_path):
     register_agent(tmp_path)
     d1 = DaemonEndpoint(tmp_path)
