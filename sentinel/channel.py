@@ -469,7 +469,12 @@ class RankEndpoint:
         came from a daemon uid); close every other descriptor received."""
         for fd in received:
             if take and fd == take[0]:
-                sock = socket.socket(fileno=fd)
+                try:
+                    sock = socket.socket(fileno=fd)
+                except OSError:  # not a socket at all
+                    os.close(fd)
+                    self.counts["refused_descriptor"] += 1
+                    continue
                 if sock.family == socket.AF_UNIX and sock.type == socket.SOCK_DGRAM:
                     sock.setblocking(False)
                     if self._ack_channel is not None:

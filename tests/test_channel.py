@@ -102,6 +102,25 @@ def test_a_descriptor_from_a_sender_that_is_not_the_daemon_is_closed_not_used(tm
         rank.close()
 
 
+def test_a_descriptor_that_is_no_datagram_socket_is_closed_and_the_request_still_counts(tmp_path):
+    import array
+
+    (tmp_path / "ranks").mkdir()
+    rank = RankEndpoint(tmp_path, allowed_uids=frozenset({os.geteuid()}))  # the sender is "the daemon" here
+    r, w = os.pipe()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendmsg([Request(type="snapshot", id="p", reason="").encode()],
+                      [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [w]).tobytes())], 0, str(rank.path))
+        os.close(w)
+        assert rank.poll() == [Request(type="snapshot", id="p")]
+        assert rank.counts["refused_descriptor"] == 1 and rank.counts["ack_channel"] == 0
+        assert os.read(r, 1) == b""  # the rank closed the pipe's write end it was passed: no writer is left
+    finally:
+        os.close(r)
+        rank.close()
+
+
 def test_idle_poll_never_blocks_and_reconnects_only_on_schedule(tmp_path):
     """guard.step() polls every step: an idle poll must return at once with nothing and must
     not reconnect (a syscall per step) before ``reconnect_seconds`` have passed. Its cost in
