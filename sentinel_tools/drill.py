@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interval-steps", type=int, default=10, help="periodic disk snapshots (the last resort)")
     p.add_argument("--memory-interval-steps", type=int, default=1,
                    help="in-memory snapshots with a peer replica every N steps (0: disk only)")
+    p.add_argument("--migrate-ack", choices=("durable", "memory"), default="durable",
+                   help="the ranks acknowledge a migrate snapshot once on disk (durable), or once in memory and "
+                        "replicated (memory; on disk still when every copy of a shard would leave)")
     p.add_argument("--fault", choices=sorted(FAULTS), default="xid79")
     p.add_argument("--at-step", type=int, default=25)
     p.add_argument("--hang-mode", choices=["stop", "skip"], default="stop",

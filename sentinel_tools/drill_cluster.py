@@ -166,7 +166,7 @@ class Drill:
             "--progress", str(self.progress), "--final", str(self.job_dir / "final.json"),
             # a hang drill waits for the hang watch (T >= 30 s by default), not the process-group timeout
             "--migrate-hold-seconds", "30", "--pg-timeout", str(faults.get(a.fault).pg_timeout_seconds),
-            "--memory-interval-steps", str(a.memory_interval_steps),
+            "--memory-interval-steps", str(a.memory_interval_steps), "--migrate-ack", a.migrate_ack,
         ]
 
     def store_endpoint(self) -> str:

@@ -110,6 +110,7 @@ def report(drill: "Drill", tl: Timeline, victim: "Node", t_fault: float) -> dict
         "timeline": tl.events,
         "finished": s.finished is not None,
         "spare_in_place": bool(s.admitted) and victim.name not in s.final_nodes,
+        "replacement": s.admitted[0]["node"] if s.admitted else None,  # the spare that took the failed node's ranks
         "final_nodes": s.final_nodes,
         "recomputed_steps": s.lost,
         # worker groups formed after the fault (rank 0 admitted once per re-rendezvous)

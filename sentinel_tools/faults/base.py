@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
@@ -44,18 +44,3 @@ class Fault:
     sudden: bool = False  # True: the node dies with its daemon, no migration record
     pg_timeout_seconds: int = 30  # the workers' process-group timeout
     needs_hosts: bool = False  # True: a fault of a whole host, only on --hosts netns
-    options: dict[str, Any] = field(default_factory=dict)
-
-
-def median(xs: list[float]) -> float | None:
-    return sorted(xs)[len(xs) // 2] if xs else None
-
-
-def step_health(events: list[dict[str, Any]], mig: dict[str, Any], t_fault: float,
-                t_first: float | None) -> tuple[list[tuple[float, int]], dict[str, Any]]:
-    """--fault hang / slow: the job's steps in time order, and the step time around the fault."""
-    steps = sorted((e["time"], e["step"]) for e in events if e["event"] == "step")
-    before = [b - a for (a, _), (b, _) in zip(steps, steps[1:]) if b < t_fault]
-    after = [b - a for (a, _), (b, _) in zip(steps, steps[1:]) if t_first is not None and a >= t_first]
-    return steps, {"rule": mig.get("rule"), "reason": mig.get("reason"),
-                   "step_seconds_before": median(before[-30:]), "step_seconds_after": median(after[5:])}

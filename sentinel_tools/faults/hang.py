@@ -1,14 +1,14 @@
 """A hung collective: one rank SIGSTOPped (--hang-mode stop) or never entering the collective
-(skip). The hang watch must name it and hand over within 60 s of the last completed step."""
+(skip). The hang watch must name it and hand over within 60 s of the last completed step
+(:func:`sentinel_tools.drill_verdict.job_health`), with at most one recomputed step."""
 
 from __future__ import annotations
 
 import os
 import signal
 
-from sentinel_tools.faults.base import Fault, step_health
-
-HANDOVER_BOUND_SECONDS = 60
+from sentinel_tools.drill_verdict import job_health
+from sentinel_tools.faults.base import Fault
 
 
 def inject(drill, victim) -> None:
@@ -24,14 +24,9 @@ def inject(drill, victim) -> None:
 
 def verdict(drill, result, outcome) -> bool:
     mig = outcome.migration
-    tripped = mig.get("times", {}).get("tripped")
-    steps, health = step_health(outcome.events, mig, outcome.t_fault, outcome.t_first)
-    last = max((t for t, _ in steps if t < (tripped or float("inf"))), default=None)
-    handover = round(tripped - last, 3) if tripped and last else None
-    health["last_completed_step_to_handover_seconds"] = handover
-    health["ok"] = mig.get("rule") == "hang" and handover is not None and handover <= HANDOVER_BOUND_SECONDS
-    result["job_health"] = health
-    return outcome.base_ok and len(outcome.lost) <= 1 and health["ok"]
+    result["job_health"] = job_health("hang", outcome.events, mig.get("times", {}), mig, outcome.t_fault,
+                                      outcome.t_first, failed=outcome.victim.name, replacement=result["replacement"])
+    return outcome.base_ok and len(outcome.lost) <= 1 and result["job_health"]["ok"]
 
 
 FAULT = Fault("hang", "a hung collective: one rank SIGSTOPped (--hang-mode stop) or never entering the collective (skip)",
