@@ -1,11 +1,11 @@
-"""The metrics endpoint: the exposition is rendered once per poll and every scrape serves those bytes.
+"""The metrics endpoint: the exposition is rendered at most once per published view, and only when scraped.
 
-A scrape never runs a collector. :meth:`MetricsServer.refresh` (called by the daemon after it
-publishes a new :class:`~sentinel.metrics.View`) collects the registry once, renders the Prometheus
-text format and swaps the result in with one attribute assignment; a scrape only copies bytes.
-The OpenMetrics rendering and the gzip-compressed bodies are made from that same collected
-snapshot on the first scrape that asks for them and cached until the next refresh, so N scrapers
-cost one render, not N.
+:meth:`MetricsServer.refresh` collects the registry once, renders the Prometheus text format and
+swaps the result in with one attribute assignment. After the daemon publishes a new (immutable)
+:class:`~sentinel.metrics.View` it calls :meth:`MetricsServer.invalidate`: the first scrape that
+follows renders that view, once for every scraper, so a daemon polling at 1 Hz and scraped every
+15 s renders once in 15 polls, and never on the poll loop (bench/poll_overhead.py). OpenMetrics
+and gzip bodies are made from the same snapshot on first demand, cached until the next render.
 
 Failure contract:
 
@@ -250,7 +250,7 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/metrics":
             fmt = negotiate_format(self.headers.get("Accept"))
             compress = gzip_accepted(self.headers.get("Accept-Encoding"))
-            fmt, body = owner._current.body(fmt, compress)
+            fmt, body = owner.current().body(fmt, compress)
             extra = [("Vary", "Accept, Accept-Encoding")]
             if compress:
                 extra.append(("Content-Encoding", "gzip"))
@@ -283,8 +283,9 @@ class MetricsServer:
     probes carry none, and say nothing but ok or stuck. Without ``health`` they answer ok.
 
     ``registry`` is anything with ``collect()`` (a CollectorRegistry). Nothing listens until
-    :meth:`start`; :meth:`refresh` may be called before or after. Thread-safe: :meth:`refresh`
-    runs on the poll loop, scrapes on the server's threads.
+    :meth:`start`; :meth:`refresh` (render now) and :meth:`invalidate` (render at the next scrape)
+    may be called before or after. Thread-safe: :meth:`invalidate` runs on the poll loop, the
+    renders it asks for on the server's threads.
     """
 
     def __init__(
@@ -331,6 +332,8 @@ class MetricsServer:
         self._rejected: dict[str, int] = {}
         self._last_good: list[Metric] = []
         self._current = _Exposition([], b"", self._format_failed)
+        self._stale = False  # a view was published since the last render (invalidate)
+        self._lazy_lock = threading.Lock()
 
     @classmethod
     def from_config(cls, registry: Collector, metrics: Any, **kwargs: Any) -> "MetricsServer":
@@ -436,9 +439,23 @@ class MetricsServer:
             self._render_seconds = time.perf_counter() - t0
             return ok
 
+    def invalidate(self) -> None:
+        """A new view was published: the next scrape renders it. Costs the caller nothing."""
+        self._stale = True
+
+    def current(self) -> _Exposition:
+        """The exposition a scrape serves: rendered now when a view was published since the last
+        render (one scraper renders, concurrent ones wait for it), else the last one."""
+        if self._stale:
+            with self._lazy_lock:
+                if self._stale:
+                    self._stale = False  # first: a view published during the render marks it stale again
+                    self.refresh()
+        return self._current
+
     def exposition(self, fmt: str = TEXT) -> bytes:
         """The bytes a scrape in ``fmt`` gets now (uncompressed)."""
-        return self._current.body(fmt, False)[1]
+        return self.current().body(fmt, False)[1]
 
     def _own_families(self) -> list[Metric]:
         fails = new_metric(RENDER_FAILURES)

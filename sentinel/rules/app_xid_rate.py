@@ -22,7 +22,7 @@ class AppXidRate(GpuRule):
         limit = cfg.app_xid_max_per_hour
         return [
             Finding("migrate", f"{self.name}:{v.event.xid}",
-                    f"application Xid {v.event.xid} repeated {v.per_hour} times in an hour (limit {limit})",
+                    f"application Xid {v.event.xid} repeated {v.per_hour} times or more in an hour (limit {limit})",
                     {"xid": v.event.xid, "per_hour": v.per_hour})
             for v in ctx.xids
             if v.per_hour is not None and v.per_hour > limit

@@ -114,7 +114,8 @@ class XidVerdict:
 
     ``action`` is the configured or catalog action, None when the Xid is in no bucket.
     ``per_hour`` is set only for an application Xid with no override: how many such Xids this GPU
-    had in the last hour, this one included."""
+    had in the last hour, this one included (exact up to ``app_xid_max_per_hour`` + 1; past the
+    limit, a lower bound that is still past it: see ``Policy._classify_xids``)."""
 
     event: XidEvent
     action: str | None

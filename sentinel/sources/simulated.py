@@ -31,6 +31,12 @@ from sentinel import fields as nvml_fields
 from sentinel.fsutil import write_atomic
 
 STATE_VERSION = 1
+# CPU one real NVML call costs the calling thread: 0.09 ms for four pynvml reads (temperature,
+# utilisation, memory, power) of one GPU, measured against 13.6 ms for nvidia-smi
+# (github.com/davidboulay/OpenKraken pull 3, RTX 5080, 2026): 22.5 us a call. Each simulated call
+# spends this much on top of its own work, so a profile of the daemon over the simulated backend
+# splits like one over a driver (bench/poll_overhead.py); a parameter of SimulatedNvml.
+NVML_CALL_SECONDS = 0.09e-3 / 4
 NVLINK_LINKS = 18
 # Bus ids of an 8-GPU HGX board; further GPUs continue the pattern.
 _BUSES = ("18", "2a", "3a", "5d", "9a", "ab", "ba", "db")
@@ -326,8 +332,10 @@ class SimulatedNvml:
     NVMLError = pynvml.NVMLError
 
     def __init__(self, state_path: str | Path, *, hang_poll_seconds: float = 0.05, hang_max_seconds: float = 3600.0,
-                 recheck_seconds: float = 0.01, event_poll_seconds: float = 0.1):
+                 recheck_seconds: float = 0.01, event_poll_seconds: float = 0.1,
+                 call_cost_seconds: float = NVML_CALL_SECONDS):
         self.path = Path(state_path)
+        self.call_cost = call_cost_seconds
         self._hang_poll = hang_poll_seconds
         self._hang_max = hang_max_seconds
         self._lock = threading.Lock()
@@ -343,10 +351,13 @@ class SimulatedNvml:
 
     def __getattr__(self, name: str) -> Any:
         if name in self.__dict__.get("_field_calls", ()):
-            return functools.partial(self._serve_field_call, name)
-        value = getattr(pynvml, name)  # AttributeError for unknown names, as pynvml would
-        if callable(value) and not isinstance(value, type):
-            raise AttributeError(f"SimulatedNvml does not implement {name}")
+            value = functools.partial(self._serve_field_call, name)
+        else:
+            value = getattr(pynvml, name)  # AttributeError for unknown names, as pynvml would
+            if callable(value) and not isinstance(value, type):
+                raise AttributeError(f"SimulatedNvml does not implement {name}")
+        # kept, as a module's attribute is: the next look-up of a constant is a dict look-up
+        self.__dict__[name] = value
         return value
 
     # -- state --------------------------------------------------------------------------------
@@ -377,7 +388,15 @@ class SimulatedNvml:
         except SimulatedStateError:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN) from None
 
+    def _spend(self) -> None:
+        """What a driver call costs the calling thread in CPU (``call_cost_seconds``)."""
+        if self.call_cost > 0:
+            end = time.thread_time() + self.call_cost
+            while time.thread_time() < end:
+                pass
+
     def _gpu(self, handle: _Handle) -> dict[str, Any]:
+        self._spend()
         if not self._initialized:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
         try:
@@ -507,11 +526,13 @@ class SimulatedNvml:
                 events = gpus[index]["xid_events"] if index < len(gpus) else []
                 seen = event_set.delivered.get(index, 0)
                 if len(events) > seen:
+                    self._spend()
                     event_set.delivered[index] = seen + 1
                     return _EventData(_Handle(index), pynvml.nvmlEventTypeXidCriticalError, int(events[seen]))
                 if len(events) < seen:  # state re-initialised
                     event_set.delivered[index] = len(events)
             if time.monotonic() >= end:
+                self._spend()
                 raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
             time.sleep(min(self._event_poll, max(0.0, end - time.monotonic())))
 
