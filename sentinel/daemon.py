@@ -293,8 +293,9 @@ class Daemon:
         if decided is not None:
             self.policy_state, trips = decided
         counts = self.policy_state.xid_counts  # Xids as the policy counted them: one de-duplication pass
-        readings = dataclasses.replace(readings, gpus=tuple(
-            dataclasses.replace(g, xid_counts=dict(counts.get(g.index, {}))) for g in readings.gpus))
+        readings = dataclasses.replace(readings, gpus=tuple(  # a GPU whose counts agree keeps its reading
+            g if g.xid_counts == counts.get(g.index, {}) else dataclasses.replace(g, xid_counts=dict(counts.get(g.index, {})))
+            for g in readings.gpus))
         if not readings.events_only:
             self.last_gpus = readings.gpus
         for t in trips:

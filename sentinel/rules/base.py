@@ -166,7 +166,11 @@ class GpuContext:
         samples at different times. A None ``value`` (not read this poll) records nothing."""
         if value is None:
             return None
-        hist = tuple(p for p in self.short.get(name, ()) if self.now - p[0] <= span) + ((self.now, value),)
+        old = self.short.get(name, ())
+        start = 0  # the samples are in time order: only the oldest can have left the span
+        while start < len(old) and self.now - old[start][0] > span:
+            start += 1
+        hist = old[start:] + ((self.now, value),)
         self.short[name] = hist[-128:]
         if len(hist) < 2 or hist[-1][0] - hist[0][0] <= 0:
             return None

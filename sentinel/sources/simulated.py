@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import fcntl
 import functools
+import hashlib
 import json
 import math
 import os
@@ -320,6 +321,24 @@ class _EventSet:
         self.devices: set[int] = set()
 
 
+_BURN_RATE: list[float] = []  # bytes sha256 hashes per CPU second on this machine (measured once)
+
+
+def _burn_buffer(seconds: float) -> bytes:
+    """A buffer whose sha256 takes about ``seconds`` of CPU (hashlib drops the GIL past 2 KiB)."""
+    if seconds <= 0:
+        return b""
+    if not _BURN_RATE:
+        block = bytes(1 << 16)
+        best = math.inf
+        for _ in range(5):
+            t = time.thread_time()
+            hashlib.sha256(block)
+            best = min(best, time.thread_time() - t)
+        _BURN_RATE.append(len(block) / max(best, 1e-7))
+    return bytes(max(2048, int(_BURN_RATE[0] * seconds)))
+
+
 class SimulatedNvml:
     """A pynvml look-alike over a state file. Constants and error classes are pynvml's own.
 
@@ -336,6 +355,7 @@ class SimulatedNvml:
                  call_cost_seconds: float = NVML_CALL_SECONDS):
         self.path = Path(state_path)
         self.call_cost = call_cost_seconds
+        self._burn = _burn_buffer(call_cost_seconds)
         self._hang_poll = hang_poll_seconds
         self._hang_max = hang_max_seconds
         self._lock = threading.Lock()
@@ -347,6 +367,7 @@ class SimulatedNvml:
         self._recheck = recheck_seconds
         self._event_poll = event_poll_seconds
         self._fields = _declared_fields()
+        self._fv_cache: dict[int, tuple[dict[str, Any], dict[tuple, list]]] = {}  # GPU -> (its state, results)
         self._field_calls = nvml_fields.calls(self._fields)
 
     def __getattr__(self, name: str) -> Any:
@@ -389,11 +410,10 @@ class SimulatedNvml:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN) from None
 
     def _spend(self) -> None:
-        """What a driver call costs the calling thread in CPU (``call_cost_seconds``)."""
-        if self.call_cost > 0:
-            end = time.thread_time() + self.call_cost
-            while time.thread_time() < end:
-                pass
+        """What a driver call costs the calling thread in CPU (``call_cost_seconds``), without the
+        GIL, as a pynvml call (ctypes) spends it: hashing a buffer sized to take that long."""
+        if self._burn:
+            hashlib.sha256(self._burn)
 
     def _gpu(self, handle: _Handle) -> dict[str, Any]:
         self._spend()
@@ -475,8 +495,21 @@ class SimulatedNvml:
         return build()
 
     def nvmlDeviceGetFieldValues(self, h: _Handle, field_ids: list) -> list:
-        """Every declared field id and the NVLink counters, from the state (one call: one stat)."""
+        """Every declared field id and the NVLink counters, from the state (one call: one stat).
+        Built once per state version and request (the simulation's own work, beside the call's
+        ``call_cost_seconds``, stays a few microseconds: the backend costs what a driver's does)."""
         gpu = self._gpu(h)
+        key = tuple(field_ids)
+        built_from, cache = self._fv_cache.get(h.index, (None, {}))
+        if built_from is not gpu:  # the state file changed: build again (each GPU's worker its own entry)
+            cache = {}
+            self._fv_cache[h.index] = (gpu, cache)
+        hit = cache.get(key)
+        if hit is None:
+            hit = cache[key] = self._field_values(gpu, field_ids)
+        return hit
+
+    def _field_values(self, gpu: dict[str, Any], field_ids: list) -> list:
 
         def scalar(f):
             return (pynvml.NVML_ERROR_NOT_SUPPORTED, 0) if f.name in gpu["unsupported"] else (pynvml.NVML_SUCCESS, _stored(gpu, f))
