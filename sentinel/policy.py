@@ -172,6 +172,7 @@ class Policy:
         self.predicting = frozenset(r.name for r in self.rules if r.predicts)
         self.counters = tuple(dict.fromkeys(RESET_EVIDENCE + tuple(c for r in self.gpu_rules for c in r.counters)))
         self._active_cache: dict[tuple[int, frozenset[str]], dict[tuple[str, int], bool]] = {}
+        self._active_names_cache: dict[tuple[int, frozenset[str]], frozenset[str]] = {}
         self.xid_action: dict[int, str] = action_table(config.xid_overrides, config.xid_skip)
 
     def rule_active(self, gpu: GpuReading) -> dict[tuple[str, int], bool]:
@@ -184,6 +185,15 @@ class Policy:
             }
             self._active_cache[key] = cached
         return cached
+
+    def _active_names(self, gpu: GpuReading) -> frozenset[str]:
+        """The rules active on this GPU (made once per GPU and support set, as rule_active is)."""
+        key = (gpu.index, gpu.unsupported)
+        names = self._active_names_cache.get(key)
+        if names is None:
+            names = self._active_names_cache[key] = frozenset(
+                rule for (rule, _), on in self.rule_active(gpu).items() if on)
+        return names
 
     # ------------------------------------------------------------------------------------------
     @staticmethod
@@ -290,7 +300,7 @@ class Policy:
     # ------------------------------------------------------------------------------------------
     def _decide_gpu(self, st: GpuState, g: GpuReading, xids: list[XidEvent], now: float) -> tuple[GpuState, list[Trip]]:
         cfg = self.cfg
-        active = frozenset(rule for (rule, _), on in self.rule_active(g).items() if on)
+        active = self._active_names(g)
         v = g.values
         last = dict(st.last)
         tracks = dict(st.tracks)

@@ -135,6 +135,7 @@ class NvmlSource:
         self._lost_code = getattr(nvml, "NVML_ERROR_GPU_IS_LOST", 15)
         self._ull = getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG", 3)
         self._decoders = {f.name: f.value_codec.decode for f in nvml_fields.NVML_FIELDS}
+        self._calls: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {}  # see _resolved
 
     # -- start --------------------------------------------------------------------------------
     def _deadline_call(self, worker: Worker, fn: Callable[..., Any], *args: Any) -> Any:
@@ -326,9 +327,9 @@ class NvmlSource:
     def _read_group(self, gpu: _Gpu, names: list[str], read: PollRead) -> bool:
         """One call for the fields that share it (each takes its part); True when the GPU is lost."""
         nvml = self.nvml
-        first = self.declared[names[0]]
+        fn, args = self._resolved(self.declared[names[0]])
         try:
-            raw = gpu.worker.call(first.function(nvml), gpu.handle, *(getattr(nvml, a) for a in first.args))
+            raw = gpu.worker.call(fn, gpu.handle, *args)
         except nvml.NVMLError as exc:
             for name in names:
                 read.put("errors", name, int(exc.value))
@@ -338,6 +339,13 @@ class NvmlSource:
             f = self.declared[name]
             read.put("values", name, float(f.codec.decode(nvml, nvml_fields.pick(raw, f.part))))
         return False
+
+    def _resolved(self, f: nvml_fields.NvmlField) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        """``f``'s pynvml function and constant arguments, looked up in the module once, not each poll."""
+        hit = self._calls.get(f.name)
+        if hit is None:
+            hit = self._calls[f.name] = (f.function(self.nvml), tuple(getattr(self.nvml, a) for a in f.args))
+        return hit
 
     def _count(self, key: tuple[str, int]) -> None:
         with self._errors_lock:  # GPU workers count concurrently
@@ -386,7 +394,10 @@ class NvmlSource:
                 continue
             try:
                 if link is None:
-                    read.put("values", name, float(w.call(self.readers[name], nvml, gpu.handle)))
+                    f = self.declared[name]
+                    fn, args = self._resolved(f)
+                    read.put("values", name, float(f.codec.decode(nvml, nvml_fields.pick(w.call(fn, gpu.handle, *args),
+                                                                                           f.part))))
                 else:
                     value = w.call(nvml.nvmlDeviceGetNvLinkErrorCounter, gpu.handle, link[0], getattr(nvml, link[2]))
                     read.put("links", (link[0], link[1]), int(value))
