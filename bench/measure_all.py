@@ -80,6 +80,7 @@ BENCHES = (
     # the process-group bootstrap through one store at 1,024-8,192 workers (docs/rendezvous.md)
     ("pg_bootstrap", ["--workers", "1024", "2048", "4096", "8192", "--repeats", "1", "--timeout", "300"], 3600, False),
     ("goodput_trace", ["--runs", "10"], 600, False),  # trace replay: bursts against independent faults (docs/goodput.md)
+    ("scan_large", ["--runs", "3"], 600, False),  # issue 40: `sentinel scan` of a 50 MB mixed log, CPU seconds
 )
 
 

@@ -6,6 +6,8 @@ Paths, side by side in one run:
   warm-etcd   the same with torch's etcd-v2 rendezvous on a local etcd (--etcd; Debian etcd-server)
   one3        one victim of a 3-node job (2 warm spares): the baseline for two victims of the same job
   two         two victims at once (3 nodes, 2 warm spares): one membership change
+  two-memory  the same with memory-only migrate acks (--migrate-ack memory): the two victims hold
+              each other's replica (the ring), so their acks must wait for the disk copy (#47)
   cold        the before: the same predicted migration with plain torchrun and a cold spare
   crash       plain torchrun crash failover: kill -9, no warning, cold spare, periodic snapshot
 
@@ -21,7 +23,7 @@ snapshot yet, a bound the drill holds even on a loaded host).
 that succeeded. ``migration_*`` is the warm-spare path (``migration_trip_to_first_step_seconds``,
 ``migration_fault_to_first_step_seconds``, ``migration_lost_steps``, ``migration_ok_fraction``,
 ``migration_stage_<stage>_seconds`` = each stage's own duration), ``crash_*`` the plain torchrun
-crash failover, and ``one_of_three_*``, ``two_victims_*``, ``etcd_migration_*``,
+crash failover, and ``one_of_three_*``, ``two_victims_*``, ``two_adjacent_memory_ack_*``, ``etcd_migration_*``,
 ``cold_spare_torchrun_*`` the other paths, plus ``*_ratio`` figures, each dividing two medians of this run taken with the same measure:
 ``plain_failover_over_warm_ratio`` = crash fault -> first step / warm spare fault -> first step;
 ``cold_torchrun_over_warm_ratio`` = cold spare trip -> first step / warm spare trip -> first step;
@@ -50,11 +52,14 @@ PATHS = {
     "warm-etcd": ("Sentinel, warm spare (etcd-v2)", ["--fault", "xid79", "--rdzv-backend", "etcd-v2"]),
     "one3": ("Sentinel, 1 victim of 3 nodes", ["--fault", "xid79", "--nodes", "3", "--spares", "2", "--victims", "1"]),
     "two": ("Sentinel, 2 victims, 2 warm spares", ["--fault", "xid79", "--nodes", "3", "--spares", "2", "--victims", "2"]),
+    "two-memory": ("Sentinel, 2 adjacent victims, memory acks", ["--fault", "dbe", "--nodes", "3", "--spares", "2",
+                                                                 "--victims", "2", "--migrate-ack", "memory"]),
     # the baselines are plain torchrun as it was before Sentinel: no memory tier (disk snapshots only)
     "cold": ("before: torchrun, cold spare", ["--fault", "xid79", "--agent", "torchrun", "--memory-interval-steps", "0"]),
     "crash": ("plain torchrun crash failover", ["--fault", "kill", "--agent", "torchrun", "--memory-interval-steps", "0"]),
 }
 FIGURE_PREFIX = {"warm": "migration_", "warm-etcd": "etcd_migration_", "one3": "one_of_three_", "two": "two_victims_",
+                 "two-memory": "two_adjacent_memory_ack_",
                  "cold": "cold_spare_torchrun_", "crash": "crash_"}
 
 
@@ -134,7 +139,9 @@ def summarise(runs: list[dict]) -> dict[str, float | None]:
             figures["warm_spare_trip_to_first_step_seconds"] = median(trip)
         figures[f"{p}fault_to_first_step_seconds"] = median(fault)
         figures[f"{p}lost_steps"] = median(lost)
+        figures[f"{p}max_lost_steps"] = max(lost) if lost else None
         figures[f"{p}ok_fraction"] = len(ok) / len(drills) if drills else None
+        figures[f"{p}drills_count"] = len(drills)
         verified = [r for r in ok if "verify" in r]
         if verified:
             figures[f"{p}bitwise_equal_fraction"] = sum(bool(r["verify"]["bitwise_equal"]) for r in verified) / len(verified)

@@ -40,8 +40,10 @@ daemon's past a full receive queue. Every rank socket has ``SO_PASSCRED`` as wel
 datagram carries kernel-verified credentials (``SCM_CREDENTIALS``): a rank acts on a request
 only when it comes from root or the daemon's configured uid; anything else is refused and
 counted. A malformed message is ignored and counted. A rank whose socket name was squatted logs
-it once, binds the alternative name and reports it in ``RankEndpoint.error``. Acks that meet a
-full ``daemon.sock`` are retried. The boundaries and their tests: ``docs/security.md``.
+it once, binds the alternative name and reports it in ``RankEndpoint.error``. Acks go over the
+rank's own acknowledgement channel when the daemon handed it one with a request (one end of a
+socket pair, taken only from a daemon uid: :mod:`sentinel.ack_sockets`), past any flood of
+``daemon.sock``; without one, acks that meet a full ``daemon.sock`` are retried. The boundaries and their tests: ``docs/security.md``.
 
 Cost: :meth:`RankEndpoint.poll` is one non-blocking ``recvmsg`` returning EAGAIN when idle
 (about a microsecond). With no runtime directory (no daemon installed) the rank gets a
@@ -56,6 +58,7 @@ import json
 import logging
 import os
 import secrets
+import array
 import select
 import socket
 import struct
@@ -260,6 +263,27 @@ def _recv_with_creds(sock: socket.socket) -> tuple[bytes, int, int] | None:
     return data, pid, uid
 
 
+def _recv_request(sock: socket.socket) -> tuple[bytes, int, int, list[int]] | None:
+    """(data, pid, uid, passed file descriptors) of the next datagram, or None when none is
+    waiting. At most one descriptor is taken (the kernel closes any beyond it); close-on-exec."""
+    try:
+        data, ancdata, _flags, _addr = sock.recvmsg(MAX_MESSAGE + 1, socket.CMSG_SPACE(_UCRED.size)
+                                                    + socket.CMSG_SPACE(array.array("i").itemsize),
+                                                    socket.MSG_CMSG_CLOEXEC)
+    except BlockingIOError:
+        return None
+    pid = uid = -1
+    fds: list[int] = []
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(payload) >= _UCRED.size:
+            pid, uid, _gid = _UCRED.unpack(payload[: _UCRED.size])
+        elif level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            got = array.array("i")
+            got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
+            fds.extend(got)
+    return data, pid, uid, fds
+
+
 _ACL_VERSION = 2
 _ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ, _ACL_MASK, _ACL_OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
 _ACL_UNDEFINED_ID = 0xFFFFFFFF
@@ -341,6 +365,7 @@ class RankEndpoint:
         self.error = ""
         self.connected = False
         self._next_connect = 0.0
+        self._ack_channel: socket.socket | None = None  # our end of the daemon's pair (sentinel.ack_sockets)
         ranks = directory / "ranks"
         self.path = ranks / f"{os.getpid()}.sock"
         try:
@@ -413,10 +438,12 @@ class RankEndpoint:
             self._connect()
         out: list[Request] = []
         for _ in range(limit):
-            got = _recv_with_creds(self.sock)
+            got = _recv_request(self.sock)
             if got is None:
                 return out
-            data, pid, uid = got
+            data, pid, uid, fds = got
+            if fds:
+                self._take_channel(fds if uid in self.allowed_uids else [], fds)
             if uid not in self.allowed_uids:
                 self.counts["refused_sender"] += 1
                 if self.counts["refused_sender"] == 1 or self.counts["refused_sender"] % 1000 == 0:
@@ -437,10 +464,58 @@ class RankEndpoint:
             out.append(msg)
         return out
 
+    def _take_channel(self, take: list[int], received: list[int]) -> None:
+        """Keep the first of ``take`` as the ack channel when it is a Unix datagram socket (it
+        came from a daemon uid); close every other descriptor received."""
+        for fd in received:
+            if take and fd == take[0]:
+                try:
+                    sock = socket.socket(fileno=fd)
+                except OSError:  # not a socket at all
+                    os.close(fd)
+                    self.counts["refused_descriptor"] += 1
+                    continue
+                if sock.family == socket.AF_UNIX and sock.type == socket.SOCK_DGRAM:
+                    sock.setblocking(False)
+                    if self._ack_channel is not None:
+                        self._ack_channel.close()
+                    self._ack_channel = sock
+                    self.counts["ack_channel"] += 1
+                    continue
+                sock.close()
+            else:
+                os.close(fd)
+            self.counts["refused_descriptor"] += 1
+
+    def _direct(self, data: bytes) -> bool:
+        """Send on the ack channel the daemon handed us (:mod:`sentinel.ack_sockets`): its end is
+        connected to ours, so the kernel takes the datagram at once whatever floods ``daemon.sock``,
+        and nobody else can reach it. False when there is none or the send failed (the daemon that
+        made it is gone: dropped, ``daemon.sock`` from then on); never blocks, never raises."""
+        channel = self._ack_channel
+        if channel is None:
+            return False
+        try:
+            channel.send(data)
+        except BlockingIOError:  # our own send buffer is full: the daemon is not reading its end
+            self.counts["ack_channel_full"] += 1
+            return False
+        except OSError:
+            channel.close()
+            self._ack_channel = None
+            self.counts["ack_channel_lost"] += 1
+            return False
+        return True
+
     def ack(self, ack: Ack) -> bool:
-        """Send one acknowledgement. A full daemon queue (EAGAIN: someone floods ``daemon.sock``)
-        is waited out, up to ``ack_timeout`` seconds in all; True once the daemon has it."""
+        """Send one acknowledgement: on this rank's own ack channel when the daemon handed it one
+        (one non-blocking send no flood can delay), else on ``daemon.sock``, where a full queue
+        (EAGAIN: someone floods it) is waited out, up to ``ack_timeout`` seconds in all; True
+        once the daemon has it."""
         data = ack.encode()
+        if self._direct(data):
+            self.counts["ack_direct"] += 1
+            return True
         target = str(self.directory / "daemon.sock")
         deadline = self.clock() + self.ack_timeout
         pause = 0.001
@@ -477,6 +552,8 @@ class RankEndpoint:
 
     def report(self, report: Report) -> bool:
         """Tell this node's daemon something unasked (a hang verdict, a straggler score)."""
+        if self._direct(report.encode()):
+            return True
         try:
             self.sock.sendto(report.encode(), str(self.directory / "daemon.sock"))
             return True
@@ -485,6 +562,8 @@ class RankEndpoint:
             return False
 
     def close(self) -> None:
+        if self._ack_channel is not None:
+            self._ack_channel.close()
         self.sock.close()
         try:
             self.path.unlink()

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from sentinel import procs
+from sentinel.ack_sockets import AckChannels
 from sentinel.channel import (Ack, MalformedMessage, Register, Report, Request, _bind_dgram, _recv_with_creds,
                               decode, parse_rank_name)
 from sentinel.families import counter
@@ -88,6 +89,9 @@ class DaemonEndpoint:
         # root, before any agent is trusted), and a flood of it never fills daemon.sock's queue
         self.register_path = directory / "register.sock"
         self.register_sock = _bind_dgram(self.register_path, 0o622) if self.registration else None
+        # each asked rank acknowledges on a socket pair of its own, its end handed over with the
+        # request: no flood of daemon.sock can delay an ack (sentinel.ack_sockets)
+        self.ack_channels = AckChannels()
         self.counts: Counter[tuple[str, str]] = Counter()
         self.rejected: Counter[str] = Counter()
         self._rejected_seen: set[tuple[str, int, str]] = set()
@@ -356,7 +360,9 @@ class DaemonEndpoint:
         state.retry_until = max(state.retry_until, self.clock() + retry_seconds)
         ranks = self.ranks()
         targets = ranks.values() if pids is None else [ranks[p] for p in pids if p in ranks]
+        self.ack_channels.keep_only({info.path.name for info in ranks.values()})
         for info in targets:
+            self.ack_channels.ensure(info.path.name, (info.pid, info.start_time))
             state.sent_to[info.pid] = info.start_time
             state.unsent[info.pid] = info
         self._send_unsent(state)
@@ -369,8 +375,12 @@ class DaemonEndpoint:
         kind = state.request.type
         data = state.request.encode()
         for pid, info in list(state.unsent.items()):
+            hand_over = self.ack_channels.ancillary(info.path.name)  # the rank's ack channel, the first time
             try:
-                self.sock.sendto(data, str(info.path))
+                if hand_over:
+                    self.sock.sendmsg([data], hand_over, 0, str(info.path))
+                else:
+                    self.sock.sendto(data, str(info.path))
             except (ConnectionRefusedError, FileNotFoundError):
                 self.counts[(kind, "stale_rank")] += 1
                 info.path.unlink(missing_ok=True)
@@ -385,6 +395,8 @@ class DaemonEndpoint:
                 del state.unsent[pid]
                 continue
             self.counts[(kind, "sent")] += 1
+            if hand_over:
+                self.ack_channels.handed(info.path.name)
             del state.unsent[pid]
 
     def retry_pending(self) -> None:
@@ -399,8 +411,14 @@ class DaemonEndpoint:
         out of range) is counted as malformed and skipped; the others of the batch are kept."""
         self.retry_pending()
         self._poll_registrations()
-        out = []
-        for msg, pid, uid in self._messages(self.sock, 10000, "ack"):
+        out: list[Ack] = []
+        for sock in self.ack_channels.sockets():  # first: what a flood of daemon.sock cannot delay
+            self._read_acks(sock, 64, out)
+        self._read_acks(self.sock, 10000, out)
+        return out
+
+    def _read_acks(self, sock, limit: int, out: list[Ack]) -> None:
+        for msg, pid, uid in self._messages(sock, limit, "ack"):
             if isinstance(msg, Register):
                 self._register(pid, uid)
                 continue
@@ -428,7 +446,6 @@ class DaemonEndpoint:
                 state.acks[pid] = msg
                 self.counts[("ack", "ok" if msg.ok else "error")] += 1
             out.append(msg)
-        return out
 
     def _accept_report(self, report: Report, pid: int) -> None:
         """A report counts only from a verified rank of this node's job (the same test as a
@@ -523,6 +540,7 @@ class DaemonEndpoint:
         return out
 
     def close(self) -> None:
+        self.ack_channels.close()
         self.sock.close()
         self.sock_path.unlink(missing_ok=True)
         if self.register_sock is not None:

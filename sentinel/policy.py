@@ -130,6 +130,8 @@ class PolicyState:
     # gpu -> Xid -> count, over every source, each Xid counted once (the one de-duplication pass;
     # the daemon exports these)
     xid_counts: Mapping[int, Mapping[int, int]] = field(default_factory=dict)
+    # a rated node rule's cause -> its history ((bucket start, count), ...): corrected-error rates
+    node_rates: Mapping[str, tuple[tuple[float, int], ...]] = field(default_factory=dict)
 
 
 def dedupe_xids(recent: Mapping[tuple[int, int], Mapping[str, float]], events: Iterable[XidEvent], now: float
@@ -229,27 +231,43 @@ class Policy:
                 new, gpu_trips = self._decide_gpu(prev, reading, gpu_events, now)
             gpus[reading.index] = new
             trips.extend(gpu_trips)
-        node_trips, cooldown = self._decide_node(readings, dict(state.node_cooldown), now)
+        rates = dict(state.node_rates)
+        node_trips, cooldown = self._decide_node(readings, dict(state.node_cooldown), now, rates)
         trips.extend(node_trips)
         for t in node_trips:  # a kernel event that migrates one GPU (fallen off the bus, no Xid) fails it
             if t.gpu != NODE and t.action == "migrate":
                 gpus[t.gpu] = dataclasses.replace(gpus.get(t.gpu, GpuState()), health=Health.FAILED)
-        return PolicyState(MappingProxyType(gpus), recent, MappingProxyType(cooldown), MappingProxyType(xid_counts)), trips
+            elif t.gpu != NODE and t.rule == "corrected_rate":  # a rising corrected-error rate: watch it
+                g = gpus.get(t.gpu, GpuState())
+                gpus[t.gpu] = dataclasses.replace(g, health=max(g.health, Health.WATCH), clean_polls=0)
+        return PolicyState(MappingProxyType(gpus), recent, MappingProxyType(cooldown), MappingProxyType(xid_counts),
+                           MappingProxyType(rates)), trips
 
-    def _decide_node(self, readings: NodeReadings, cooldown: dict[str, float], now: float) -> tuple[list[Trip], dict[str, float]]:
+    def _decide_node(self, readings: NodeReadings, cooldown: dict[str, float], now: float,
+                     rates: dict[str, tuple[tuple[float, int], ...]]) -> tuple[list[Trip], dict[str, float]]:
         """Kernel events that concern the node (or a GPU's PCIe device) rather than a counter: each
-        goes to the first node rule that claims it. An alert never cools its cause down."""
+        goes to the first node rule that claims it (a rated rule claims its events and keeps their
+        rate in ``rates``, a Finding or not). An alert never cools its cause down, except a rate's."""
         trips = []
         for ev in readings.kernel_events:
+            found = None
             for rule in self.node_rules:
+                if rule.rated:
+                    key = rule.rate_key(ev) if rule.name not in self.cfg.disabled_rules else None
+                    if key is None:
+                        continue
+                    found, history = rule.evaluate_rate(ev, self.cfg, rates.get(key, ()), now)
+                    if key:
+                        rates[key] = history
+                    break
                 found = rule.evaluate(ev, self.cfg)
                 if found is not None:
                     break
-            else:
-                continue  # no rule claims it: nothing to do
+            if found is None:
+                continue  # no rule claims it, or a rate below its threshold: nothing to do
             if rule.name in self.cfg.disabled_rules or cooldown.get(found.cause, -math.inf) > now:
                 continue
-            if found.action != "alert":
+            if found.action != "alert" or rule.rated:
                 cooldown[found.cause] = now + self.cfg.cooldown_seconds
             gpu = ev.gpu if ev.gpu is not None else NODE
             trips.append(Trip(rule.name, found.action, gpu, found.cause, found.message, dict(found.values)))

@@ -28,12 +28,13 @@ from typing import IO, Iterator
 
 from sentinel import signatures
 from sentinel.pci import port_map
+from sentinel.records import MAX_LINE  # a longer line is malformed
+from sentinel.scan_explain import explain_finding, explain_misses
 
 OK, WARNING, CRITICAL, UNKNOWN = 0, 1, 2, 3
 EXIT_NAMES = {OK: "OK", WARNING: "WARNING", CRITICAL: "CRITICAL", UNKNOWN: "UNKNOWN"}
 SEVERITY_EXIT = {"info": OK, "warning": WARNING, "critical": CRITICAL}
 ACTION_SEVERITY = {"migrate": "critical", "snapshot": "warning", "alert": "warning"}
-MAX_LINE = 8192
 MAX_FINDINGS = 1000
 MAX_CONTINUATION = 2048  # a record printed over several lines (dmesg indents its continuation lines)
 KMSG_READ_LIMIT = 1 << 20  # records read from /dev/kmsg at most (its ring holds far fewer)
@@ -47,8 +48,8 @@ class ScanError(RuntimeError):
 class KernelLogStats:
     """What was read of one kernel log. A line is unreadable when it is not text (bad UTF-8, NUL
     bytes, longer than MAX_LINE: ``malformed``), when it starts like a log prefix the reader does
-    not know (``unrecognised``), or when it carries no prefix in a log whose other lines do
-    (``bare`` while ``prefixed`` > 0). Any unreadable line makes the verdict UNKNOWN unless a
+    not know (``unrecognised``), or when it carries no prefix in a log whose other lines do,
+    has no kernel-message shape and continues no record (``bare`` while ``prefixed`` > 0). Any unreadable line makes the verdict UNKNOWN unless a
     critical finding stands (what could not be read may hide a failure; OK is never said of it)."""
 
     source: str
@@ -83,6 +84,8 @@ class Result:
     worst: int = OK
     counts: dict[str, int] = field(default_factory=lambda: {"critical": 0, "warning": 0, "info": 0})
     kernel_log: KernelLogStats | None = None
+    explain: bool = False  # --explain: each finding keeps its record and catalog entry; misses are kept
+    misses: list[dict] = field(default_factory=list)  # records that start like an entry and match none
 
     def add(self, finding: dict) -> None:
         self.counts[finding["severity"]] += 1
@@ -111,67 +114,93 @@ def read_lines(stream: IO[bytes], stats: KernelLogStats) -> Iterator[tuple[int, 
         lineno += 1
         stats.lines += 1
         if not raw.endswith(b"\n") and len(raw) >= MAX_LINE:
-            stats.malformed += 1
-            stats.unreadable_at(lineno)
+            line_text(stats, lineno, None)
             while raw and not raw.endswith(b"\n"):  # skip the rest of the overlong line
                 raw = stream.readline(MAX_LINE)
             continue
-        if b"\0" in raw:
-            stats.malformed += 1
-            stats.unreadable_at(lineno)
-            continue
+        text = line_text(stats, lineno, raw)
+        if text is not None:
+            yield lineno, text
+
+
+def line_text(stats: KernelLogStats, lineno: int, raw: bytes | None, text: str | None = None) -> str | None:
+    """One line's text from its bytes (``raw``) or its decoded text, or None when it is
+    malformed (counted): longer than MAX_LINE (``raw`` and ``text`` None), a NUL byte, not UTF-8."""
+    if text is None and raw is not None and b"\0" not in raw:
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
-            stats.malformed += 1
-            stats.unreadable_at(lineno)
-            continue
-        yield lineno, text.rstrip("\r\n")
+            pass
+    body = text[:-1] if text is not None and text.endswith("\n") else text
+    if body is not None and (len(body) if body.isascii() else len(body.encode("utf-8"))) >= MAX_LINE:
+        text = None
+    if text is None:
+        stats.malformed += 1
+        stats.unreadable_at(lineno)
+        return None
+    return text.rstrip("\r\n")
 
 
-def logical_lines(lines: Iterator[tuple[int, str]], stats: KernelLogStats) -> Iterator[tuple[int, str]]:
-    """The kernel messages of a log, each as (its first line's number, its text): every line read
-    by :func:`sentinel.sources.kmsg.parse_log_line`; continuation lines joined to the record they
-    continue with newlines: indented lines with no prefix of their own (dmesg's and journalctl's
-    multi-line records, a /dev/kmsg record's KEY=value lines) and, in a log whose lines carry
-    prefixes, a line with none (a record the paste or the terminal wrapped); other programs'
-    lines skipped; the rest counted in ``stats``."""
+def logical_lines(lines: Iterator[tuple[int, str]], stats: KernelLogStats,
+                  catalog: signatures.Catalog | None = None) -> Iterator[tuple[int, str]]:
+    """The kernel records of a log, each as (its first line's number, its text): every line read
+    by :func:`sentinel.sources.kmsg.parse_log_line`, then assembled by
+    :class:`sentinel.records.Joiner` (a line that starts a catalog record on its own is never a
+    continuation; an indented bare line, or in a prefixed log a bare line with no kernel-message
+    shape, continues the record before it); other programs' lines skipped; the rest counted in
+    ``stats``. A log in which no line has the shape of a kernel message holds none (``messages``
+    is 0: random text, an application's output, a wrong file)."""
+    from sentinel.records import Joiner, kernel_shaped
     from sentinel.sources.kmsg import parse_log_line
 
-    pending: tuple[int, str, str] | None = None  # (line number, kind, text)
-    first_bare = 0
+    joiner = Joiner(catalog or signatures.default_catalog())
+    first_orphan = 0
+    shaped = 0
     for lineno, text in lines:
+        if type(text) is int:  # a run of lines the fast path passed over: kernel messages that match nothing
+            if stats.prefixed == 0 and stats.bare:
+                stats.unreadable_at(first_orphan)
+            stats.prefixed += text
+            stats.messages += text
+            shaped += text
+            # the run's last record stays open, as a record that matches nothing: a continuation after it joins it
+            yield from joiner.feed(lineno + text - 1, "")
+            continue
         parsed = parse_log_line(text)
-        wrapped = stats.prefixed > 0  # a line with no prefix of its own in a prefixed log: the paste wrapped a record
-        if (pending is not None and parsed is not None and parsed.kind == "bare"
-                and (text[:1] in (" ", "\t") or wrapped)):
-            if pending[1] != "other" and len(pending[2]) + len(parsed.message) < MAX_CONTINUATION:
-                pending = (pending[0], pending[1], pending[2] + "\n" + parsed.message)
-            continue  # a continuation of another program's line, or beyond a record's size: not ours
-        if pending is not None and pending[1] != "other":
-            yield pending[0], pending[2]
-        pending = None
         if parsed is None:
             stats.unrecognised += 1
             stats.unreadable_at(lineno)
+            yield from joiner.feed(lineno, None)
             continue
         if parsed.kind == "bare":
-            stats.bare += 1
-            if stats.prefixed == 0 and stats.bare == 1:
-                first_bare = lineno
-            if stats.prefixed:
-                stats.unreadable_at(lineno)
+            message = parsed.message
+            looks = kernel_shaped(message)
+            how = "indented" if text[:1] in (" ", "\t") else "wrapped" if stats.prefixed and not looks else "record"
+            done = joiner.feed(lineno, message, how)
+            if not joiner.joined:
+                stats.messages += 1
+                if looks or joiner.catalog.classify(message) is not None:
+                    shaped += 1
+                else:  # a bare line of no kernel shape that continues nothing
+                    stats.bare += 1
+                    if stats.prefixed:
+                        stats.unreadable_at(lineno)
+                    elif stats.bare == 1:
+                        first_orphan = lineno
+            yield from done
         elif parsed.kind in ("kernel", "other", "meta"):
             if stats.prefixed == 0 and stats.bare:
-                stats.unreadable_at(first_bare)  # the bare lines before it were unreadable too
+                stats.unreadable_at(first_orphan)  # the bare lines of no kernel shape before it were unreadable too
             stats.prefixed += 1
-        if parsed.kind in ("kernel", "bare"):
-            stats.messages += 1
-            pending = (lineno, parsed.kind, parsed.message)
-        elif parsed.kind == "other":
-            pending = (lineno, "other", "")
-    if pending is not None and pending[1] != "other":
-        yield pending[0], pending[2]
+            if parsed.kind == "kernel":
+                stats.messages += 1
+                shaped += 1
+                yield from joiner.feed(lineno, parsed.message)
+            else:
+                yield from joiner.feed(lineno, None)
+    yield from joiner.close()
+    if shaped == 0:
+        stats.messages = 0
 
 
 def kmsg_records(path: str = "/dev/kmsg") -> Iterator[bytes]:
@@ -219,9 +248,17 @@ def scan_kernel_log(stream: IO[bytes] | _Records, source: str, result: Result, c
     from sentinel.rules.xid import XID_APPLICATION
 
     stats = result.kernel_log = KernelLogStats(source)
-    for lineno, text in logical_lines(read_lines(stream, stats), stats):
+    if hasattr(stream, "read"):  # a file or a pipe: runs of lines that cannot matter are passed over in C
+        from sentinel import scan_fast
+
+        lines = scan_fast.read_lines(stream, stats, lambda n, raw, text=None: line_text(stats, n, raw, text), catalog)
+    else:
+        lines = read_lines(stream, stats)
+    for lineno, text in logical_lines(lines, stats, catalog):
         m = catalog.classify(text)
         if m is None:
+            if result.explain and len(result.misses) < MAX_FINDINGS and catalog.starts_like_entry(text):
+                result.misses.append({"lineno": lineno, "record": text})
             continue
         gpu = None
         for bus in (m.source_bus_id, m.pci_bus_id):
@@ -233,8 +270,11 @@ def scan_kernel_log(stream: IO[bytes] | _Records, source: str, result: Result, c
             action = "alert" if action in (None, "ignore") else action
         else:
             severity, action = m.severity, m.action
-        result.add(finding(lineno=lineno, kind=m.kind, severity=severity, pci_bus_id=m.pci_bus_id, gpu=gpu, xid=m.xid,
-                           action=action, message=m.message))
+        found = finding(lineno=lineno, kind=m.kind, severity=severity, pci_bus_id=m.pci_bus_id, gpu=gpu, xid=m.xid,
+                        action=action, message=m.message)
+        if result.explain:
+            found.update(record=text, signature=m.signature)
+        result.add(found)
 
 
 # -- NVML -----------------------------------------------------------------------------------------
@@ -301,7 +341,7 @@ def run(args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:
         return _unknown(f"{exc}", out, args.json)
     catalog = signatures.default_catalog()
     policy = Policy(cfg.policy)
-    result = Result()
+    result = Result(explain=args.explain)
     gpus: list = []
     try:
         if not args.no_nvml:
@@ -350,8 +390,10 @@ def verdict(result: Result) -> int:
 def write_report(result: Result, code: int, out: IO[str], as_json: bool) -> None:
     kl = result.kernel_log
     if as_json:
+        extra = {"not_counted": result.misses} if result.explain else {}
         out.write(json.dumps({"findings": result.findings, "gpus": result.gpus,
-                              "kernel_log": None if kl is None else kl.as_dict(), "status": EXIT_NAMES[code]}) + "\n")
+                              "kernel_log": None if kl is None else kl.as_dict(), "status": EXIT_NAMES[code],
+                              **extra}) + "\n")
         out.flush()
         return
     c = result.counts
@@ -363,6 +405,10 @@ def write_report(result: Result, code: int, out: IO[str], as_json: bool) -> None
         where = f"GPU {f['gpu']}" if f["gpu"] is not None else (f["pci_bus_id"] or "node")
         line = f"line {f['lineno']}" if f["lineno"] is not None else "nvml"
         out.write(f"  {f['severity'].upper():<8} {line:<12} {where:<14} {f['kind']} -> {f['action']}: {f['message']}\n")
+        if result.explain:
+            explain_finding(f, out)
+    if result.explain:
+        explain_misses(result.misses, out)
     for g in result.gpus:
         out.write(f"  GPU {g['index']} {g['pci_bus_id']} {g['verdict'].upper()} ({g['findings']} finding(s))\n")
     if kl is not None:
@@ -407,6 +453,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML config whose [policy] applies (Xid overrides, thresholds)")
     p.add_argument("--deadline", type=float, default=2.0, help="seconds an NVML call may take (default 2)")
     p.add_argument("--json", action="store_true", help='print {"findings": [...], "gpus": [...]} (plus kernel_log, status)')
+    p.add_argument("--explain", action="store_true", help="print each finding's record as joined and the catalog entry "
+                   "that matched it, and the records that start like an entry but match none")
 
 
 def explain(args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:

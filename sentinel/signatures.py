@@ -31,6 +31,8 @@ ACTIONS = ("alert", "snapshot", "migrate")
 MAX_MESSAGE = 4096  # a kernel record is at most 1 KiB of text; longer input is cut, never scanned whole
 MAX_PREFIX = 32  # what the eBPF filter compares (HEAD_LEN in ebpf/xid.bpf.c)
 _KEYS = {"name", "kind", "severity", "action", "prefix", "pattern", "source"}
+_OPTIONAL_KEYS = {"needle", "joins"}
+ANY = "*"  # a prefix that stands for any text: the pattern alone decides (never passed by the eBPF filter)
 _NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
 
@@ -44,12 +46,14 @@ class Signature:
     kind: str
     severity: str  # info | warning | critical | xid (decided by the Xid's action)
     action: str  # alert | snapshot | migrate | xid
-    prefixes: tuple[str, ...]
+    prefixes: tuple[str, ...]  # literal starts (the eBPF filter's); ANY is kept apart in ``needle``
     regex: re.Pattern[str]
     source: str
+    needle: str | None = None  # with prefix ANY: a literal the message must contain before the pattern is tried
+    joins: tuple[str, ...] = ()  # a record split over several: the starts of the records that continue it
 
     def match(self, text: str) -> re.Match[str] | None:
-        if not text.startswith(self.prefixes):
+        if not text.startswith(self.prefixes) and (self.needle is None or self.needle not in text):
             return None
         return self.regex.match(text)
 
@@ -74,6 +78,17 @@ class Catalog:
     signatures: tuple[Signature, ...]
     xid_meanings: Mapping[int, str] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # one C call rejects the messages no signature can match (nearly all of a log)
+        object.__setattr__(self, "_starts", tuple({p for s in self.signatures for p in s.prefixes}))
+        object.__setattr__(self, "_joins", tuple((s, s.prefixes, s.joins) for s in self.signatures if s.joins))
+        needles = sorted({s.needle for s in self.signatures if s.needle})
+        object.__setattr__(self, "_needle", re.compile("|".join(map(re.escape, needles))) if needles else None)
+        # every pattern in one alternation, in catalog order: the first alternative that matches is the
+        # first entry whose pattern does (its own groups made non-capturing: one C call per message)
+        alternatives = "|".join(f"(?P<_{i}>{_uncaptured(s.regex.pattern)})" for i, s in enumerate(self.signatures))
+        object.__setattr__(self, "_any", re.compile(alternatives))
+
     def prefixes(self, *, without_xid: bool = False) -> tuple[str, ...]:
         """The distinct prefixes, longest first dropped when a shorter one covers it (the eBPF
         filter passes a message that starts with any of them)."""
@@ -89,8 +104,44 @@ class Catalog:
         """The signature a bare kernel message text starts with, or None. Never raises."""
         if not isinstance(text, str):
             return None
-        text = text[:MAX_MESSAGE].replace("\\x0a", "\n").strip()  # /dev/kmsg escapes a record's newlines
-        for sig in self.signatures:
+        text = text[:MAX_MESSAGE]
+        if "\\x0a" in text:
+            text = text.replace("\\x0a", "\n")  # /dev/kmsg escapes a record's newlines
+        text = text.strip()
+        if not text.startswith(self._starts) and (self._needle is None or self._needle.search(text) is None):
+            return None
+        first = self._any.match(text)
+        if first is None:
+            return None
+        return self._classify(text, int(next(k for k, v in first.groupdict().items() if v is not None)[1:]))
+
+    def entry(self, name: str) -> Signature | None:
+        """The catalog entry of that name (``sentinel scan --explain``)."""
+        return next((s for s in self.signatures if s.name == name), None)
+
+    def starts_like_entry(self, text: str) -> list[str]:
+        """The entries whose prefix (or needle) ``text`` has, though it may match none of them."""
+        text = text.replace("\\x0a", "\n").strip()
+        return [s.name for s in self.signatures
+                if text.startswith(s.prefixes) or (s.needle is not None and s.needle in text)]
+
+    def continues(self, head: str, text: str) -> bool:
+        """True when ``text`` (a record's message) continues ``head``, the message of a record
+        split over several that no signature matches yet (the fallen-off-bus message a driver
+        prints in parts): the head starts like an entry with ``joins`` and ``text`` starts with
+        one of them."""
+        for sig, starts, joins in self._joins:
+            if head.startswith(starts) and text.startswith(joins) and sig.match(head) is None:
+                return True
+        return False
+
+    def opens_split(self, head: str) -> bool:
+        """True when ``head`` starts a message printed in parts (an entry with ``joins``) that
+        it does not complete on its own."""
+        return any(head.startswith(starts) and sig.match(head) is None for sig, starts, _ in self._joins)
+
+    def _classify(self, text: str, start: int = 0) -> Match | None:
+        for sig in self.signatures[start:]:
             m = sig.match(text)
             if m is None:
                 continue
@@ -109,6 +160,14 @@ class Catalog:
         if not isinstance(line, str):
             return None
         return self.classify(strip_prefix(line[:MAX_MESSAGE]))
+
+
+_GROUP = re.compile(r"\(\?P<[A-Za-z_]\w*>")
+
+
+def _uncaptured(pattern: str) -> str:
+    """``pattern`` with its named groups made non-capturing (for the one alternation)."""
+    return _GROUP.sub("(?:", pattern)
 
 
 def _bus(text: str | None) -> str | None:
@@ -146,7 +205,7 @@ def _signature(entry: object, where: str) -> Signature:
     if not isinstance(entry, dict):
         raise CatalogError(f"{where}: not a table")
     for key in entry:
-        if key not in _KEYS:
+        if key not in _KEYS and key not in _OPTIONAL_KEYS:
             raise CatalogError(f"{where}: unknown key {key!r}")
     for key in _KEYS:
         if key not in entry:
@@ -162,16 +221,26 @@ def _signature(entry: object, where: str) -> Signature:
     if (entry["severity"] == "xid") != (entry["action"] == "xid"):
         raise CatalogError(f"{where}: severity and action are xid together or not at all")
     prefixes = entry["prefix"] if isinstance(entry["prefix"], list) else [entry["prefix"]]
-    if not prefixes or any(not isinstance(p, str) or not p or len(p) > MAX_PREFIX or not p.isprintable()
-                           or '"' in p or "\\" in p for p in prefixes):
+    if not prefixes or any(not _literal(p) for p in prefixes):
         raise CatalogError(f"{where}: prefix must be 1 to {MAX_PREFIX} printable characters (no quote or backslash)")
+    needle = entry.get("needle")
+    if (ANY in prefixes) != (needle is not None) or (needle is not None and not _literal(needle)):
+        raise CatalogError(f"{where}: prefix {ANY!r} and needle (a literal the message contains) go together")
+    joins = entry.get("joins", [])
+    if not isinstance(joins, list) or any(not _literal(j) for j in joins):
+        raise CatalogError(f"{where}: joins must be a list of literal record starts")
     if not isinstance(entry["pattern"], str) or not isinstance(entry["source"], str) or not entry["source"]:
         raise CatalogError(f"{where}: pattern and source must be strings")
     try:
         regex = re.compile(entry["pattern"].replace("{BUS}", BUS))
     except re.error as exc:
         raise CatalogError(f"{where}: pattern does not compile: {exc}") from None
-    return Signature(name, entry["kind"], entry["severity"], entry["action"], tuple(prefixes), regex, entry["source"])
+    return Signature(name, entry["kind"], entry["severity"], entry["action"], tuple(p for p in prefixes if p != ANY),
+                     regex, entry["source"], needle, tuple(joins))
+
+
+def _literal(p: object) -> bool:
+    return isinstance(p, str) and 0 < len(p) <= MAX_PREFIX and p.isprintable() and '"' not in p and "\\" not in p
 
 
 def load(path: str | Path | None = None) -> Catalog:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from sentinel.procs import running
+from sentinel_tools.drill_verdict import job_health
 from sentinel.sources import simulated
 
 FAULTS = {
@@ -279,7 +280,7 @@ class Drill:
             "--progress", str(self.progress), "--final", str(self.job_dir / "final.json"),
             # a hang drill waits for the hang watch (T >= 30 s by default), not the process-group timeout
             "--migrate-hold-seconds", "30", "--pg-timeout", "300" if a.fault == "hang" else "30",
-            "--memory-interval-steps", str(a.memory_interval_steps),
+            "--memory-interval-steps", str(a.memory_interval_steps), "--migrate-ack", a.migrate_ack,
         ]
 
     def ready_file(self, node: Node) -> Path:
@@ -615,6 +616,7 @@ class Drill:
             "timeline": tl.events,
             "finished": finished is not None,
             "spare_in_place": bool(admitted) and victim.name not in final_nodes,
+            "replacement": admitted[0]["node"] if admitted else None,  # the spare that took the failed node's ranks
             "final_nodes": final_nodes,
             "recomputed_steps": lost,
             # worker groups formed after the fault (rank 0 admitted once per re-rendezvous)
@@ -670,7 +672,8 @@ class Drill:
         elif self.args.fault == "kill":
             ok = ok and len(lost) <= bound
         elif self.args.fault in ("hang", "slow"):
-            result["job_health"] = self._job_health(events, times, mig, t_fault, t_first)
+            result["job_health"] = job_health(self.args.fault, events, times, mig, t_fault, t_first, failed=victim.name,
+                                              replacement=result["replacement"])
             ok = ok and len(lost) <= 1 and result["job_health"]["ok"]
         else:
             ok = ok and not lost
@@ -678,34 +681,6 @@ class Drill:
             ok = ok and result["verify"]["bitwise_equal"]
         result["ok"] = ok
         return result
-
-    def _job_health(self, events: list[dict[str, Any]], times: dict[str, float], mig: dict[str, Any], t_fault: float,
-                    t_first: float | None) -> dict[str, Any]:
-        """--fault hang / slow: how soon the job named the culprit, and the step time around it."""
-        steps = sorted((e["time"], e["step"]) for e in events if e["event"] == "step")
-        tripped = times.get("tripped")
-        before = [b - a for (a, _), (b, _) in zip(steps, steps[1:]) if b < t_fault]
-        after = [b - a for (a, _), (b, _) in zip(steps, steps[1:]) if t_first is not None and a >= t_first]
-        med = lambda xs: sorted(xs)[len(xs) // 2] if xs else None  # noqa: E731
-        out: dict[str, Any] = {"rule": mig.get("rule"), "reason": mig.get("reason"),
-                               "step_seconds_before": med(before[-30:]), "step_seconds_after": med(after[5:])}
-        if self.args.fault == "hang":
-            last = max((t for t, _ in steps if t < (tripped or float("inf"))), default=None)
-            out["last_completed_step_to_handover_seconds"] = round(tripped - last, 3) if tripped and last else None
-            out["ok"] = (mig.get("rule") == "hang" and out["last_completed_step_to_handover_seconds"] is not None
-                         and out["last_completed_step_to_handover_seconds"] <= 60)
-        else:
-            # a trip before the fault is a false straggler, not a detection; the cause must be named
-            out["steps_to_detect"] = sum(1 for t, _ in steps if t_fault <= t <= tripped) if tripped and tripped > t_fault else None
-            out["step_seconds_slowed"] = med([b - a for (a, _), (b, _) in zip(steps, steps[1:])
-                                              if tripped and t_fault <= a and b <= tripped])
-            out["cause_named"] = "hw_slowdown" in str(mig.get("reason", ""))
-            b, a = out["step_seconds_before"], out["step_seconds_after"]
-            out["after_over_before"] = round(a / b, 3) if a and b else None
-            out["ok"] = (mig.get("rule") == "straggler" and out["steps_to_detect"] is not None
-                         and out["steps_to_detect"] <= 20 and out["cause_named"] and out["after_over_before"] is not None
-                         and out["after_over_before"] <= 1.10)
-        return out
 
     def _restore_report(self, events: list[dict[str, Any]], t_fault: float) -> dict[str, Any]:
         """Where the ranks that resumed after the fault took their state from (rank 0's view;
@@ -921,6 +896,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interval-steps", type=int, default=10, help="periodic disk snapshots (the last resort)")
     p.add_argument("--memory-interval-steps", type=int, default=1,
                    help="in-memory snapshots with a peer replica every N steps (0: disk only)")
+    p.add_argument("--migrate-ack", choices=("durable", "memory"), default="durable",
+                   help="the ranks acknowledge a migrate snapshot once on disk (durable), or once in memory and "
+                        "replicated (memory; on disk still when every copy of a shard would leave)")
     p.add_argument("--fault", choices=sorted(FAULTS), default="xid79")
     p.add_argument("--at-step", type=int, default=25)
     p.add_argument("--hang-mode", choices=["stop", "skip"], default="stop",

@@ -43,7 +43,9 @@ with open(os.path.join(d, "lock"), "w") as lock:
             json.dump(state, open(os.path.join(d, "state.json"), "w"))
             sys.exit(0)
         n = nodes[kv["nodename"]]
-        if kv["state"] == "drain":
+        if "comment" in kv:  # a failing node's spare record (sentinel.backends.slurm)
+            n["comment"] = kv["comment"]
+        elif kv["state"] == "drain":
             n.update(state="IDLE+DRAIN", reason=kv.get("reason", ""), time=time.time())
         elif kv["state"] == "resume":
             n.update(state="IDLE", reason="", time=0)

@@ -53,6 +53,74 @@ def test_malformed_message_is_counted_and_ignored(tmp_path):
         rank.close()
 
 
+def test_acks_go_over_the_channel_handed_with_the_request_and_over_daemon_sock_once_it_is_gone(tmp_path):
+    """The daemon hands each rank one end of a socket pair with its request; the rank acks there
+    (past any flood of daemon.sock). A daemon that restarted since has closed its end: the rank's
+    send fails at once and the ack goes over daemon.sock to the new daemon instead."""
+    register_agent(tmp_path)
+    daemon = DaemonEndpoint(tmp_path)
+    rank = RankEndpoint.open(tmp_path)
+    try:
+        assert daemon.request("snapshot", "s1", "") == 1
+        assert [r.id for r in rank.poll()] == ["s1"]
+        assert rank.ack(Ack(id="s1", rank=0, step=1, ok=True, phase="staged"))
+        assert rank.counts["ack_direct"] == 1
+        daemon.close()
+        register_agent(tmp_path)
+        daemon = DaemonEndpoint(tmp_path)
+        daemon.request("snapshot", "s1", "")  # the new daemon asks again: the rank holds a dead end
+        rank.sock.connect(str(tmp_path / "daemon.sock"))  # reconnected, as its next poll would
+        assert rank.ack(Ack(id="s1", rank=0, step=1, ok=True))
+        assert rank.counts["ack_channel_lost"] == 1 and rank.counts["ack_direct"] == 1
+        acks = wait_for(daemon.poll_acks, 5, what="the ack over daemon.sock")
+        assert [a.phase for a in acks] == ["committed"] and daemon.complete("s1")
+    finally:
+        rank.close()
+        daemon.close()
+
+
+def test_a_descriptor_from_a_sender_that_is_not_the_daemon_is_closed_not_used(tmp_path):
+    """Only a daemon uid may hand a rank its ack channel: anyone else's descriptor is closed at once
+    (its sender sees the end it kept refused) and the rank goes on acking over daemon.sock."""
+    import array
+
+    (tmp_path / "ranks").mkdir()  # no daemon yet: the rank's socket is not connected, anyone may send
+    rank = RankEndpoint(tmp_path, allowed_uids=frozenset({os.geteuid() + 1}))  # this test's uid is not the daemon's
+    forger, passed = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendmsg([Request(type="migrate", id="m", reason="").encode()],
+                      [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [passed.fileno()]).tobytes())], 0,
+                      str(rank.path))
+        passed.close()
+        assert rank.poll() == []
+        assert rank.counts["refused_sender"] == 1 and rank.counts["refused_descriptor"] == 1
+        with pytest.raises(ConnectionRefusedError):  # the rank closed the end it was passed
+            forger.send(b"x")
+    finally:
+        forger.close()
+        rank.close()
+
+
+def test_a_descriptor_that_is_no_datagram_socket_is_closed_and_the_request_still_counts(tmp_path):
+    import array
+
+    (tmp_path / "ranks").mkdir()
+    rank = RankEndpoint(tmp_path, allowed_uids=frozenset({os.geteuid()}))  # the sender is "the daemon" here
+    r, w = os.pipe()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendmsg([Request(type="snapshot", id="p", reason="").encode()],
+                      [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [w]).tobytes())], 0, str(rank.path))
+        os.close(w)
+        assert rank.poll() == [Request(type="snapshot", id="p")]
+        assert rank.counts["refused_descriptor"] == 1 and rank.counts["ack_channel"] == 0
+        assert os.read(r, 1) == b""  # the rank closed the pipe's write end it was passed: no writer is left
+    finally:
+        os.close(r)
+        rank.close()
+
+
 def test_idle_poll_never_blocks_and_reconnects_only_on_schedule(tmp_path):
     """guard.step() polls every step: an idle poll must return at once with nothing and must
     not reconnect (a syscall per step) before ``reconnect_seconds`` have passed. Its cost in
@@ -75,6 +143,28 @@ def test_idle_poll_never_blocks_and_reconnects_only_on_schedule(tmp_path):
         assert connects == [100.5]  # exactly one reconnect per interval
     finally:
         rank.close()
+
+
+def test_an_idle_second_of_polling_costs_almost_no_cpu(tmp_path):
+    """No busy loop: a rank that polls at every step of an idle second (1 ms steps, nothing
+    asked) spends a small fraction of that second on the CPU. Measured as this thread's own CPU
+    time, which other processes' load does not inflate (a poll that spun or retried while
+    waiting for the daemon would cost its whole wait here, however loaded the host)."""
+    register_agent(tmp_path)
+    daemon = DaemonEndpoint(tmp_path)
+    rank = RankEndpoint.open(tmp_path)
+    try:
+        polls = 0
+        cpu0, end = time.thread_time(), time.monotonic() + 1.0
+        while time.monotonic() < end or polls < 500:  # at least 500 polls, however slow the host
+            assert rank.poll() == []
+            polls += 1
+            time.sleep(0.001)  # the step's own work: not this thread's CPU
+        cpu = time.thread_time() - cpu0
+        assert cpu < 0.25, f"{polls} idle polls cost {cpu:.3f} CPU-s"
+    finally:
+        rank.close()
+        daemon.close()
 
 
 def test_daemon_restart_keeps_ranks_reachable(tmp_path):

@@ -28,7 +28,8 @@ pytestmark = pytest.mark.needs_root
 JOB_UID = JOB_GID = 65534  # nobody: the job's user
 
 # A training rank of the job: opens its endpoint, says where it is, waits for "go", then answers
-# every request with a staged and a committed ack (recording the ids and what ack() returned).
+# every request with a staged and a committed ack (recording the ids, what ack() returned, its
+# counts, and the time.time() before the staged ack, after it and after the committed one).
 RANK = textwrap.dedent("""
     import json, os, sys, time
     from pathlib import Path
@@ -40,10 +41,13 @@ RANK = textwrap.dedent("""
     end = time.time() + 60
     while time.time() < end:
         for r in ep.poll():
+            t0 = time.time()
             staged = ep.ack(Ack(id=r.id, rank=0, step=5, ok=True, phase="staged", bytes=1000))
+            t1 = time.time()
             committed = ep.ack(Ack(id=r.id, rank=0, step=5, ok=True))
+            t2 = time.time()
             with open(out / "got", "a") as f:
-                f.write(json.dumps([r.type, r.id, staged, committed, dict(ep.counts)]) + "\\n")
+                f.write(json.dumps([r.type, r.id, staged, committed, dict(ep.counts), [t0, t1, t2]]) + "\\n")
         time.sleep(0.01)
 """)
 
@@ -235,14 +239,49 @@ def test_4200_files_planted_after_registration_neither_hide_the_rank_nor_stay(at
 
 
 # -- 3. flooding daemon.sock ----------------------------------------------------------------------------
+def flood_as_a_job_group_member(path: Path, seconds: float, attacker) -> subprocess.Popen:
+    """Another local user who shares the job's group (daemon.sock is root:<job gid> 0660)."""
+    return subprocess.Popen(["setpriv", f"--reuid={attacker.uid}", f"--regid={attacker.gid}", f"--groups={JOB_GID}",
+                             SYSTEM_PYTHON, "-c", FLOOD, str(path), "flood", str(seconds)],
+                            stdout=subprocess.PIPE, text=True, env={"PATH": "/usr/bin:/bin"})
+
+
+def test_acks_reach_the_daemon_at_once_while_daemon_sock_is_flooded(attacker, job):
+    """#47 item 1: the job's user and another user of the job's group keep daemon.sock's queue
+    full for the whole request, and the daemon reads nothing until the rank has answered (its
+    next poll may be a second away). The rank's two acks go out on its own ack channel (a socket
+    pair whose end came with the request: nobody else can reach it, and the kernel lets the rank
+    past any queue limit): each ack() returns True within 100 ms without waiting for room, and
+    the daemon's next read has both."""
+    runtime, ep, rank = job
+    register_agent(runtime, rank.pid)
+    ep.ranks()
+    assert outcome(flood(runtime / "daemon.sock", "fill", 10))["EAGAIN"] == 1  # full before the request
+    floods = [flood(runtime / "daemon.sock", "flood", 4), flood_as_a_job_group_member(runtime / "daemon.sock", 4, attacker)]
+    assert ep.request("migrate", "m1", "test") == 1
+    rank.go()
+    (answer,) = wait_for(rank.answers, 30, what="the rank's answer")
+    assert answer[:4] == ["migrate", "m1", True, True]
+    counts, (t0, t1, t2) = answer[4], answer[5]
+    assert counts.get("ack_direct") == 2 and "ack_retried" not in counts  # each ack: one send, taken at once
+    assert t1 - t0 < 0.1 and t2 - t1 < 0.1, (t1 - t0, t2 - t1)  # the training step was not held up
+    assert sorted(a.phase for a in ep.poll_acks()) == ["committed", "staged"] and ep.complete("m1")
+    # both flooders could reach daemon.sock and found its queue full (EAGAIN, not EACCES)
+    flooded = [outcome(p) for p in floods]
+    assert all(set(f) <= {"sent", "EAGAIN"} and f.get("EAGAIN", 0) > 0 for f in flooded), flooded
+
+
 def test_acks_are_retried_while_the_job_user_floods_daemon_sock(job, tmp_path):
-    """The job's user fills daemon.sock's queue; the rank's acks meet EAGAIN and are retried, so the
-    migration completes on the acks, not on the deadline (the clock never moves here)."""
+    """With no ack channel of its own (a daemon older than the channels, or one that restarted
+    since the request: the end it handed over is dead), the rank acks over daemon.sock. The job's user fills that queue; the rank's acks
+    meet EAGAIN and are retried, so the migration completes on the acks, not on the deadline (the
+    clock never moves here)."""
     runtime, ep, rank = job
     register_agent(runtime, rank.pid)
     ep.ranks()
     m = make(tmp_path, ep, clock=Clock(), ack_timeout_seconds=60.0)
     m.begin("m1", TRIP)
+    ep.ack_channels.close()  # the rank's end, still in its queue with the request, leads nowhere now
     assert outcome(flood(runtime / "daemon.sock", "fill", 10))["EAGAIN"] == 1
     rank.go()
 

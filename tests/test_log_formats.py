@@ -100,12 +100,22 @@ def test_a_line_in_no_known_format_makes_the_verdict_unknown_with_a_count(strang
     assert "the first at line 6" in r.stdout.decode()
 
 
-def test_a_bare_line_before_the_first_timestamped_one_is_unreadable_but_a_bare_log_is_read():
+def test_a_bare_line_of_no_kernel_shape_before_the_first_timestamped_one_is_unreadable_but_a_bare_log_is_read():
     good = (FORMATS / "dmesg.txt").read_text()
-    r = scan("--kmsg", "-", "--json", stdin=("usb 1-1: new device\n" + good).encode())
+    r = scan("--kmsg", "-", "--json", stdin=("new device attached\n" + good).encode())
     assert r.returncode == 3 and json.loads(r.stdout)["kernel_log"]["first_unreadable_line"] == 1
     rc, out = scan_json(FORMATS / "dmesg-t.txt")
     assert rc == 0 and out["kernel_log"]["unreadable"] == 0
+
+
+def test_a_bare_kernel_message_in_a_prefixed_log_is_a_record_of_its_own():
+    """A bare line with a kernel message's shape (a subsystem tag) is read, not counted unreadable
+    and not joined to the line before it (pasted logs mix the two)."""
+    good = (FORMATS / "dmesg.txt").read_text()
+    r = scan("--kmsg", "-", "--json", stdin=("usb 1-1: new device\n" + good + XID79 + "\n").encode())
+    out = json.loads(r.stdout)
+    assert r.returncode == 2 and out["kernel_log"]["unreadable"] == 0
+    assert [(f["lineno"], f["xid"]) for f in out["findings"]] == [(len(good.splitlines()) + 2, 79)]
 
 
 def test_a_record_the_paste_wrapped_over_two_lines_is_one_finding():

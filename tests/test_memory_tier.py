@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -571,6 +572,15 @@ def test_migrate_ack_mode_is_checked(tmp_path):
         SnapshotGuard(tmp_path, {}, memory_interval_steps=1, migrate_ack="fast")
 
 
+def test_a_leaving_node_is_exposed_only_when_its_replica_holder_leaves_too():
+    from trainer.memory.plan import nodes_left_without_a_copy
+
+    ring = [1, 2, 0]  # node n's replicas on node n + 1
+    assert nodes_left_without_a_copy(ring, {1, 2}) == [1]  # node 1's copy is on node 2, leaving too
+    assert nodes_left_without_a_copy(ring, {1}) == [] and nodes_left_without_a_copy([1, 0], {0, 1}) == [0, 1]
+    assert nodes_left_without_a_copy([0], {0}) == [0]  # one node: its memory is the only copy
+
+
 def test_placed_partners_follow_the_node_plan_and_default_to_the_ring():
     from trainer.memory.plan import placed_partners
 
@@ -580,3 +590,53 @@ def test_placed_partners_follow_the_node_plan_and_default_to_the_ring():
         (4, 2), (5, 3), (0, 6), (1, 7), (6, 0), (7, 1), (2, 4), (3, 5)]
     ring = [(n + 1) % 4 for n in range(4)]
     assert [placed_partners(r, 8, 2, ring) for r in range(8)] == [ring_partners(r, 8, 2) for r in range(8)]
+
+
+# -- #47 item 3: nodes that leave together with every copy of a shard ---------------------------------
+def test_a_migration_taking_every_holder_of_a_shard_is_acknowledged_once_on_disk(tmp_path):
+    """With ``migrate_ack="memory"`` a node may go once its migrate snapshot is in memory and
+    replicated. Two nodes holding each other's replicas (the ring of two) asked to migrate together
+    would leave with both copies: their committed acks (what lets each daemon drain its node) must
+    wait for the disk copy. One node asked alone leaves a copy of every shard on the other: its
+    memory ack stands."""
+    from conftest import register_agent, wait_for
+    from sentinel.daemon_endpoint import DaemonEndpoint
+    from trainer.disk import MARKER
+
+    runtime, snaps, out = tmp_path / "run", tmp_path / "snaps", tmp_path / "out.jsonl"
+    register_agent(runtime)  # this test is the agent: forkrun's ranks descend from it
+    daemon = DaemonEndpoint(runtime)
+    cmd = [sys.executable, str(REPO / "tests" / "workers" / "forkrun.py"), "--nproc", "4",
+           str(REPO / "tests" / "workers" / "memory_job.py"), "--holders", str(tmp_path / "holders"), "--run-id", "adj",
+           "--snapshot-dir", str(snaps), "--out", str(out), "--steps", "100000", "--step-seconds", "0.05",
+           "--slow-disk-seconds", "1.0", "--migrate-ack", "memory", "--migrate-hold-seconds", "0.5"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "SENTINEL_RUNTIME_DIR": str(runtime)}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
+                            start_new_session=True)
+    got: list = []
+
+    def committed(rid: str, n: int):
+        got.extend(a for a in daemon.poll_acks() if a.phase == "committed")
+        mine = [a for a in got if a.id == rid]
+        return mine if len(mine) == n else None
+
+    try:
+        wait_for(lambda: len(daemon.rank_pids()) == 4, 240, what="4 rank sockets")
+        daemon.request("snapshot", "who", "")
+        rank_of = {a.pid: a.rank for a in wait_for(lambda: committed("who", 4), 120, what="the ranks' snapshot acks")}
+        node1 = [pid for pid, rank in rank_of.items() if rank >= 2]  # ranks 2, 3: the second "node"
+        daemon.request("migrate", "one", "", pids=node1)
+        one = wait_for(lambda: committed("one", 2), 120, what="node 1's migrate acks")
+        assert all(a.ok and a.path.startswith("memory:") for a in one), one  # node 0 keeps a copy of every shard
+        wait_for(lambda: (snaps / f"step-{one[0].step:09d}" / MARKER).exists(), 60, what="its disk copy")
+        time.sleep(1.0)  # the 0.5 s hold is over: the next request is a migration of its own
+        daemon.request("migrate", "both", "")
+        seen = []
+        for a in wait_for(lambda: committed("both", 4), 120, what="both nodes' migrate acks"):
+            seen.append((a.step > one[0].step, a.ok, a.path.startswith("memory:")))
+        on_disk = [(snaps / f"step-{a.step:09d}" / MARKER).exists() for a in got if a.id == "both"]
+        assert seen == [(True, True, False)] * 4 and all(on_disk), (seen, on_disk)  # acked once durable
+    finally:
+        os.killpg(proc.pid, 9)  # forkrun and its ranks: the job never ends on its own
+        proc.wait(timeout=30)
+        daemon.close()

@@ -90,6 +90,10 @@ def recording(rule, reads):
     base = GpuRule if isinstance(rule, GpuRule) else NodeRule
     attrs = {a: getattr(rule, a) for a in ("name", "fields", "counters", "config", "order", "predicts")}
     attrs["evaluate"] = lambda self, subject, cfg: rule.evaluate(subject, RecordingConfig(cfg, reads))
+    if getattr(rule, "rated", False):
+        attrs.update(rated=True, rate_key=lambda self, event: rule.rate_key(event),
+                     evaluate_rate=lambda self, event, cfg, history, now: rule.evaluate_rate(
+                         event, RecordingConfig(cfg, reads), history, now))
     return type(f"Recorded{type(rule).__name__}", (base,), attrs)()
 
 
@@ -126,6 +130,7 @@ def random_polls(seed, n):
         kernel = tuple(rng.choice((
             KernelEvent("rank_signal", "t", {"signal": "SIGBUS", "code": rng.choice((0, 4)), "pid": 1, "comm": "p"}),
             KernelEvent("mc_error", "t", {"type": "uncorrected", "count": 1, "mc": 0}),
+            KernelEvent("mc_error", "t", {"type": "corrected", "count": 12, "mc": 0}),
             KernelEvent("aer", "t", {"severity": "fatal", "device": "0000:0:00.0"}, gpu=0),
             KernelEvent("kernel_log", "t", {"kind": "gpu_fallen_off_bus", "severity": "critical", "action": "migrate",
                                             "message": "NVRM: GPU 0000:01:00.0: GPU has fallen off the bus."}, gpu=1),

@@ -57,7 +57,7 @@ def test_fallen_off_the_bus_without_xid_is_critical_for_that_gpu_with_exact_json
     assert out["findings"] == [
         {"lineno": 2, "kind": "gpu_fallen_off_bus", "severity": "critical", "pci_bus_id": "0000:2a:00.0", "gpu": 1,
          "xid": None, "action": "migrate", "message": "NVRM: GPU 0000:2a:00.0: GPU has fallen off the bus."},
-        {"lineno": 3, "kind": "host_memory_ce", "severity": "info", "pci_bus_id": None, "gpu": None, "xid": None,
+        {"lineno": 3, "kind": "host_memory_ce", "severity": "warning", "pci_bus_id": None, "gpu": None, "xid": None,
          "action": "alert", "message": "EDAC MC0: 1 CE memory read error on CPU_SrcID#0_Ha#0_Chan#1_DIMM#0"},
         {"lineno": 4, "kind": "xid", "severity": "info", "pci_bus_id": "0000:18:00.0", "gpu": 0, "xid": 13,
          "action": "alert", "message": "NVRM: Xid (PCI:0000:18:00): 13, pid=77, name=train, Graphics Exception"},

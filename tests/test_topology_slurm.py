@@ -110,7 +110,7 @@ def test_the_spare_under_the_departed_nodes_leaf_is_admitted(tree_cluster, tmp_p
                  what=f"an agent on node4: {(work / 'job.out').read_text()}")
         assert not (work / "node3" / "run" / "agent.pid").exists()
         out = (work / "job.out").read_text()
-        assert "spare node4: Sentinel's choice (sentinel-spare=node4 for=node2 distance=leaf)" in out, out
+        assert f"spare node4: Sentinel's choice (sentinel-spare=node4,node3;for=node2;job={job};distance=leaf)" in out, out
     finally:
         stop.write_text("")
         if m is not None:
@@ -119,6 +119,78 @@ def test_the_spare_under_the_departed_nodes_leaf_is_admitted(tree_cluster, tmp_p
         c.run("scancel", job)
         wait_for(lambda: c.run("squeue", "-h", "-j", job, "-o", "%T").stdout.strip() in ("", "COMPLETED", "CANCELLED"),
                  timeout=60, what="the job to end")
+        c.reset_nodes()
+
+
+def spare_records(c, job: str) -> dict[str, str]:
+    """Every spare record Slurm holds for ``job``, by the failing node it is for: in the nodes'
+    Comments, and in the job's own Comment (where they were written before #47)."""
+    out = {}
+    for line in c.run("sinfo", "-h", "-N", "-O", "NodeList:200,Comment:600").stdout.splitlines():
+        words = line.split()
+        if len(words) >= 2 and words[1].startswith("sentinel-spare=") and f";job={job};" in words[1]:
+            out[words[1].split(";for=")[1].split(";")[0]] = words[1]
+    comment = c.run("squeue", "-h", "-j", job, "-o", "%k").stdout.strip()
+    if comment.startswith("sentinel-spare="):
+        out[comment.split(" for=")[1].split()[0]] = comment
+    return out
+
+
+def test_two_nodes_of_one_job_failing_at_once_keep_both_spare_records_and_get_two_spares(tree_cluster, tmp_path):
+    """#47 item 2: node1 and node2 of one job fail at the same moment and their daemons migrate at
+    once. Each records its spare in its own node's Comment, so Slurm holds both (before, both wrote
+    the job's Comment and only the last write was left), and the batch script acts on each record:
+    an agent on node4 and one on node3, each Sentinel's choice for one failing node."""
+    c = tree_cluster
+    work = tmp_path / "job"
+    work.mkdir()
+    os.chmod(tmp_path, 0o755)
+    os.chmod(work, 0o755)
+    stop = work / "STOP"
+    agent = ["bash", "-c", f'while [ ! -e {stop} ]; do sleep 0.2; done', "agent", "--rdzv-backend=etcd-v2", "end"]
+    env = {**c.env, "TRAIN_NODES": "2", "SENTINEL": f"{sys.executable} -m sentinel", "PYTHONPATH": str(REPO),
+           "SENTINEL_RUNTIME_DIR": str(work / "%n" / "run"), "SENTINEL_STATE_DIR": str(work / "%n" / "state")}
+    for n in NODES:
+        (work / n / "run").mkdir(parents=True)
+        (work / n / "state").mkdir(parents=True)
+    r = subprocess.run(["sbatch", "--parsable", "--nodes=4", "--nodelist=node[1-4]", "--switches=2",
+                        f"--output={work / 'job.out'}", f"--chdir={REPO}", str(SBATCH), *agent],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    job = r.stdout.strip().split(";")[0]
+    pairs = []
+    try:
+        for n in ("node1", "node2"):
+            wait_for(lambda n=n: (work / n / "run" / "agent.pid").exists(), timeout=60,
+                     what=f"the agent on {n}: {(work / 'job.out').read_text() if (work / 'job.out').exists() else ''}")
+        for n in ("node1", "node2"):
+            m, ep = migrator(c, n, work)
+            m.backend.pidfile = work / n / "run" / "agent.pid"
+            pairs.append((m, ep))
+        for i, (m, _) in enumerate(pairs):  # both at once: each spare call runs on its migrator's own workers
+            m.begin(f"r{i}", TRIP)
+        wait_for(lambda: all((m.tick([]), m.record.spare)[1] is not None for m, _ in pairs), timeout=60,
+                 what="both spare choices")
+        records = spare_records(c, job)
+        assert set(records) == {"node1", "node2"}, records  # one record per failing node, both kept
+        assert all(f";for={n};job={job};" in rec for n, rec in records.items()), records
+        # the batch script acted on both: an agent on each spare, each one Sentinel's choice
+        for n in ("node3", "node4"):
+            wait_for(lambda n=n: (work / n / "run" / "agent.pid").exists(), timeout=60,
+                     what=f"an agent on {n}: {(work / 'job.out').read_text()}")
+        out = (work / "job.out").read_text()
+        chosen = [line for line in out.splitlines() if "Sentinel's choice" in line]
+        assert sorted(line.split("(", 1)[1].rstrip(")") for line in chosen) == sorted(records.values()), out
+    finally:
+        stop.write_text("")
+        for m, ep in pairs:
+            m.close()
+            ep.close()
+        c.run("scancel", job)
+        wait_for(lambda: c.run("squeue", "-h", "-j", job, "-o", "%T").stdout.strip() in ("", "COMPLETED", "CANCELLED"),
+                 timeout=60, what="the job to end")
+        for n in NODES:
+            c.run("scontrol", "update", f"nodename={n}", "comment=")
         c.reset_nodes()
 
 

@@ -63,6 +63,7 @@ from trainer.disk import (  # noqa: F401 - re-exported: trainer.guard's names fr
     CORRUPT, MARKER, PREFIX, DiskTier, DiskWrite, complete_snapshots, snapshot_path, staged_bytes)
 from trainer.hold import NodeDrained, SigtermDuringHold  # noqa: F401 - NodeDrained re-exported
 from trainer.memory import MemoryTier, MemoryTierError, RestoreResult, default_holder_dir
+from trainer.memory.plan import nodes_left_without_a_copy
 from trainer.progress import JobWatch
 from trainer.state import ModelOptimState, StagingState  # noqa: F401 - ModelOptimState re-exported
 
@@ -146,6 +147,7 @@ class SnapshotGuard:
         if self.channel_error:
             log.error("rank %d: control channel problem: %s", self.rank, self.channel_error)
         self._pending: dict[str, Request] = {}
+        self._leaving: set[int] = set()  # the ranks the last exchange's migrate requests reached
         self._served: OrderedDict[str, int] = OrderedDict()  # request id -> step of the snapshot that served it
         self._inflight: _Inflight | None = None
         self.records: list[SnapshotRecord] = []
@@ -313,7 +315,7 @@ class SnapshotGuard:
         job = self.memory.snapshot(step, state_dict, reuse=reused, build_seconds=build)
         if requested == MIGRATE:
             job.done.wait(self.memory.timeout)
-            if job.ok and self.migrate_ack == "memory":
+            if job.ok and self.migrate_ack == "memory" and not self._leaving_with_every_copy(step):
                 self._commit_in_memory(step, requests, ids)
                 self._persist(step, MIGRATE, {}, ids, job.slot, state_dict)
             elif job.ok:  # durable: acknowledged once the disk copy commits (memory is restorable too)
@@ -437,14 +439,27 @@ class SnapshotGuard:
     def _exchange(self, requests: Mapping[str, Request]) -> tuple[set[str], float]:
         """Every rank's request ids (so a copy that reaches a rank later is known as served) and
         the longest hold any migrate request asked for."""
-        mine = [(r.id, r.hold_seconds if r.type == "migrate" else 0.0) for r in requests.values()]
+        mine = [(r.id, r.hold_seconds if r.type == "migrate" else 0.0, r.type == "migrate") for r in requests.values()]
         if self.distributed and self.world > 1:
             everyone: list[Any] = [None] * self.world
             dist.all_gather_object(everyone, mine, group=self.control_group)
         else:
             everyone = [mine]
+        # the ranks a migrate request reached: their nodes are leaving (the same set on every rank)
+        self._leaving = {r for r, part in enumerate(everyone) if any(m for _, _, m in part)}
         pairs = [p for part in everyone for p in part]
-        return {i for i, _ in pairs}, max((h for _, h in pairs), default=0.0)
+        return {i for i, _, _ in pairs}, max((h for _, h, _ in pairs), default=0.0)
+
+    def _leaving_with_every_copy(self, step: int) -> list[int]:
+        """The nodes leaving in this migration whose replica holder leaves too (agreed: every
+        rank computes it from the same exchange). An ack of the memory snapshot alone would let
+        every copy of their shards go with them: their migrate snapshot is acknowledged once on disk."""
+        local = self.memory.local_world
+        exposed = nodes_left_without_a_copy(self.memory.node_holder, {r // local for r in self._leaving})
+        if exposed and self.migrate_ack == "memory":
+            log.warning("migrate snapshot at step %d: node(s) %s leave with every memory copy of their shards "
+                        "(their replica holders leave too); acknowledged once on disk", step, exposed)
+        return exposed
 
     def _snapshot(self, step: int, kind: int, requests: dict[str, Request], ids: set[str]) -> None:
         self._wait_inflight()  # one save at a time; staging buffers are reused

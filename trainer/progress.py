@@ -476,6 +476,8 @@ class JobWatch:
         self.settings = straggler or StragglerSettings()
         self.tracker = StragglerTracker(self.settings)
         self.stragglers: list[Any] = []
+        # the last window scored: (step, node -> compute seconds, the nodes it named stragglers)
+        self.last_window: tuple[int, dict[str, float], tuple[str, ...]] | None = None
         self.hang_settings = hang or settings_from_env(os.environ)
         self.watch: HangWatch | None = None
         self.inflight: Callable[[], Any] = lambda: None  # the guard's disk write in flight (JobWatch.open)
@@ -526,6 +528,7 @@ class JobWatch:
         if len(window) < 2:
             return
         self.stragglers = self.tracker.observe(window)
+        self.last_window = (step, {node: v[0] for node, v in window.items()}, tuple(s.node for s in self.stragglers))
         me = self.progress.node
         for s in self.stragglers:
             if s.node != me:

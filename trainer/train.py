@@ -143,13 +143,16 @@ def train_step(model: nn.Module, optim: torch.optim.Optimizer, loss_fn: nn.Modul
 
 
 class _GuardLog:
-    """Called after every step: one progress line per snapshot the guard finished, and the memory
-    tier's replica placement once it is agreed (at its first snapshot); rank 0 writes them."""
+    """Called after every step: one progress line per snapshot the guard finished, one per window
+    the progress exchange scored (each node's compute seconds: what a drill judges a straggler's
+    hand-over by), and the memory tier's replica placement once it is agreed (at its first
+    snapshot); rank 0 writes them."""
 
     def __init__(self, guard: SnapshotGuard, rank: int, record) -> None:
         self.guard, self.rank, self.record = guard, rank, record
         self.reported = 0
         self.placed = False
+        self.window = None
 
     def __call__(self) -> None:
         g = self.guard
@@ -157,6 +160,11 @@ class _GuardLog:
             if self.rank == 0:
                 self.record("snapshot", step=rec.step, ok=rec.ok, kind=rec.kind, path=rec.path, error=rec.error[:200])
         self.reported = len(g.records)
+        window = g.watch.last_window
+        if window is not self.window and self.rank == 0:
+            self.record("exchange", step=window[0], compute={n: round(c, 6) for n, c in window[1].items()},
+                        stragglers=list(window[2]))
+        self.window = window
         if not self.placed and self.rank == 0 and g.memory is not None and g.memory.placement:
             self.record("replica_placement", placement=g.memory.placement)
             self.placed = True

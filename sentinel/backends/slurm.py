@@ -7,8 +7,13 @@
   ``sentinel:``); an admin's drain is left alone and said so.
 * **spare** — a node of the job's own allocation that runs no ranks, the nearest to this one in
   the topology (``scontrol show topology`` and ``[actions.topology] file``: same NVLink block,
-  else same leaf switch, else same spine): the daemon names it in the job's Comment
-  (``sentinel-spare=<node> for=<this node> distance=<leaf>``) and signals the batch
+  else same leaf switch, else same spine), none that another failing node of the job has named
+  already: the daemon records it in *its own node's* Comment
+  (``sentinel-spare=<node>[,<next nearest>...];for=<this node>;job=<job>;distance=<leaf>``; one
+  record per failing node, so two nodes of one job failing at once never overwrite each other's,
+  as they did in the job's Comment, and two records naming one spare still give two spares, the
+  batch script taking each record's first node still idle; an admin's node Comment is left alone
+  and no record is made) and signals the batch
   script of the job this node's agent runs in (the running job on this node of the
   agent's user, from the verified pidfile; ``scancel --batch --signal=USR1``), and
   ``deploy/slurm/train.sbatch`` starts an agent on an idle, undrained node of its allocation,
@@ -49,6 +54,13 @@ _UNREACHABLE = re.compile(r"unable to contact slurm controller|socket timed out|
 #: a heterogeneous component ``1234+0``. Anything else (a leading ``-``, spaces) never reaches a command.
 JOB_ID = re.compile(r"^[0-9]{1,10}(?:_(?:[0-9]{1,10}|\[[0-9,%-]{1,64}\]))?(?:\+[0-9]{1,5})?$")
 NODE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+#: The spare record a failing node's daemon keeps in that node's own Comment (train.sbatch reads it).
+#: ``sentinel-spare=<spare>[,<next>...];for=<node>;job=<job>;distance=<d>``: the spares in order of
+#: preference (at most SPARE_RECORD_NODES), so that two records naming one spare still give two.
+_NAME = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}"
+SPARE_RECORD = re.compile(rf"^sentinel-spare=({_NAME}(?:,{_NAME}){{0,3}});for=({_NAME});job=([0-9_+\[\],%-]{{1,96}});"
+                          r"distance=([a-z-]{1,16})$")
+SPARE_RECORD_NODES = 4
 #: How often a node that drained itself counts the partition again while nodes ranked after it undo
 #: theirs, and for how long at most (then it undoes its own: the breaker holds).
 SETTLE_INTERVAL = 0.5
@@ -179,6 +191,8 @@ class SlurmBackend(Backend):
         if not reason.startswith(REASON_PREFIX):
             return f"slurm: {self.node} is drained by someone else ({reason!r}); left alone"
         self._slurm("scontrol update", self.s.scontrol, "update", f"nodename={self.node}", "state=resume")
+        if node.get("Comment", "").startswith("sentinel-spare="):  # its spare record served its job
+            self._slurm("scontrol update node", self.s.scontrol, "update", f"nodename={self.node}", "comment=")
         return f"slurm: {self.node} resumed (it was Sentinel's drain: {reason!r})"
 
     def scheduler_state(self) -> CordonState:
@@ -226,8 +240,8 @@ class SlurmBackend(Backend):
                 f"({choice.distance}: {choice.why})")
 
     def _choose_spare(self, job: str):
-        """The idle node of ``job``'s allocation nearest this one, named in the job's Comment
-        (``sentinel-spare=<node> for=<this node>``) for train.sbatch; None (the script picks the
+        """The idle node of ``job``'s allocation nearest this one that no other failing node of the
+        job has named, recorded in this node's Comment for train.sbatch; None (the script picks the
         first idle node, as before) when the allocation has no idle node or the topology cannot be
         read — a spare is never held up by the topology."""
         from sentinel import topology
@@ -243,20 +257,54 @@ class SlurmBackend(Backend):
                 busy.update(topology.expand_hostlist(nodes))
             bad = set(self._slurm("sinfo", self.s.sinfo, "-h", "-N", "-n", ",".join(alloc) or self.node,
                                   "-t", "drain,drng,down,fail,maint", "-o", "%N").split())
-            candidates = [n for n in alloc if n not in busy and n not in bad and n != self.node]
+            taken = set(self.spare_records(alloc, job).values())  # another failing node of the job named them first
+            idle = [n for n in alloc if n not in busy and n not in bad and n != self.node]
+            candidates = [n for n in idle if n not in taken]
             if not candidates:
                 return None
             topo = self.topology()
         except (BackendError, topology.TopologyError) as exc:
             self.notes.append(f"slurm: spare chosen by the batch script (first idle node): {exc}")
             return None
-        choice = topology.choose_spare(topo, self.node, candidates)
+        choice = topology.choose_spare(topo, self.node, candidates or idle)
         if choice is None:
             return None
-        self._slurm("scontrol update job", self.s.scontrol, "update", f"jobid={job}",
-                    f"comment=sentinel-spare={choice.node} for={self.node} distance={choice.distance}")
+        ranked = [choice.node]  # then the next nearest: the batch script takes the first still idle
+        rest = [n for n in candidates if n != choice.node] + [n for n in idle if n in taken and n != choice.node]
+        while rest and len(ranked) < SPARE_RECORD_NODES:
+            nxt = topology.choose_spare(topo, self.node, rest)
+            ranked.append(nxt.node)
+            rest.remove(nxt.node)
+        try:
+            self._record_spare(job, choice, ranked)
+        except BackendError as exc:  # the spare is still asked for: the script then takes its first idle node
+            self.notes.append(f"slurm: no spare record for {choice.node}: {exc}")
         self.spare_choice = choice
         return choice
+
+    def spare_records(self, nodes: list[str], job: str) -> dict[str, str]:
+        """``failing node -> its first spare`` from the spare records of ``job`` in ``nodes``'
+        Comments (:data:`SPARE_RECORD`; anything else in a Comment is not a record)."""
+        out = self._slurm("sinfo", self.s.sinfo, "-h", "-N", "-n", ",".join(nodes) or self.node,
+                          "-O", "NodeList:200,Comment:600")
+        records: dict[str, str] = {}
+        for line in out.splitlines():
+            words = line.split()
+            m = SPARE_RECORD.match(words[1]) if len(words) >= 2 else None
+            if m and m.group(3) == job and m.group(2) == words[0]:
+                records[words[0]] = m.group(1).split(",")[0]
+        return records
+
+    def _record_spare(self, job: str, choice, ranked: list[str]) -> None:
+        """This node's spare record, in its own Comment: one write that no other node's daemon
+        touches (the job's Comment, shared, lost one of two records written at once)."""
+        current = self.show().get("Comment", "")
+        if current not in ("", "(null)") and not current.startswith("sentinel-spare="):
+            self.notes.append(f"slurm: {self.node}'s Comment is someone else's ({current[:80]!r}); no spare record "
+                              f"made (the batch script starts its first idle node)")
+            return
+        self._slurm("scontrol update node", self.s.scontrol, "update", f"nodename={self.node}",
+                    f"comment=sentinel-spare={','.join(ranked)};for={self.node};job={job};distance={choice.distance}")
 
     def scheduler_topology(self) -> list:
         """``scontrol show topology``: empty (not an error) when no topology plugin is configured."""

@@ -223,8 +223,18 @@ class NodeRule(Rule):
     offered to the node rules in order; the first that returns a Finding claims it."""
 
     scope = "node"
+    rated = False  # a rated rule keeps a rate of the events it claims (the policy holds its history)
 
     def evaluate(self, event: KernelEvent, cfg: PolicyConfig) -> Finding | None:
+        raise NotImplementedError
+
+    def rate_key(self, event: KernelEvent) -> str | None:
+        """A rated rule: the history an event counts in, ``""`` for one it claims uncounted, None if not its."""
+        return None
+
+    def evaluate_rate(self, event: KernelEvent, cfg: PolicyConfig, history: tuple, now: float
+                      ) -> tuple[Finding | None, tuple]:
+        """A rated rule: (a Finding or None, the new history) for one event it claims."""
         raise NotImplementedError
 
 

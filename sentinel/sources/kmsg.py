@@ -65,6 +65,10 @@ FORMATS = (
     "syslog: 'Dec  1 21:31:52 host kernel:', the day with one or two spaces or a leading 0, with or without the "
     "host, optionally followed by a dmesg timestamp; RFC 3339 times; a bare 'kernel:' prefix",
     "a /dev/kmsg record header 4,1234,5678,-; (its ' KEY=value' lines continue the record)",
+    "the printk caller id after any time ([  T291], [    C3]: CONFIG_PRINTK_CALLER); a <N> priority",
+    "wrappers around any of these: a bracketed ISO time ([2026-12-01T21:31:52.254954+00:00] or with a space), "
+    "containerd/CRI-O log lines (2026-12-01T21:31:52.254954123Z stdout F ...), kubectl logs --timestamps and "
+    "--prefix ([pod/name/container] ...), Talos-style remote kernel logs (host: kern:    info: [RFC 3339]: ...)",
 )
 _MON = r"(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)"
 _DAY = r"(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun)"
@@ -75,7 +79,8 @@ _DMESG_TS = (rf"\[(?:{_NUM}(?: <{_NUM}>)?"  # default; -d
              rf"|{_MON} ?[ \d]?\d(?: \d{{4}})? \d\d:\d\d(?::\d\d)?"  # -H/-e: the minute
              rf"|{_DAY} {_MON} [ \d]\d \d\d:\d\d:\d\d \d{{4}})\]")  # -T, --time-format=ctime
 _ISO = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d{1,9})?(?:Z|[+-]\d\d:?\d\d)?"
-_SYSLOG_TIME = (rf"(?:{_MON} {{1,2}}\d{{1,2}} \d\d:\d\d:\d\d(?:\.\d{{1,9}})?"  # syslog, journal short(-precise)
+_LOCAL_MON = r"[^\W\d_]{3,4}\.?"  # a month in the journal's locale (фев, jan., Mär)
+_SYSLOG_TIME = (rf"(?:(?:{_MON}|{_LOCAL_MON}) {{1,2}}\d{{1,2}} \d\d:\d\d:\d\d(?:\.\d{{1,9}})?"  # syslog, journal short(-precise)
                 rf"|{_ISO}"  # RFC 3339, journal short-iso(-precise)
                 rf"|{_DAY} \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d{{1,9}})? [A-Za-z][\w+-]{{0,31}}"  # short-full
                 r"|\d{9,11}\.\d{1,9})")  # short-unix
@@ -86,14 +91,26 @@ _FACILITIES = ("kern", "user", "mail", "daemon", "auth", "syslog", "lpr", "news"
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _KMSG_HEADER = re.compile(r"(?P<prio>\d{1,3}),\d{1,20},\d{1,20},[^;\s]*;")
 _RAW = re.compile(rf"<(?P<prio>\d{{1,3}})>\s*(?:{_DMESG_TS}\s?)?")
-_DECODE = re.compile(rf"(?P<facility>[a-z][a-z0-9]{{2,7}})\s*:\s*{_LEVELS}\s*:\s?(?:{_DMESG_TS}\s?)?")
-_DMESG = re.compile(rf"(?:{_DMESG_TS}|{_ISO})(?: |$)")
+_DECODE = re.compile(rf"(?P<facility>[a-z][a-z0-9]{{2,7}})\s*:\s*{_LEVELS}\s*:\s?(?:(?:{_DMESG_TS}|{_ISO})\s?)?")
+_DMESG = re.compile(rf"(?:{_DMESG_TS}|{_ISO})(?:\[\s{{0,8}}[TC]\d{{1,7}}\])?(?: |$)")  # the caller id may follow
 _SYSLOG = re.compile(rf"{_SYSLOG_TIME} ")
 _MONOTONIC_JOURNAL = re.compile(rf"\[{_NUM}\] \S+ kernel: ")
-_KERNEL_TAG = re.compile(r"kernel(?:\[\d{1,10}\])?:(?: |$)")
+_KERNEL_TAG = re.compile(r"kernel(?:\[\d{1,10}\])?:(?: |$|(?=\[))")
 _OTHER_TAG = re.compile(r"(?:\S+ )?[^\s:\[\]]+(?:\[\d{1,10}\])?:(?: |$)")
 _SYSLOG_KERNEL_TS = re.compile(rf"{_DMESG_TS}\s?")
 _META = re.compile(r"-- .{1,200} --$")
+_CALLER = re.compile(r"\[\s{0,8}[TC]\d{1,7}\]\s?")  # CONFIG_PRINTK_CALLER: [  T291] (a task) or [    C3] (a CPU)
+_ISO_ANY = _ISO.replace("T", "[T ]", 1)
+# Lines another program wraps around a kernel-log line: what follows is read again (at most twice).
+_WRAPPERS = (
+    re.compile(rf"\[{_ISO_ANY}\]\s?"),  # a collector's bracketed time before the dmesg one
+    re.compile(rf"{_ISO} (?:stdout|stderr) [FP] "),  # containerd / CRI-O container log
+    re.compile(r"\[(?:pod|deployment|daemonset|job)/[^\]\s]{1,253}\] "),  # kubectl logs --prefix
+    re.compile(r"\[kernel\] "),  # a log viewer's source tag
+    re.compile(r"(?:> ?){1,4}"),  # a mail or forum quote of a log
+)
+_KUBECTL_TS = re.compile(rf"{_ISO} (?=\[|<\d{{1,3}}>|\d{{1,3}},\d{{1,20}},|kern\s*:|{_MON} )")  # --timestamps
+_TALOS = re.compile(rf"\S{{1,253}}: (?P<facility>[a-z][a-z0-9]{{2,7}}):\s{{0,8}}{_LEVELS}[a-z]{{0,3}}: \[{_ISO}\]: ")
 # What a line that carries no known prefix may still start with when it is a log prefix this
 # reader does not know (a timestamp, a priority, a facility, a journal field): such a line is
 # unreadable, never taken for a bare message.
@@ -128,39 +145,74 @@ def parse_log_line(line: str) -> LogLine | None:
         text = _ANSI.sub("", text).strip()
     if not text:
         return LogLine("blank")
-    m = _KMSG_HEADER.match(text) or _RAW.match(text)
-    if m:
-        rest = text[m.end():]
-        if not _facility_is_kernel(m.group("prio")):
+    parsed = _parse_text(text)
+    if parsed is not None and parsed.kind == "kernel" and parsed.message.startswith("["):
+        m = _CALLER.match(parsed.message)
+        if m:
+            return LogLine("kernel", parsed.message[m.end():].strip())
+    return parsed
+
+
+_FAC = "(?:" + "|".join(_FACILITIES) + ")(?![a-z0-9])"
+# Every prefix of FORMATS in one alternation, in the order they take precedence (one C call a line;
+# the group that matched says which): wrappers, Talos, the caller id, /dev/kmsg and <N> headers,
+# dmesg -x, journal short-monotonic, syslog with a kernel tag, dmesg, another program's syslog line,
+# a syslog time with no tag (unreadable), a bare kernel: tag, journalctl's notes, an unknown prefix.
+_READERS = (
+    rf"(?P<talos>\S{{1,253}}: (?P<tfac>{_FAC}):\s{{0,8}}{_LEVELS}[a-z]{{0,3}}: \[{_ISO}\]: )",
+    rf"(?P<caller>\[\s{{0,8}}[TC]\d{{1,7}}\]\s?)",
+    rf"(?P<kmsg>(?P<kprio>\d{{1,3}}),\d{{1,20}},\d{{1,20}},[^;\s]*;|<(?P<rprio>\d{{1,3}})>\s*(?:{_DMESG_TS}\s?)?)",
+    rf"(?P<decode>(?P<dfac>{_FAC})\s*:\s*{_LEVELS}\s*:\s?(?:(?:{_DMESG_TS}|{_ISO})\s?)?)",
+    rf"(?P<monotonic>\[{_NUM}\] \S+ kernel: )",
+    rf"(?P<syslog>{_SYSLOG_TIME} (?:\S* )?)(?=kernel(?:\[\d{{1,10}}\])?:(?: |$|(?=\[)))",
+    rf"(?P<dmesg>(?:{_DMESG_TS}|{_ISO})(?:\[\s{{0,8}}[TC]\d{{1,7}}\])?(?: |$))",
+    rf"(?P<other>{_SYSLOG_TIME} )(?=(?:\S+ )?[^\s:\[\]]+(?:\[\d{{1,10}}\])?:(?: |$)|(?:\S* )?-- .{{1,200}} --$)",
+    rf"(?P<untagged>{_SYSLOG_TIME} )",
+    r"(?P<tag>)(?=kernel(?:\[\d{1,10}\])?:(?: |$|(?=\[)))",
+    r"(?P<meta>-- .{1,200} --$)",
+    rf"(?P<unknown>{_LOOKS_PREFIXED.pattern})",
+)
+_WRAPPER = (rf"(?P<wrapper>\[{_ISO_ANY}\]\s?|{_ISO} (?:stdout|stderr) [FP] |\[(?:pod|deployment|daemonset|job)/[^\]\s]{{1,253}}\] "
+            rf"|\[kernel\] |(?:> ?){{1,4}}|{_ISO} (?=\[|<\d{{1,3}}>|\d{{1,3}},\d{{1,20}},|kern\s*:|{_MON} ))")
+_READ = re.compile("|".join((_WRAPPER, *_READERS)))
+_READ_INNER = re.compile("|".join(_READERS))  # inside two wrappers: no third
+
+
+def _parse_text(text: str, depth: int = 0) -> LogLine | None:
+    m = (_READ if depth < 2 else _READ_INNER).match(text)
+    if m is None:
+        return LogLine("bare", text)
+    how, rest = m.lastgroup, text[m.end():]
+    if how == "wrapper":
+        return _wrapped(rest, depth)
+    if how == "talos":
+        return LogLine("kernel" if m.group("tfac") == "kern" else "other", rest.strip())
+    if how in ("caller", "monotonic", "dmesg"):
+        return LogLine("kernel", rest.strip())
+    if how == "kmsg":
+        if not _facility_is_kernel(m.group("kprio") or m.group("rprio")):
             return LogLine("other")
         return LogLine("kernel", _after_kernel_tag(rest))
-    m = _DECODE.match(text)
-    if m and m.group("facility") in _FACILITIES:
-        return LogLine("kernel" if m.group("facility") == "kern" else "other", text[m.end():].strip())
-    m = _MONOTONIC_JOURNAL.match(text)
-    if m:
-        return LogLine("kernel", text[m.end():].strip())
-    syslog = _SYSLOG.match(text)
-    if syslog:  # "<time> [host] kernel: ..." (an RFC 3339 time is dmesg --time-format=iso's too)
-        rest = text[syslog.end():]
-        host = rest.split(" ", 1)
-        if _KERNEL_TAG.match(rest):
-            return LogLine("kernel", _after_kernel_tag(rest))
-        if len(host) == 2 and _KERNEL_TAG.match(host[1]):
-            return LogLine("kernel", _after_kernel_tag(host[1]))
-    m = _DMESG.match(text)
-    if m:
-        return LogLine("kernel", text[m.end():].strip())
-    if syslog:  # another program's line
-        rest = text[syslog.end():]
-        return LogLine("other") if _OTHER_TAG.match(rest) or _META.match(rest.split(" ", 1)[-1]) else None
-    if _KERNEL_TAG.match(text):
-        return LogLine("kernel", _after_kernel_tag(text))
-    if _META.match(text):
+    if how == "decode":
+        return LogLine("kernel" if m.group("dfac") == "kern" else "other", rest.strip())
+    if how in ("syslog", "tag"):
+        return LogLine("kernel", _after_kernel_tag(rest))
+    if how == "other":
+        return LogLine("other")
+    if how == "meta":
         return LogLine("meta")
-    if _LOOKS_PREFIXED.match(text):
-        return None
-    return LogLine("bare", text)
+    return None  # a syslog time with no tag, or a prefix this reader does not know
+
+
+def _wrapped(rest: str, depth: int) -> LogLine | None:
+    """The line inside a wrapper: a kernel-log line of its own, or a bare message (the wrapper was its prefix)."""
+    rest = rest.strip()
+    if not rest:
+        return LogLine("blank")
+    inner = _parse_text(rest, depth + 1)
+    if inner is not None and inner.kind == "bare":
+        return LogLine("kernel", inner.message)
+    return inner
 
 
 def _after_kernel_tag(rest: str) -> str:

@@ -26,6 +26,7 @@ from pathlib import Path
 from sentinel import signatures
 from sentinel.pci import port_map
 from sentinel.readings import KernelEvent, XidEvent
+from sentinel.records import LiveRecords
 from sentinel.sources.ebpf import EbpfUnavailable, RingProbe, tracepoint_exists
 from sentinel.families import counter
 from sentinel.sources.kernel import KERNEL_EVENTS, KernelSource, run_alone
@@ -61,6 +62,7 @@ class XidSource(KernelSource):
                  pci_devices: Path = Path("/sys/bus/pci/devices")) -> None:
         super().__init__()
         self.catalog = catalog or signatures.default_catalog()
+        self._records: dict[str, LiveRecords] = {}  # per path: a message printed in parts, joined as it comes
         self.pci_devices = pci_devices
         self.port_to_gpu: dict[str, int] = {}
         self.use_ebpf = use_ebpf
@@ -164,9 +166,11 @@ class XidSource(KernelSource):
         """One kernel message text (no record header, no timestamp). A report counts only at the
         start of the text: anywhere else it is user text the kernel echoed, and is ignored."""
         self.counts[self._event_key(source, "line")] += 1
-        if self._xid_first and text.lstrip().startswith(xidparse.XID_MARKER):
-            self._on_xid_text(text, source)  # where classify would send it too, without trying the catalog
-            return
+        if isinstance(text, str):  # a message the driver prints in parts is classified joined, at its last part
+            text = self._records.setdefault(source, LiveRecords(self.catalog)).record(text)
+            if self._xid_first and text.lstrip().startswith(xidparse.XID_MARKER):
+                self._on_xid_text(text, source)  # where classify would send it too, without trying the catalog
+                return
         match = self.catalog.classify(text)
         if match is None or match.kind == "xid":
             self._on_xid_text(text, source)

@@ -50,6 +50,8 @@ def main() -> int:
     ap.add_argument("--hold-disk-step", type=int, default=-1,
                     help="the disk snapshot of this step is held until the last step is done (a filesystem that "
                          "stalls, whatever the load on this host: the next one due finds it still running)")
+    ap.add_argument("--migrate-ack", choices=("durable", "memory"), default="durable")
+    ap.add_argument("--migrate-hold-seconds", type=float, default=60.0)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -90,6 +92,7 @@ def main() -> int:
     guard = SnapshotGuard(args.snapshot_dir, {"app": ModelOptimState(model, optim)},
                           interval_steps=args.interval_steps, memory_interval_steps=args.memory_interval_steps,
                           memory_dir=holder, memory_run_id=args.run_id, local_world_size=args.ranks_per_node,
+                          migrate_ack=args.migrate_ack, migrate_hold_seconds=args.migrate_hold_seconds,
                           replica_bytes_per_second=args.slow_bytes_per_second if rank == args.slow_rank else 0.0)
     start = guard.resume()
     loss_fn = nn.CrossEntropyLoss()

@@ -94,6 +94,15 @@ def ring_partners(rank: int, world: int, local_world: int) -> tuple[int, int]:
 
 
 
+def nodes_left_without_a_copy(holder_of_node: Sequence[int], leaving: set[int]) -> list[int]:
+    """The leaving nodes whose replica holder leaves too (node ``n``'s replicas live on node
+    ``holder_of_node[n]``): their shards would have no copy in memory once the nodes are gone,
+    so a migration must not let them go before the disk copy is written."""
+    if len(holder_of_node) < 2:
+        return sorted(leaving)  # one node: its memory is the only copy
+    return sorted(n for n in leaving if holder_of_node[n] in leaving)
+
+
 def placed_partners(rank: int, world: int, local_world: int, holder_of_node: Sequence[int]) -> tuple[int, int]:
     """(send to, receive from) when node ``n``'s replicas live on node ``holder_of_node[n]`` (a
     permutation without fixed points, :class:`sentinel.topology.ReplicaPlan`): same local rank."""
