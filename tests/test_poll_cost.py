@@ -195,6 +195,7 @@ def test_the_exposition_is_rendered_by_the_first_scrape_after_a_poll_once(tmp_pa
             daemon.poll_once()
         assert renders == []  # polls publish views; none is rendered until asked for
         simulated.inject(state, 0, ["temp=91"])
+        time.sleep(0.05)  # the simulated backend stats its file once per recheck window (10 ms): the next poll sees it
         daemon.poll_once()
         url = f"http://127.0.0.1:{daemon.metrics_port}/metrics"
         bodies = []
