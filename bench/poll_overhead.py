@@ -1,14 +1,27 @@
-"""Daemon overhead: CPU per poll cycle, share of one core at 1 Hz, RSS and scrape latency,
-for 8 and 64 simulated GPUs (18 NVLink links each); and what one scrape costs a fleet: series
-and bytes per node and per GPU, extrapolated to 2,048 nodes, for the default export
-(``[metrics] detail = "fleet"``) and the opt-in ``"full"`` one side by side. A real
-`sentinel run --simulate` process is measured from /proc. First, NVML device calls per GPU per
-poll, one call per field and counter (before) against batched nvmlDeviceGetFieldValues (after),
-counted in-process over the simulated backend.
+"""Daemon overhead: what one poll costs in CPU, part by part, and what a whole daemon costs.
 
-    python bench/poll_overhead.py [--seconds 20] [--gpus 8 64] [--detail fleet full] [--json out.json] [--smoke]
+1. **Profile of one poll** (in-process, CPU time: ``time.process_time`` for the process,
+   ``time.thread_time`` per part, never wall time), for 8 and 64 simulated GPUs: the simulated NVML
+   backend (which spends what a real NVML call costs, ``--nvml-call-us``, cited in
+   ``sentinel.sources.simulated.NVML_CALL_SECONDS``), and the daemon's own parts: the NVML source
+   (deadline workers, readings), the rules (``Policy.decide``), the state (status.json, and the
+   loop's bookkeeping: channel, migration, job health), the metrics (the view and its rendering).
+   The daemon's own part is the process's CPU less the backend's.
+2. **An Xid storm**: 1,000 Xid records a second into the kernel-log reader (a FIFO standing in for
+   /dev/kmsg, fed by a separate process) while the real loop (``Daemon.run``) polls at 1 Hz; the
+   share of a core the daemon used, against the same loop without the storm, and whether every Xid
+   was counted (none lost, none dropped before the policy saw it).
+3. A real ``sentinel run --simulate`` process measured from /proc: CPU per poll at 1 Hz, RSS and
+   scrape latency, and what one scrape costs a fleet (series and bytes per node and per GPU,
+   extrapolated to 2,048 nodes) for the default export (``[metrics] detail = "fleet"``) and the
+   opt-in ``"full"`` one; first, NVML device calls per GPU per poll, one call per field and counter
+   against batched nvmlDeviceGetFieldValues, counted in-process over the simulated backend.
 
-``--smoke``: 8 GPUs, fleet detail, one 2 s window.
+    python bench/poll_overhead.py [--seconds 20] [--gpus 8 64] [--detail fleet full] [--polls 200]
+                                  [--storm-seconds 60] [--storm-rate 1000] [--nvml-call-us 22.5]
+                                  [--json out.json] [--smoke]
+
+``--smoke``: 8 GPUs, fleet detail, one 2 s window, 20 profiled polls, a 3 s storm.
 """
 
 from __future__ import annotations
@@ -27,6 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _poll_profile  # noqa: E402
 import _report  # noqa: E402
 from sentinel.sources import simulated  # noqa: E402
 from sentinel.sources.simulated import CountingNvml  # noqa: E402
@@ -99,7 +113,8 @@ def measure(gpus: int, seconds: float, detail: str = "fleet") -> dict[str, float
         simulated.write_state(state, simulated.healthy_state(gpus))
         config = Path(d) / "sentinel.toml"
         config.write_text(f'[metrics]\ndetail = "{detail}"\n')
-        run = Path(d) / "run"
+        runtime = tempfile.TemporaryDirectory(dir=_poll_profile.RUNTIME_ROOT)  # a tmpfs, as /run/sentinel is
+        run = Path(runtime.name) / "run"
         proc = subprocess.Popen(
             [sys.executable, "-m", "sentinel", "run", "--simulate", str(state), "--runtime-dir", str(run),
              "--state-dir", str(Path(d) / "state"), "--config", str(config),
@@ -139,12 +154,45 @@ def measure(gpus: int, seconds: float, detail: str = "fleet") -> dict[str, float
         finally:
             proc.terminate()
             proc.wait(timeout=10)
+            runtime.cleanup()
 
 
-SMOKE_FIGURES = ("nvml_calls_per_gpu_poll_before_count", "nvml_calls_per_gpu_poll_after_count",
+SMOKE_FIGURES = tuple(f"profile_8gpu_{part}_ms" for part in (*_poll_profile.PARTS, "daemon", "total")) + (
+    "storm_core_percent", "storm_daemon_core_percent", "storm_quiet_daemon_core_percent", "storm_records_sent_count",
+    "storm_xids_counted_count", "storm_records_lost_count") + ("nvml_calls_per_gpu_poll_before_count", "nvml_calls_per_gpu_poll_after_count",
                  "nvml_calls_per_gpu_poll_reduction_ratio", "cpu_per_poll_8gpu_fleet_ms", "core_8gpu_fleet_percent",
                  "rss_8gpu_fleet_mb", "scrape_p50_8gpu_fleet_ms", "scrape_8gpu_fleet_bytes", "series_8gpu_fleet_count",
                  "fleet_scrape_8gpu_fleet_mb")
+
+
+def profile_and_storm(args: argparse.Namespace) -> dict[str, float]:
+    """The per-part profile of one poll and the Xid storm (bench/_poll_profile.py), printed."""
+    cost = args.nvml_call_us / 1e6
+    figures: dict[str, float] = {}
+    print(f"One poll, CPU ms by part ({args.polls} polls, one scrape every {args.scrape_every}; the simulated NVML "
+          f"spends {args.nvml_call_us:g} us a call, as a real one does):")
+    cols = ("backend", "nvml_source", "rules", "state", "metrics")
+    print(f"{'GPUs':>5} " + " ".join(f"{c.replace('_', ' '):>12}" for c in cols) + f" {'daemon own':>11} {'total':>8} "
+          f"{'target':>8}")
+    for gpus in args.profile_gpus:
+        r = _poll_profile.profile(gpus, args.polls, cost, scrape_every=args.scrape_every)
+        target = 2.0 if gpus <= 8 else 10.0 if gpus <= 64 else float("nan")
+        print(f"{gpus:>5} " + " ".join(f"{r[c]:>12.2f}" for c in cols) + f" {r['daemon']:>11.2f} {r['total']:>8.2f} "
+              f"{'<= ' + format(target, 'g'):>8}")
+        figures.update({f"profile_{gpus}gpu_{k}_ms": v for k, v in r.items()})
+    print("  backend: the simulated NVML calls (not the daemon's); nvml source: deadline workers and readings; rules: "
+          "Policy.decide; state: status.json and the loop's bookkeeping; metrics: the view, and the render a scrape "
+          "does\n")
+    s = _poll_profile.storm(8, args.storm_rate, args.storm_seconds, cost)
+    print(f"Xid storm, 8 GPUs polled at 1 Hz, {args.storm_rate:,.0f} Xid records/s for {args.storm_seconds:g} s into the "
+          f"kernel-log reader: the daemon {s['storm_daemon_percent']:.2f} % of a core ({s['storm_percent']:.2f} % with the "
+          f"simulated backend; quiet: {s['quiet_daemon_percent']:.2f} %); target <= 5 %")
+    print(f"  {s['sent']:,} records sent, {s['counted']:,} Xids counted by the policy, {s['lost']:,.0f} records lost "
+          f"before the reader saw them\n")
+    figures.update({"storm_core_percent": s["storm_percent"], "storm_daemon_core_percent": s["storm_daemon_percent"],
+                    "storm_quiet_daemon_core_percent": s["quiet_daemon_percent"], "storm_records_sent_count": s["sent"],
+                    "storm_xids_counted_count": s["counted"], "storm_records_lost_count": s["lost"]})
+    return figures
 
 
 def main() -> None:
@@ -153,10 +201,20 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, nargs="+", default=[8, 64], help="simulated GPUs per node")
     ap.add_argument("--detail", nargs="+", choices=("fleet", "full"), default=["fleet", "full"],
                     help="[metrics] detail: fleet (the default export) and/or full (every link and state)")
+    ap.add_argument("--polls", type=int, default=200, help="polls profiled per GPU count")
+    ap.add_argument("--profile-gpus", type=int, nargs="+", default=[8, 64], help="GPU counts profiled")
+    ap.add_argument("--scrape-every", type=int, default=15, help="polls between scrapes in the profile (Prometheus at 15 s)")
+    ap.add_argument("--nvml-call-us", type=float, default=simulated.NVML_CALL_SECONDS * 1e6,
+                    help="CPU microseconds one simulated NVML call spends (default: a real call's, cited in "
+                    "sentinel/sources/simulated.py)")
+    ap.add_argument("--storm-seconds", type=float, default=60.0, help="length of the Xid storm")
+    ap.add_argument("--storm-rate", type=float, default=1000.0, help="Xid records a second in the storm")
     _report.add_json_argument(ap)
     args = ap.parse_args()
     if args.smoke:
         args.seconds, args.gpus, args.detail = 2.0, [8], ["fleet"]
+        args.polls, args.profile_gpus, args.storm_seconds = 20, [8], 3.0
+    figures = profile_and_storm(args)
     before, after = nvml_calls(8, batch=False), nvml_calls(8, batch=True)
     print(f"NVML calls per GPU per poll (8 simulated H100s, 18 NVLink links each): {before:.1f} one call per field "
           f"and counter, {after:.1f} batched (nvmlDeviceGetFieldValues), {before / after:.1f}x fewer; target <= 10\n")
@@ -175,8 +233,8 @@ def main() -> None:
               f"{r['fleet_scrape_mb']:>9.1f} {r['fleet_scrape_gzip_mb']:>8.1f}")
     print("targets: <= 1 % of one core for 8 GPUs at 1 Hz; RSS <= 60 MB; "
           "default export <= 40 series per GPU and <= 30 KB per scrape for 8 GPUs")
-    figures = {"nvml_calls_per_gpu_poll_before_count": before, "nvml_calls_per_gpu_poll_after_count": after,
-               "nvml_calls_per_gpu_poll_reduction_ratio": before / after}
+    figures.update({"nvml_calls_per_gpu_poll_before_count": before, "nvml_calls_per_gpu_poll_after_count": after,
+                    "nvml_calls_per_gpu_poll_reduction_ratio": before / after})
     for r in rows:
         tag = f"{r['gpus']}gpu_{r['detail']}"
         figures.update({f"cpu_per_poll_{tag}_ms": r["cpu_ms_per_poll"], f"core_{tag}_percent": r["core_percent"],

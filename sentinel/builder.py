@@ -30,11 +30,12 @@ from sentinel.systemd import Notifier
 
 
 def build_daemon(cfg: Config, *, simulate: str | None = None, no_ebpf: bool = False,
-                 event_sources: Iterable[EventSource] | None = None) -> Daemon:
+                 event_sources: Iterable[EventSource] | None = None, nvml_backend: Any = None) -> Daemon:
     """The daemon ``sentinel run`` runs. ``event_sources`` replaces the kernel-event sources the
-    config names (a test's fixture sources); everything else comes from ``cfg``. Raises
-    NvmlUnavailable or StartupError (one sentence each)."""
-    nvml = nvml_source(cfg, simulate)
+    config names (a test's fixture sources), ``nvml_backend`` the pynvml module (a bench's
+    instrumented look-alike); everything else comes from ``cfg``. Raises NvmlUnavailable or
+    StartupError (one sentence each)."""
+    nvml = nvml_source(cfg, simulate, nvml_backend)
     runtime = Path(cfg.daemon.runtime_dir)
     state = Path(cfg.daemon.state_dir)
     check_directories(runtime, state)
@@ -55,8 +56,11 @@ def build_daemon(cfg: Config, *, simulate: str | None = None, no_ebpf: bool = Fa
                   endpoint=endpoint, migrator=migrator, notifier=Notifier(), wake=wake)
 
 
-def nvml_source(cfg: Config, simulate: str | None = None) -> NvmlSource:
-    """The simulated backend's state file when ``simulate`` names one, else pynvml."""
+def nvml_source(cfg: Config, simulate: str | None = None, backend: Any = None) -> NvmlSource:
+    """``backend`` when given; else the simulated backend's state file when ``simulate`` names one,
+    else pynvml."""
+    if backend is not None:
+        return NvmlSource(backend, deadline_seconds=cfg.daemon.nvml_deadline_seconds, source_name="nvml")
     if simulate:
         from sentinel.sources.simulated import SimulatedNvml
 

@@ -8,6 +8,7 @@ complete, successful iteration, so a hung loop gets the daemon restarted.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
@@ -41,6 +42,10 @@ LOOP_ERRORS = counter("sentinel_loop_errors",
                       "component")
 NVML_INIT_FAILURES = counter("sentinel_nvml_init_failures", "Failed nvmlInit attempts (retried with backoff)")
 LAST_POLL = gauge("sentinel_last_poll_timestamp_seconds", "Time of the last completed poll")
+# Kernel events between polls are decided on at once, but at most once in this many seconds: the
+# first event after a quiet spell waits for nothing, the events of a storm (1,000 Xids a second)
+# gather for this long and are decided on together, every one of them (bench/poll_overhead.py).
+EVENT_BATCH_SECONDS = 0.2
 
 
 class StartupError(RuntimeError):
@@ -297,8 +302,9 @@ class Daemon:
         if decided is not None:
             self.policy_state, trips = decided
         counts = self.policy_state.xid_counts  # Xids as the policy counted them: one de-duplication pass
-        readings = dataclasses.replace(readings, gpus=tuple(
-            dataclasses.replace(g, xid_counts=dict(counts.get(g.index, {}))) for g in readings.gpus))
+        readings = dataclasses.replace(readings, gpus=tuple(  # a GPU whose counts agree keeps its reading
+            g if g.xid_counts == counts.get(g.index, {}) else dataclasses.replace(g, xid_counts=dict(counts.get(g.index, {})))
+            for g in readings.gpus))
         if not readings.events_only:
             self.last_gpus = readings.gpus
         for t in trips:
@@ -366,7 +372,7 @@ class Daemon:
         self.view = View(readings, health, forecasts, dict(self.trips), rule_active, counters, gauges, self.node,
                          detail=self.config.metrics.detail)
         if self.httpd is not None:
-            self.httpd.refresh()  # render once per poll; scrapes serve these bytes (never raises)
+            self.httpd.invalidate()  # the next scrape renders this view (once, for every scraper)
         self.write_status(readings, health)
 
     def write_status(self, readings: NodeReadings, health: dict[int, int]) -> None:
@@ -437,6 +443,7 @@ class Daemon:
         interval = self.config.daemon.poll_interval_seconds
         next_at = self.clock()
         last_summary = ""
+        last_events = -math.inf  # when the last event-driven iteration ended
         while not self._stop.is_set():
             next_at += interval
             if reload is not None:
@@ -462,11 +469,15 @@ class Daemon:
                         next_at = self.clock()
                     break
                 if self._wake.wait(delay):  # a kernel event: act now, not at the next poll
+                    gather = min(last_events + EVENT_BATCH_SECONDS, next_at) - self.clock()
+                    if gather > 0 and self._stop.wait(gather):  # a burst: its events are decided on together
+                        break
                     self._wake.clear()
                     try:
                         self.poll_events()
                     except Exception:  # noqa: BLE001 - the loop never dies
                         log.exception("event-driven iteration failed")
+                    last_events = self.clock()
 
     def apply_config(self, new: Config) -> None:
         """Reload: policy thresholds and intervals change; listeners and sources stay."""

@@ -1,30 +1,24 @@
-"""The metrics endpoint: the exposition is rendered once per poll and every scrape serves those bytes.
+"""The metrics endpoint: the exposition is rendered at most once per published view, and only when scraped.
 
-A scrape never runs a collector. :meth:`MetricsServer.refresh` (called by the daemon after it
-publishes a new :class:`~sentinel.metrics.View`) collects the registry once, renders the Prometheus
-text format and swaps the result in with one attribute assignment; a scrape only copies bytes.
-The OpenMetrics rendering and the gzip-compressed bodies are made from that same collected
-snapshot on the first scrape that asks for them and cached until the next refresh, so N scrapers
-cost one render, not N.
+:meth:`MetricsServer.refresh` collects the registry once, renders the Prometheus text format and
+swaps the result in with one attribute assignment. After the daemon publishes a new (immutable)
+:class:`~sentinel.metrics.View` it calls :meth:`MetricsServer.invalidate`: the first scrape that
+follows renders that view, once for every scraper, so a daemon polling at 1 Hz and scraped every
+15 s renders once in 15 polls, and never on the poll loop (bench/poll_overhead.py). OpenMetrics
+and gzip bodies are made from the same snapshot on first demand, cached until the next render.
 
 Failure contract:
 
-* A collector that raises during :meth:`MetricsServer.refresh` never fails a scrape: the previous
-  snapshot's samples keep being served and ``sentinel_exporter_render_failures_total`` counts the
-  failure (it appears in the same refreshed exposition).
+* A collector that raises during a render never fails a scrape: the previous samples are served
+  and ``sentinel_exporter_render_failures_total`` (in the same exposition) counts the failure.
 * A client that stalls (slow TLS handshake, a request trickled byte by byte, a reader that never
-  drains) is cut off after ``timeout_seconds`` in total; connections beyond ``max_connections``
-  are closed at once and counted. Neither can hold the poll loop or the other scrapers.
+  drains) is cut off after ``timeout_seconds`` in total; connections past ``max_connections`` are
+  closed at once and counted: neither can hold the poll loop or the other scrapers.
 
-Security (see docs/security.md): the listener binds ``metrics.listen_address`` (0.0.0.0
-by default). With ``tls_cert_file``/``tls_key_file`` it serves HTTPS only (TLS 1.2 or newer);
-with ``tls_client_ca_file`` it also requires a client certificate signed by that CA (mTLS). With
-``basic_auth_users_file`` every path needs HTTP basic auth (the file and its hashes:
-:mod:`sentinel.httpauth`). Make a line with::
-
-    python -m sentinel.exporter hash-password USER        # reads the password from stdin
-
-Run on its own for debugging: ``python -m sentinel.exporter serve --simulate gpus.json``.
+Security (docs/security.md): it binds ``metrics.listen_address`` (0.0.0.0 by default); with
+``tls_cert_file``/``tls_key_file`` HTTPS only (TLS 1.2+), with ``tls_client_ca_file`` mTLS, with
+``basic_auth_users_file`` basic auth on every path (lines from ``python -m sentinel.exporter
+hash-password USER``; :mod:`sentinel.httpauth`). Alone: ``python -m sentinel.exporter serve --simulate gpus.json``.
 """
 
 from __future__ import annotations
@@ -250,7 +244,7 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/metrics":
             fmt = negotiate_format(self.headers.get("Accept"))
             compress = gzip_accepted(self.headers.get("Accept-Encoding"))
-            fmt, body = owner._current.body(fmt, compress)
+            fmt, body = owner.current().body(fmt, compress)
             extra = [("Vary", "Accept, Accept-Encoding")]
             if compress:
                 extra.append(("Content-Encoding", "gzip"))
@@ -283,8 +277,9 @@ class MetricsServer:
     probes carry none, and say nothing but ok or stuck. Without ``health`` they answer ok.
 
     ``registry`` is anything with ``collect()`` (a CollectorRegistry). Nothing listens until
-    :meth:`start`; :meth:`refresh` may be called before or after. Thread-safe: :meth:`refresh`
-    runs on the poll loop, scrapes on the server's threads.
+    :meth:`start`; :meth:`refresh` (render now) and :meth:`invalidate` (render at the next scrape)
+    may be called before or after. Thread-safe: :meth:`invalidate` runs on the poll loop, the
+    renders it asks for on the server's threads.
     """
 
     def __init__(
@@ -324,6 +319,7 @@ class MetricsServer:
         self._slots = threading.BoundedSemaphore(max_connections)
         self._conns: dict[int, _Conn] = {}
         self._conns_lock = threading.Lock()
+        self._busy = threading.Event()  # set while connections are open (and at close): wakes the reaper
         self._render_lock = threading.Lock()
         self._stats_lock = threading.Lock()
         self._render_failures = 0
@@ -331,6 +327,7 @@ class MetricsServer:
         self._rejected: dict[str, int] = {}
         self._last_good: list[Metric] = []
         self._current = _Exposition([], b"", self._format_failed)
+        self._stale, self._lazy_lock = False, threading.Lock()  # a view published since the last render
 
     @classmethod
     def from_config(cls, registry: Collector, metrics: Any, **kwargs: Any) -> "MetricsServer":
@@ -388,7 +385,7 @@ class MetricsServer:
         if self._render_seconds is None:  # nothing refreshed yet: serve sentinel_up rather than nothing
             self.refresh()
         self._threads = [
-            threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2},
+            threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.5},
                              name="sentinel-metrics", daemon=True),
             threading.Thread(target=self._reap, name="sentinel-metrics-reaper", daemon=True),
         ]
@@ -398,6 +395,8 @@ class MetricsServer:
     def close(self) -> None:
         """Stop listening and cut every open connection; returns within about a second."""
         self._stop.set()
+        with self._conns_lock:  # as the reaper decides to sleep: it never sleeps past close
+            self._busy.set()
         httpd, self._httpd = self._httpd, None
         if httpd is not None:
             httpd.shutdown()
@@ -436,9 +435,22 @@ class MetricsServer:
             self._render_seconds = time.perf_counter() - t0
             return ok
 
+    def invalidate(self) -> None:
+        """A new view was published: the next scrape renders it (costs the caller nothing)."""
+        self._stale = True
+
+    def current(self) -> _Exposition:
+        """What a scrape serves: rendered now (by one scraper; the others wait) if stale."""
+        if self._stale:
+            with self._lazy_lock:
+                if self._stale:
+                    self._stale = False  # first: a view published during the render marks it stale again
+                    self.refresh()
+        return self._current
+
     def exposition(self, fmt: str = TEXT) -> bytes:
         """The bytes a scrape in ``fmt`` gets now (uncompressed)."""
-        return self._current.body(fmt, False)[1]
+        return self.current().body(fmt, False)[1]
 
     def _own_families(self) -> list[Metric]:
         fails = new_metric(RENDER_FAILURES)
@@ -476,6 +488,7 @@ class MetricsServer:
         conn = _Conn(sock, self.clock() + self.timeout_seconds)
         with self._conns_lock:
             self._conns[id(conn)] = conn
+        self._busy.set()  # the reaper watches while connections are open, and sleeps otherwise
         return conn
 
     def _untrack(self, conn: _Conn) -> None:
@@ -493,15 +506,21 @@ class MetricsServer:
                 return  # the peer already went away
 
     def _reap(self) -> None:
-        """Cut connections past their deadline: the per-operation socket timeout alone lets a
-        client that trickles one byte per interval hold a thread forever."""
+        """Cut connections past their deadline (a socket timeout alone lets a client that trickles a
+        byte per interval hold a thread for ever); asleep while none is open."""
         interval = min(0.25, self.timeout_seconds / 4)
-        while not self._stop.wait(interval):
-            now = self.clock()
+        while not self._stop.is_set():
             with self._conns_lock:
-                late = [c for c in self._conns.values() if now >= c.deadline and not c.closed]
-            for conn in late:
-                self._cut(conn)
+                if not self._conns and not self._stop.is_set():  # no wake-ups until a connection (or close)
+                    self._busy.clear()
+            if not self._busy.is_set():
+                self._busy.wait()
+            elif not self._stop.wait(interval):
+                now = self.clock()
+                with self._conns_lock:
+                    late = [c for c in self._conns.values() if now >= c.deadline and not c.closed]
+                for conn in late:
+                    self._cut(conn)
 
 
 # -- command line -------------------------------------------------------------------------------

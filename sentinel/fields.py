@@ -250,17 +250,15 @@ def nvlink_field_id(nvml: Any, link: int, kind: str) -> tuple[int, int] | None:
     return None
 
 
-def field_value_number(nvml: Any, fv: Any) -> float:
-    """The number in one nvmlFieldValue_t, by its valueType."""
-    kind = int(fv.valueType)
-    attr = {getattr(nvml, "NVML_VALUE_TYPE_DOUBLE", 0): "dVal", getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_INT", 1): "uiVal",
-            getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_LONG", 2): "ulVal",
-            getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG", 3): "ullVal",
-            getattr(nvml, "NVML_VALUE_TYPE_SIGNED_LONG_LONG", 4): "sllVal", getattr(nvml, "NVML_VALUE_TYPE_SIGNED_INT", 5): "siVal",
-            getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_SHORT", 6): "usVal"}.get(kind)
-    if attr is None:
-        raise ValueError(f"field {fv.fieldId}: unknown NVML value type {kind}")
-    return float(getattr(fv.value, attr))
+_VALUE_TYPES = (("NVML_VALUE_TYPE_DOUBLE", 0, "dVal"), ("NVML_VALUE_TYPE_UNSIGNED_INT", 1, "uiVal"),
+                ("NVML_VALUE_TYPE_UNSIGNED_LONG", 2, "ulVal"), ("NVML_VALUE_TYPE_UNSIGNED_LONG_LONG", 3, "ullVal"),
+                ("NVML_VALUE_TYPE_SIGNED_LONG_LONG", 4, "sllVal"), ("NVML_VALUE_TYPE_SIGNED_INT", 5, "siVal"),
+                ("NVML_VALUE_TYPE_UNSIGNED_SHORT", 6, "usVal"))
+
+
+def value_attrs(nvml: Any) -> dict[int, str]:
+    """valueType -> the member of nvmlValue_t that holds it, for this NVML module (look it up once)."""
+    return {int(getattr(nvml, name, default)): attr for name, default, attr in _VALUE_TYPES}
 
 
 def make_field_value(nvml: Any, field_id: int, scope: int, ret: int, number: float | int = 0) -> SimpleNamespace:

@@ -52,7 +52,7 @@ class _Previous:
 def _nvlink_errors(g: GpuReading) -> float | None:
     if not g.nvlink:
         return None
-    return float(sum(v for (_, kind), v in g.nvlink.items() if kind in ("replay", "recovery", "crc_flit", "crc_data")))
+    return float(sum(v for kind, v in g.nvlink_sums.items() if kind in ("replay", "recovery", "crc_flit", "crc_data")))
 
 
 @dataclass

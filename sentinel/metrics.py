@@ -185,7 +185,7 @@ class SentinelCollector(Collector):
                 m = families.field(mname, help_, base + list(extra), counter_)
                 m.add_metric(ids + list(extra.values()), value)
             if g.nvlink:
-                self._nvlink(families, ids, g.nvlink, full)
+                self._nvlink(families, ids, g.nvlink, g.nvlink_sums, full)
             xid = families.of(GPU_XID_ERRORS)
             for code, count in sorted(g.xid_counts.items()):
                 xid.add_metric(ids + [str(code)], float(count))
@@ -232,12 +232,10 @@ class SentinelCollector(Collector):
             families.of(decl).add_metric([v for _, v in labels], value)
 
     @staticmethod
-    def _nvlink(families: _Families, ids: list[str], counters: Mapping[tuple[int, str], int], full: bool) -> None:
+    def _nvlink(families: _Families, ids: list[str], counters: Mapping[tuple[int, str], int], sums: Mapping[str, int],
+                full: bool) -> None:
         """Per GPU, each kind summed over its links (what a rate or alert needs); per link only
         where a counter is nonzero (which link is failing), or for every link with ``full``."""
-        sums: Counter[str] = Counter()
-        for (_, kind), value in counters.items():
-            sums[kind] += value
         total = families.of(GPU_NVLINK_ERRORS)
         for kind in sorted(sums, key=lambda k: (NVLINK_KINDS.index(k) if k in NVLINK_KINDS else len(NVLINK_KINDS), k)):
             total.add_metric(ids + [kind], float(sums[kind]))

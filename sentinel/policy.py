@@ -113,7 +113,9 @@ class GpuState:
     streaks: Mapping[str, int] = field(default_factory=dict)
     clean_polls: int = 0
     cooldown_until: Mapping[str, float] = field(default_factory=dict)
-    app_xids: tuple[float, ...] = ()
+    # (time, count) runs of this GPU's application Xids in the last hour, oldest first, kept only as
+    # far back as the rate decision needs (see Policy._classify_xids): bounded in an Xid storm
+    app_xids: tuple[tuple[float, int], ...] = ()
     memory: Mapping[str, object] = field(default_factory=dict)  # rule name -> that rule's own memory
     forecast_seconds: float | None = None
     resets: int = 0
@@ -122,7 +124,8 @@ class GpuState:
 @dataclass(frozen=True)
 class PolicyState:
     gpus: Mapping[int, GpuState] = field(default_factory=dict)
-    recent_xids: tuple[tuple[float, int, int, str], ...] = ()  # (time, gpu, xid, source) for dedup
+    # (gpu, xid) -> source -> when it last reported that Xid, within XID_DEDUP_SECONDS (for dedup)
+    recent_xids: Mapping[tuple[int, int], Mapping[str, float]] = field(default_factory=dict)
     node_cooldown: Mapping[str, float] = field(default_factory=dict)
     # gpu -> Xid -> count, over every source, each Xid counted once (the one de-duplication pass;
     # the daemon exports these)
@@ -131,20 +134,26 @@ class PolicyState:
     node_rates: Mapping[str, tuple[tuple[float, int], ...]] = field(default_factory=dict)
 
 
-def dedupe_xids(recent: tuple[tuple[float, int, int, str], ...], events: Iterable[XidEvent], now: float
-                ) -> tuple[tuple[tuple[float, int, int, str], ...], list[XidEvent]]:
+def dedupe_xids(recent: Mapping[tuple[int, int], Mapping[str, float]], events: Iterable[XidEvent], now: float
+                ) -> tuple[Mapping[tuple[int, int], Mapping[str, float]], list[XidEvent]]:
     """Drop an Xid already reported for the same GPU by another source (NVML's event set and the
-    kernel log both report every Xid) within XID_DEDUP_SECONDS. Returns (new recent, accepted)."""
-    recent = tuple(x for x in recent if now - x[0] < XID_DEDUP_SECONDS)
+    kernel log both report every Xid) within XID_DEDUP_SECONDS. Returns (new recent, accepted).
+    Constant work per event (a look-up by GPU and Xid): a storm of thousands costs no more each."""
+    fresh: dict[tuple[int, int], dict[str, float]] = {}
+    for key, by_source in recent.items():
+        kept = {src: t for src, t in by_source.items() if now - t < XID_DEDUP_SECONDS}
+        if kept:
+            fresh[key] = kept
     accepted = []
     for ev in events:
         if ev.gpu is None:
             continue
-        if any(g == ev.gpu and x == ev.xid and src != ev.source for _, g, x, src in recent):
+        seen = fresh.setdefault((ev.gpu, ev.xid), {})
+        if any(src != ev.source for src in seen):
             continue
-        recent += ((now, ev.gpu, ev.xid, ev.source),)
+        seen[ev.source] = now
         accepted.append(ev)
-    return recent, accepted
+    return MappingProxyType(fresh), accepted
 
 
 def rule_fields_supported(rule: str, gpu: GpuReading) -> bool:
@@ -165,6 +174,7 @@ class Policy:
         self.predicting = frozenset(r.name for r in self.rules if r.predicts)
         self.counters = tuple(dict.fromkeys(RESET_EVIDENCE + tuple(c for r in self.gpu_rules for c in r.counters)))
         self._active_cache: dict[tuple[int, frozenset[str]], dict[tuple[str, int], bool]] = {}
+        self._active_names_cache: dict[tuple[int, frozenset[str]], frozenset[str]] = {}
         self.xid_action: dict[int, str] = action_table(config.xid_overrides, config.xid_skip)
 
     def rule_active(self, gpu: GpuReading) -> dict[tuple[str, int], bool]:
@@ -177,6 +187,15 @@ class Policy:
             }
             self._active_cache[key] = cached
         return cached
+
+    def _active_names(self, gpu: GpuReading) -> frozenset[str]:
+        """The rules active on this GPU (made once per GPU and support set, as rule_active is)."""
+        key = (gpu.index, gpu.unsupported)
+        names = self._active_names_cache.get(key)
+        if names is None:
+            names = self._active_names_cache[key] = frozenset(
+                rule for (rule, _), on in self.rule_active(gpu).items() if on)
+        return names
 
     # ------------------------------------------------------------------------------------------
     @staticmethod
@@ -196,9 +215,11 @@ class Policy:
         xid_counts = dict(state.xid_counts)
         for ev in accepted:
             events_by_gpu.setdefault(ev.gpu, []).append(ev)
-            per_gpu = dict(xid_counts.get(ev.gpu, {}))
-            per_gpu[ev.xid] = per_gpu.get(ev.xid, 0) + 1
-            xid_counts[ev.gpu] = MappingProxyType(per_gpu)
+        for index, events in events_by_gpu.items():  # one copy per GPU, not per event
+            per_gpu = dict(xid_counts.get(index, {}))
+            for ev in events:
+                per_gpu[ev.xid] = per_gpu.get(ev.xid, 0) + 1
+            xid_counts[index] = MappingProxyType(per_gpu)
         for reading in readings.gpus:
             prev = gpus.get(reading.index, GpuState())
             gpu_events = events_by_gpu.get(reading.index, [])
@@ -262,26 +283,42 @@ class Policy:
         return dataclasses.replace(st, health=max(st.health, new.health), cooldown_until=new.cooldown_until,
                                    app_xids=new.app_xids, clean_polls=0), trips
 
-    def _classify_xids(self, app_xids: tuple[float, ...], xids: list[XidEvent], now: float
-                       ) -> tuple[tuple[XidVerdict, ...], tuple[float, ...]]:
+    def _classify_xids(self, app_xids: tuple[tuple[float, int], ...], xids: list[XidEvent], now: float
+                       ) -> tuple[tuple[XidVerdict, ...], tuple[tuple[float, int], ...]]:
         """Each Xid's bucket (catalog, overrides, skip list); application Xids with no override are
-        counted over the last hour. Returns (verdicts, the new application-Xid times)."""
+        counted over the last hour. Returns (verdicts, the new application-Xid runs).
+
+        The runs are (time, count), one per decision that saw application Xids. Once the newer
+        runs alone hold more than ``app_xid_max_per_hour``, the older ones are dropped: the count
+        is then a lower bound, still over the limit, so the decision (over it or not) is the one
+        the whole hour gives, now and later (the dropped runs are older than every kept one, so
+        they would leave the hour first), and an Xid storm costs constant memory and work."""
+        limit = self.cfg.app_xid_max_per_hour
+        runs = tuple(r for r in app_xids if now - r[0] < APP_XID_WINDOW_SECONDS)
+        counted = sum(n for _, n in runs)
         verdicts = []
+        added = 0
         for ev in xids:
             action = self.xid_action.get(ev.xid)
             if action == "ignore":
                 continue
             per_hour = None
             if ev.xid in XID_APPLICATION and action is None:
-                app_xids = tuple(t for t in app_xids if now - t < APP_XID_WINDOW_SECONDS) + (now,)
-                per_hour = len(app_xids)
+                added += 1
+                per_hour = counted + added
             verdicts.append(XidVerdict(ev, action, per_hour))
-        return tuple(verdicts), app_xids
+        if added:
+            runs += ((now, added),)
+            total = counted + added
+            while len(runs) > 1 and total - runs[0][1] > limit:
+                total -= runs[0][1]
+                runs = runs[1:]
+        return tuple(verdicts), runs
 
     # ------------------------------------------------------------------------------------------
     def _decide_gpu(self, st: GpuState, g: GpuReading, xids: list[XidEvent], now: float) -> tuple[GpuState, list[Trip]]:
         cfg = self.cfg
-        active = frozenset(rule for (rule, _), on in self.rule_active(g).items() if on)
+        active = self._active_names(g)
         v = g.values
         last = dict(st.last)
         tracks = dict(st.tracks)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Mapping
 
 from sentinel.fields import NVML_FIELDS, names
@@ -59,6 +60,15 @@ class GpuReading:
     xid_counts: Mapping[int, int] = field(default_factory=dict)  # cumulative since daemon start
     lost: bool = False
     hung: bool = False  # an NVML call on this GPU passed its deadline
+
+    @cached_property
+    def nvlink_sums(self) -> Mapping[str, int]:
+        """Each NVLink counter kind summed over the links: what the rules, the straggler causes and
+        the default export use (summed once per reading, not once by each)."""
+        sums: dict[str, int] = {}
+        for (_, kind), value in self.nvlink.items():
+            sums[kind] = sums.get(kind, 0) + value
+        return sums
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,8 @@ class XidVerdict:
 
     ``action`` is the configured or catalog action, None when the Xid is in no bucket.
     ``per_hour`` is set only for an application Xid with no override: how many such Xids this GPU
-    had in the last hour, this one included."""
+    had in the last hour, this one included (exact up to ``app_xid_max_per_hour`` + 1; past the
+    limit, a lower bound that is still past it: see ``Policy._classify_xids``)."""
 
     event: XidEvent
     action: str | None
@@ -165,7 +166,11 @@ class GpuContext:
         samples at different times. A None ``value`` (not read this poll) records nothing."""
         if value is None:
             return None
-        hist = tuple(p for p in self.short.get(name, ()) if self.now - p[0] <= span) + ((self.now, value),)
+        old = self.short.get(name, ())
+        start = 0  # the samples are in time order: only the oldest can have left the span
+        while start < len(old) and self.now - old[start][0] > span:
+            start += 1
+        hist = old[start:] + ((self.now, value),)
         self.short[name] = hist[-128:]
         if len(hist) < 2 or hist[-1][0] - hist[0][0] <= 0:
             return None

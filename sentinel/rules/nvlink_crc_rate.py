@@ -24,7 +24,7 @@ class NvlinkCrcRate(GpuRule):
         links = ctx.reading.nvlink
         if not links:
             return ()
-        crc = float(sum(val for (_, kind), val in links.items() if kind.startswith("crc")))
+        crc = float(sum(val for kind, val in ctx.reading.nvlink_sums.items() if kind.startswith("crc")))
         hist = ctx.short.get("nvlink_crc", ())
         ctx.short["nvlink_crc"] = (hist + ((ctx.now, crc),))[-2:]
         rate = None

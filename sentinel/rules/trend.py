@@ -10,7 +10,6 @@ window: one jump is never a trend.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Iterable, Mapping
@@ -64,8 +63,11 @@ def theil_sen(points: Iterable[tuple[float, float]]) -> float:
 def advance(track: Track, now: float, value: float, window: float) -> Track:
     """``track`` with the sample ``(now, value)`` added and what fell out of ``window`` dropped."""
     bucket = window / TREND_POINTS
-    points = tuple(p for p in track.points if now - p[0] <= window)
-    increases = tuple(t for t in track.increases if now - t <= window)
+    points, increases = track.points, track.increases
+    while points and now - points[0][0] > window:  # in time order: only the oldest leave the window
+        points = points[1:]
+    while increases and now - increases[0] > window:
+        increases = increases[1:]
     if points and value > points[-1][1]:
         increases += (now,)
     if points and len(points) >= 2 and now - points[-2][0] < bucket:
@@ -117,7 +119,7 @@ class Trend(GpuRule):
             track = advance(ctx.tracks.get(target, Track()), now, value, cfg.trend_window_seconds)
             seconds = forecast(track, value, limit)
             below = seconds is not None and seconds < lead and value < limit
-            track = dataclasses.replace(track, below_lead=track.below_lead + 1 if below else 0)
+            track = Track(track.points, track.increases, track.below_lead + 1 if below else 0)
             ctx.tracks[target] = track
             ctx.forecast(seconds)
             if below and track.below_lead >= cfg.debounce_samples:

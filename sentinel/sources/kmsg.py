@@ -239,7 +239,7 @@ class KmsgReader:
     """Reads /dev/kmsg (or ``path``) on a thread; ``lost`` is the exact number of records that
     were overwritten before they could be read, ``skipped_at_start`` the records already there."""
 
-    def __init__(self, on_line: Callable[[str], None], *, path: str = "/dev/kmsg", poll_ms: int = 250,
+    def __init__(self, on_line: Callable[[str], None], *, path: str = "/dev/kmsg", poll_ms: int = 500,
                  read: Callable[[int, int], bytes] = os.read) -> None:
         self.on_line = on_line
         self.path = path

@@ -75,6 +75,7 @@ class _Gpu:
     pending: Job | None = None  # the latest job, until it is done
     cut_short: PollRead | None = None  # the last read, when the poll budget ended it
     counted_stuck_call: float | None = None  # start time of the stuck call already counted
+    items: list[tuple[str, Any]] | None = None  # the calls of one read, once probed (NvmlSource._items)
 
 
 class _Code:
@@ -129,6 +130,12 @@ class NvmlSource:
         self._stop = threading.Event()
         self._event_thread: threading.Thread | None = None
         self._control = Worker("sentinel-nvml-init", clock)
+        self._value_attrs = nvml_fields.value_attrs(nvml)
+        self._success = getattr(nvml, "NVML_SUCCESS", 0)
+        self._lost_code = getattr(nvml, "NVML_ERROR_GPU_IS_LOST", 15)
+        self._ull = getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG", 3)
+        self._decoders = {f.name: f.value_codec.decode for f in nvml_fields.NVML_FIELDS}
+        self._calls: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {}  # see _resolved
 
     # -- start --------------------------------------------------------------------------------
     def _deadline_call(self, worker: Worker, fn: Callable[..., Any], *args: Any) -> Any:
@@ -286,28 +293,43 @@ class NvmlSource:
                 read.put("errors", name, int(exc.value))
                 self._record_error(gpu, name, exc)
             return exc.value == nvml.NVML_ERROR_GPU_IS_LOST
+        # ~90 values a GPU a poll: the constants, the value-type map and the decoders are looked up
+        # once, the common case (an unsigned long long) takes no look-up, the results are handed
+        # over under one lock
+        success, lost_code, attrs, ull, decoders = (self._success, self._lost_code, self._value_attrs, self._ull,
+                                                    self._decoders)
         lost = False
+        values_out: dict[str, float] = {}
+        links_out: dict[tuple[int, str], int] = {}
+        errors_out: dict[str, int] = {}
         for (what, key, _), fv in zip(chunk, values):
-            name = key if what == "field" else f"nvlink_{key[1]}"
-            ret = int(fv.nvmlReturn)
-            if ret != nvml.NVML_SUCCESS:
-                read.put("errors", name, ret)
-                self._record_error(gpu, name, _Code(ret))
-                lost = lost or ret == nvml.NVML_ERROR_GPU_IS_LOST
+            ret = fv.nvmlReturn
+            if ret != success:
+                name = key if what == "field" else f"nvlink_{key[1]}"
+                errors_out[name] = int(ret)
+                self._record_error(gpu, name, _Code(int(ret)))
+                lost = lost or ret == lost_code
                 continue
-            number = nvml_fields.field_value_number(nvml, fv)
-            if what == "field":
-                read.put("values", name, float(self.declared[name].value_codec.decode(nvml, number)))
+            kind = fv.valueType
+            if kind == ull:
+                number = fv.value.ullVal
+            elif kind in attrs:
+                number = getattr(fv.value, attrs[kind])
             else:
-                read.put("links", key, int(number))
+                raise ValueError(f"field {fv.fieldId}: unknown NVML value type {kind}")
+            if what == "link":
+                links_out[key] = int(number)
+            else:
+                values_out[key] = float(decoders[key](nvml, float(number)))
+        read.put_many(values_out, errors_out, links_out)
         return lost
 
     def _read_group(self, gpu: _Gpu, names: list[str], read: PollRead) -> bool:
         """One call for the fields that share it (each takes its part); True when the GPU is lost."""
         nvml = self.nvml
-        first = self.declared[names[0]]
+        fn, args = self._resolved(self.declared[names[0]])
         try:
-            raw = gpu.worker.call(first.function(nvml), gpu.handle, *(getattr(nvml, a) for a in first.args))
+            raw = gpu.worker.call(fn, gpu.handle, *args)
         except nvml.NVMLError as exc:
             for name in names:
                 read.put("errors", name, int(exc.value))
@@ -317,6 +339,13 @@ class NvmlSource:
             f = self.declared[name]
             read.put("values", name, float(f.codec.decode(nvml, nvml_fields.pick(raw, f.part))))
         return False
+
+    def _resolved(self, f: nvml_fields.NvmlField) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        """``f``'s pynvml function and constant arguments, looked up in the module once, not each poll."""
+        hit = self._calls.get(f.name)
+        if hit is None:
+            hit = self._calls[f.name] = (f.function(self.nvml), tuple(getattr(self.nvml, a) for a in f.args))
+        return hit
 
     def _count(self, key: tuple[str, int]) -> None:
         with self._errors_lock:  # GPU workers count concurrently
@@ -343,18 +372,9 @@ class NvmlSource:
                 read.put("errors", "handle", -1)
                 read.finish()
                 return
-        batched = {key for chunk in gpu.batch for what, key, _ in chunk if what == "field"}
-        items: list[tuple[str, Any]] = [("field_values", chunk) for chunk in gpu.batch]
-        if self.batch:  # fields that share one call (the remapper histogram's five) make it once
-            groups: dict[tuple[str, tuple[str, ...]], list[str]] = {}
-            for name in gpu.supported:
-                if name not in batched:
-                    f = self.declared[name]
-                    groups.setdefault((f.call, f.args), []).append(name)
-            items += [(names[0], ("group", names)) if len(names) > 1 else (names[0], None) for names in groups.values()]
-        else:
-            items += [(name, None) for name in gpu.supported if name not in batched]
-        items += [(f"nvlink_{kind}", (link, kind, NVLINK_COUNTERS[kind])) for link, kind in gpu.link_calls]
+        if gpu.items is None:  # what the probe found does not change: the calls are listed once
+            gpu.items = self._items(gpu)
+        items = gpu.items
         first = cut_short.resume(read, len(items)) if cut_short is not None else 0
         lost = False
         for step in range(len(items)):
@@ -374,7 +394,10 @@ class NvmlSource:
                 continue
             try:
                 if link is None:
-                    read.put("values", name, float(w.call(self.readers[name], nvml, gpu.handle)))
+                    f = self.declared[name]
+                    fn, args = self._resolved(f)
+                    read.put("values", name, float(f.codec.decode(nvml, nvml_fields.pick(w.call(fn, gpu.handle, *args),
+                                                                                           f.part))))
                 else:
                     value = w.call(nvml.nvmlDeviceGetNvLinkErrorCounter, gpu.handle, link[0], getattr(nvml, link[2]))
                     read.put("links", (link[0], link[1]), int(value))
@@ -386,6 +409,22 @@ class NvmlSource:
                     break
         gpu.lost = lost
         read.finish()
+
+    def _items(self, gpu: _Gpu) -> list[tuple[str, Any]]:
+        """The calls of one read of ``gpu``, in ring order (see :meth:`_read`)."""
+        batched = {key for chunk in gpu.batch for what, key, _ in chunk if what == "field"}
+        items: list[tuple[str, Any]] = [("field_values", chunk) for chunk in gpu.batch]
+        if self.batch:  # fields that share one call (the remapper histogram's five) make it once
+            groups: dict[tuple[str, tuple[str, ...]], list[str]] = {}
+            for name in gpu.supported:
+                if name not in batched:
+                    f = self.declared[name]
+                    groups.setdefault((f.call, f.args), []).append(name)
+            items += [(names[0], ("group", names)) if len(names) > 1 else (names[0], None) for names in groups.values()]
+        else:
+            items += [(name, None) for name in gpu.supported if name not in batched]
+        items += [(f"nvlink_{kind}", (link, kind, NVLINK_COUNTERS[kind])) for link, kind in gpu.link_calls]
+        return items
 
     def poll(self) -> list[GpuReading]:
         """One reading per GPU, within about ``deadline_seconds`` whatever NVML does.

@@ -131,6 +131,18 @@ class PollRead:
                 results["errors" if kind == "values" else "values"].pop(key, None)
             self.position_done = True
 
+    def put_many(self, values: dict[Any, Any], errors: dict[Any, Any], links: dict[Any, Any]) -> None:
+        """After a call that returned several results: each as :meth:`put` would, under one lock."""
+        with self._lock:
+            into = self.late if self.closed else self.now
+            into["links"].update(links)
+            for kind, other, results in (("values", "errors", values), ("errors", "values", errors)):
+                if results:
+                    into[kind].update(results)
+                    for key in results:
+                        into[other].pop(key, None)
+            self.position_done = True
+
     def finish(self) -> bool:
         """After the last call: True when the read finished before the poll reported it."""
         with self._lock:

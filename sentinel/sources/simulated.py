@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import fcntl
 import functools
+import hashlib
 import json
 import math
 import os
@@ -31,6 +32,12 @@ from sentinel import fields as nvml_fields
 from sentinel.fsutil import write_atomic
 
 STATE_VERSION = 1
+# CPU one real NVML call costs the calling thread: 0.09 ms for four pynvml reads (temperature,
+# utilisation, memory, power) of one GPU, measured against 13.6 ms for nvidia-smi
+# (github.com/davidboulay/OpenKraken pull 3, RTX 5080, 2026): 22.5 us a call. Each simulated call
+# spends this much on top of its own work, so a profile of the daemon over the simulated backend
+# splits like one over a driver (bench/poll_overhead.py); a parameter of SimulatedNvml.
+NVML_CALL_SECONDS = 0.09e-3 / 4
 NVLINK_LINKS = 18
 # Bus ids of an 8-GPU HGX board; further GPUs continue the pattern.
 _BUSES = ("18", "2a", "3a", "5d", "9a", "ab", "ba", "db")
@@ -314,6 +321,24 @@ class _EventSet:
         self.devices: set[int] = set()
 
 
+_BURN_RATE: list[float] = []  # bytes sha256 hashes per CPU second on this machine (measured once)
+
+
+def _burn_buffer(seconds: float) -> bytes:
+    """A buffer whose sha256 takes about ``seconds`` of CPU (hashlib drops the GIL past 2 KiB)."""
+    if seconds <= 0:
+        return b""
+    if not _BURN_RATE:
+        block = bytes(1 << 16)
+        best = math.inf
+        for _ in range(5):
+            t = time.thread_time()
+            hashlib.sha256(block)
+            best = min(best, time.thread_time() - t)
+        _BURN_RATE.append(len(block) / max(best, 1e-7))
+    return bytes(max(2048, int(_BURN_RATE[0] * seconds)))
+
+
 class SimulatedNvml:
     """A pynvml look-alike over a state file. Constants and error classes are pynvml's own.
 
@@ -326,8 +351,11 @@ class SimulatedNvml:
     NVMLError = pynvml.NVMLError
 
     def __init__(self, state_path: str | Path, *, hang_poll_seconds: float = 0.05, hang_max_seconds: float = 3600.0,
-                 recheck_seconds: float = 0.01, event_poll_seconds: float = 0.1):
+                 recheck_seconds: float = 0.01, event_poll_seconds: float = 0.1,
+                 call_cost_seconds: float = NVML_CALL_SECONDS):
         self.path = Path(state_path)
+        self.call_cost = call_cost_seconds
+        self._burn = _burn_buffer(call_cost_seconds)
         self._hang_poll = hang_poll_seconds
         self._hang_max = hang_max_seconds
         self._lock = threading.Lock()
@@ -339,14 +367,18 @@ class SimulatedNvml:
         self._recheck = recheck_seconds
         self._event_poll = event_poll_seconds
         self._fields = _declared_fields()
+        self._fv_cache: dict[int, tuple[dict[str, Any], dict[tuple, list]]] = {}  # GPU -> (its state, results)
         self._field_calls = nvml_fields.calls(self._fields)
 
     def __getattr__(self, name: str) -> Any:
         if name in self.__dict__.get("_field_calls", ()):
-            return functools.partial(self._serve_field_call, name)
-        value = getattr(pynvml, name)  # AttributeError for unknown names, as pynvml would
-        if callable(value) and not isinstance(value, type):
-            raise AttributeError(f"SimulatedNvml does not implement {name}")
+            value = functools.partial(self._serve_field_call, name)
+        else:
+            value = getattr(pynvml, name)  # AttributeError for unknown names, as pynvml would
+            if callable(value) and not isinstance(value, type):
+                raise AttributeError(f"SimulatedNvml does not implement {name}")
+        # kept, as a module's attribute is: the next look-up of a constant is a dict look-up
+        self.__dict__[name] = value
         return value
 
     # -- state --------------------------------------------------------------------------------
@@ -377,7 +409,14 @@ class SimulatedNvml:
         except SimulatedStateError:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN) from None
 
+    def _spend(self) -> None:
+        """What a driver call costs the calling thread in CPU (``call_cost_seconds``), without the
+        GIL, as a pynvml call (ctypes) spends it: hashing a buffer sized to take that long."""
+        if self._burn:
+            hashlib.sha256(self._burn)
+
     def _gpu(self, handle: _Handle) -> dict[str, Any]:
+        self._spend()
         if not self._initialized:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
         try:
@@ -456,8 +495,21 @@ class SimulatedNvml:
         return build()
 
     def nvmlDeviceGetFieldValues(self, h: _Handle, field_ids: list) -> list:
-        """Every declared field id and the NVLink counters, from the state (one call: one stat)."""
+        """Every declared field id and the NVLink counters, from the state (one call: one stat).
+        Built once per state version and request (the simulation's own work, beside the call's
+        ``call_cost_seconds``, stays a few microseconds: the backend costs what a driver's does)."""
         gpu = self._gpu(h)
+        key = tuple(field_ids)
+        built_from, cache = self._fv_cache.get(h.index, (None, {}))
+        if built_from is not gpu:  # the state file changed: build again (each GPU's worker its own entry)
+            cache = {}
+            self._fv_cache[h.index] = (gpu, cache)
+        hit = cache.get(key)
+        if hit is None:
+            hit = cache[key] = self._field_values(gpu, field_ids)
+        return hit
+
+    def _field_values(self, gpu: dict[str, Any], field_ids: list) -> list:
 
         def scalar(f):
             return (pynvml.NVML_ERROR_NOT_SUPPORTED, 0) if f.name in gpu["unsupported"] else (pynvml.NVML_SUCCESS, _stored(gpu, f))
@@ -507,11 +559,13 @@ class SimulatedNvml:
                 events = gpus[index]["xid_events"] if index < len(gpus) else []
                 seen = event_set.delivered.get(index, 0)
                 if len(events) > seen:
+                    self._spend()
                     event_set.delivered[index] = seen + 1
                     return _EventData(_Handle(index), pynvml.nvmlEventTypeXidCriticalError, int(events[seen]))
                 if len(events) < seen:  # state re-initialised
                     event_set.delivered[index] = len(events)
             if time.monotonic() >= end:
+                self._spend()
                 raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
             time.sleep(min(self._event_poll, max(0.0, end - time.monotonic())))
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Callable
+from typing import Any, Callable
 
 from pathlib import Path
 
@@ -72,6 +72,11 @@ class XidSource(KernelSource):
         self.probe: RingProbe | None = None
         self.kmsg: KmsgReader | None = None
         self.path = "none"
+        self._keys: dict[tuple[str, str], Any] = {}
+        # no signature but the Xid one claims a line that starts like an Xid: such lines go straight
+        # to the Xid parser (an Xid storm is a thousand a second)
+        self._xid_first = not any(p.startswith("NVRM: Xid") for sig in self.catalog.signatures if sig.kind != "xid"
+                                  for p in sig.prefixes)
 
     def start(self) -> None:
         self.up = {"ebpf_xid": False}
@@ -150,17 +155,27 @@ class XidSource(KernelSource):
                 return self.port_to_gpu[bus]
         return None
 
+    def _event_key(self, source: str, kind: str):
+        """The kernel-events sample key (made once per source and kind: a storm counts thousands a second)."""
+        key = self._keys.get((source, kind))
+        if key is None:
+            key = self._keys[(source, kind)] = KERNEL_EVENTS.key(source=source, kind=kind)
+        return key
+
     def _on_line(self, text: str, source: str = "kmsg") -> None:
         """One kernel message text (no record header, no timestamp). A report counts only at the
         start of the text: anywhere else it is user text the kernel echoed, and is ignored."""
-        self.counts[KERNEL_EVENTS.key(source=source, kind="line")] += 1
+        self.counts[self._event_key(source, "line")] += 1
         if isinstance(text, str):  # a message the driver prints in parts is classified joined, at its last part
             text = self._records.setdefault(source, LiveRecords(self.catalog)).record(text)
+            if self._xid_first and text.lstrip().startswith(xidparse.XID_MARKER):
+                self._on_xid_text(text, source)  # where classify would send it too, without trying the catalog
+                return
         match = self.catalog.classify(text)
         if match is None or match.kind == "xid":
             self._on_xid_text(text, source)
             return
-        self.counts[KERNEL_EVENTS.key(source=source, kind=match.kind)] += 1
+        self.counts[self._event_key(source, match.kind)] += 1
         gpu = self.gpu_of(match)
         self.push(event=KernelEvent(kind="kernel_log", source=source, gpu=gpu, detail={
             "signature": match.signature, "kind": match.kind, "severity": match.severity, "action": match.action,
@@ -177,7 +192,7 @@ class XidSource(KernelSource):
             else:
                 self.counts[KERNEL_EVENTS.key(source=source, kind="xid_not_at_start")] += 1
             return
-        self.counts[KERNEL_EVENTS.key(source=source, kind="xid")] += 1
+        self.counts[self._event_key(source, "xid")] += 1
         gpu = self.bus_to_gpu.get(report.pci_bus_id)
         self.push(XidEvent(gpu=gpu, xid=report.xid, source=source, pci_bus_id=report.pci_bus_id,
                            pid=report.pid, process=report.process, message=report.message))

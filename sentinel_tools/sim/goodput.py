@@ -830,6 +830,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("fault trace (docs/goodput.md, 'Replaying a fault trace')")
     g.add_argument("--trace", metavar="FILE", help="replay this node fault trace (JSON or CSV) instead of drawing "
                    "Poisson failures; --spares then adds spare nodes outside the trace that never fail")
+    g.add_argument("--trace-format", choices=("auto", "events", "fault-records"), default="auto",
+                   help="events: Sentinel's JSON/CSV; fault-records: a JSON list of {node_id, event_time, event_type, "
+                   "fault_type: {Level, Class, Desc}} as public traces are published; auto (default): told apart by "
+                   "the first record")
+    g.add_argument("--trace-time-unit", choices=("seconds", "hours", "days"), default=None,
+                   help="unit of a fault-records trace's event_time (default: days, the published traces' unit)")
+    g.add_argument("--trace-nodes", type=int, default=None, metavar="N",
+                   help="the traced cluster's node count when the trace does not say (nodes that never failed "
+                   "appear in no record)")
     g.add_argument("--trace-classes", metavar="TOML", help="fault class table entries that replace or extend the "
                    "shipped one (sentinel_tools/sim/trace_classes.toml)")
     g.add_argument("--breaker-max-fraction", type=float, default=0.5,

@@ -2,331 +2,52 @@
 
 The Poisson path (``goodput.draw_failures``) draws independent failures with a fixed class mix.
 Real clusters fail in bursts (a switch, a power feed, a bad roll-out) with long and short repairs
-and many faults of no hardware class; this module replays such a history instead.
-
-The format (docs/goodput.md, "Replaying a fault trace"), as JSON or CSV:
-
-* JSON: ``{"time_unit": "days", "duration": 365, "nodes": 400, "events": [{...}, ...]}``
-  (``duration`` optional, in the same unit, default: the last event; ``nodes`` optional, the
-  cluster's node count or its list of ids, default: the nodes the events name — a node that never
-  failed appears in no event), or a bare list of events whose time key names its unit
-  (``time_seconds`` / ``time_hours`` / ``time_days``).
-* CSV: a header ``node,time_days,event,class,description`` (or ``time`` plus a comment line
-  ``# time_unit: days`` before it; ``# duration: 365`` and ``# nodes: 400`` likewise);
-  ``description`` is optional.
-* each event: ``node`` (any string id), the time, ``event`` = ``fault_start`` | ``fault_end``,
-  ``class`` (free text) and an optional ``description``. Events are in time order; a node's
-  ``fault_start`` is followed by its ``fault_end`` (a fault still open at the end lasts to the end).
+and many faults of no hardware class; this module replays such a history instead. What a trace
+and the class table say, and how they are checked, is ``trace_input``'s (the formats are there).
 
 Classes map to what Sentinel would see and do (``trace_classes.toml``, overridable): predicted
-with a lead time, a sudden node loss, a process crash the node survives, or no interruption.
+with a lead time, a sudden node loss, a process crash the node survives, or no interruption; a
+fault is matched on its description first, then its class.
 
 Trace -> job: the job's nodes are the first ``G / gpus_per_node`` trace nodes in natural order of
 their ids (racks usually number consecutively, so ``adjacent`` replica placement is what it says);
-the other nodes are the spare pool. A node is unavailable from ``fault_start`` to ``fault_end``.
-A job node's fault (other than ``process`` / ``none``) takes the spare free longest; the failed
-node joins the pool once repaired. When the job needs more nodes than the trace has, the trace is
-repeated over disjoint copies of its nodes, copy k shifted by k/copies of its duration (wrapping
-around), and the output says so. Two replica partners down at once is then simply what happens
-when the trace has them fail together.
+the other nodes are the spare pool. A node is unavailable while any of its faults is open. A job
+node's fault (other than ``process`` / ``none``) takes the spare free longest; the failed node
+joins the pool once all its open faults have ended. When the job needs more nodes than the trace
+has, the trace is repeated over disjoint copies of its nodes, copy k shifted by k/copies of its
+duration (wrapping around), and the output says so. Two replica partners down at once is then
+simply what happens when the trace has them fail together.
 """
 
 from __future__ import annotations
 
-import csv
-import fnmatch
-import io
-import json
 import math
 import random
-import re
 import statistics
-import tomllib
 from dataclasses import dataclass, field, replace
-from importlib import resources
-from pathlib import Path
 
 from sentinel_tools.sim.goodput import (LABELS, STRATEGIES, Failure, Outcome, Params, interval_text, optimise_interval,
                                         simulate)
+from sentinel_tools.sim.trace_input import (FORMATS, UNITS, ClassTable, Fault, Trace, TraceError, check, load_classes,
+                                            load_trace, natural_key)
 
-KINDS = ("predicted", "sudden", "process", "none")
-UNITS = {"seconds": 1 / 3600, "hours": 1.0, "days": 24.0}  # to hours
-EVENTS = ("fault_start", "fault_end")
-MAX_BYTES = 64 << 20
-MAX_NODES = 1_000_000  # a declared node count (each quiet node is a row of the layout)
-_NORM = re.compile(r"[^a-z0-9]+")
-_NATURAL = re.compile(r"(\d+)")
-
-
-class TraceError(ValueError):
-    """A trace or class table the simulator cannot use; the message names the file and line."""
-
-
-def normalise(cls: str) -> str:
-    return _NORM.sub("_", cls.lower()).strip("_") or "unknown"
-
-
-# -- the class table --------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ClassRule:
-    name: str
-    kind: str
-    predictable: float
-    match: tuple[str, ...]
-    origin: str  # "shipped" or the override file
-
-
-@dataclass
-class ClassTable:
-    rules: list[ClassRule]
-
-    def lookup(self, cls: str) -> ClassRule | None:
-        name = normalise(cls)
-        for r in self.rules:
-            if r.name == name:
-                return r
-        for r in self.rules:
-            if any(fnmatch.fnmatchcase(name, g) for g in r.match):
-                return r
-        return None
-
-    def text(self) -> str:
-        lines = ["class table (kind, share predicted; first exact name, then globs in this order):"]
-        for r in self.rules:
-            share = f"{r.predictable:.2f}" if r.kind == "predicted" else "-"
-            lines.append(f"  {r.name:<26} {r.kind:<9} {share:>5}  {', '.join(r.match) or '-'}"
-                         + ("" if r.origin == "shipped" else f"  <- {r.origin}"))
-        return "\n".join(lines)
-
-
-def _rules_from(data: dict, origin: str) -> list[ClassRule]:
-    classes = data.get("classes")
-    if not isinstance(classes, dict) or set(data) - {"classes"}:
-        raise TraceError(f"{origin}: a class table has one table [classes.<name>], got keys {sorted(data)}")
-    out = []
-    for name, entry in classes.items():
-        where = f"{origin}: [classes.{name}]"
-        if not isinstance(entry, dict) or set(entry) - {"kind", "predictable", "match"}:
-            raise TraceError(f"{where}: keys are kind, predictable, match")
-        kind = entry.get("kind")
-        if kind not in KINDS:
-            raise TraceError(f"{where}: kind must be one of {', '.join(KINDS)}, not {kind!r}")
-        share = entry.get("predictable", 1.0 if kind == "predicted" else 0.0)
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
-            raise TraceError(f"{where}: predictable must be a number in [0, 1], not {share!r}")
-        if kind != "predicted" and share:
-            raise TraceError(f"{where}: only kind = \"predicted\" takes a predictable share")
-        match = entry.get("match", [])
-        if not isinstance(match, list) or not all(isinstance(g, str) and g for g in match):
-            raise TraceError(f"{where}: match must be a list of glob strings")
-        out.append(ClassRule(normalise(name), kind, float(share), tuple(match), origin))
-    return out
-
-
-def load_classes(override: str | None = None) -> ClassTable:
-    """The shipped table, with ``override``'s entries first (replacing shipped ones by name)."""
-    shipped = tomllib.loads((resources.files("sentinel_tools.sim") / "trace_classes.toml").read_text())
-    rules = _rules_from(shipped, "shipped")
-    if override:
-        try:
-            data = tomllib.loads(Path(override).read_text())
-        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise TraceError(f"{override}: cannot read the class table: {exc}") from None
-        mine = _rules_from(data, override)
-        names = {r.name for r in mine}
-        rules = mine + [r for r in rules if r.name not in names]
-    return ClassTable(rules)
-
-
-# -- the trace file --------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Event:
-    node: str
-    time: float  # hours from the trace's start
-    event: str
-    cls: str
-    description: str
-    line: int
-
-
-@dataclass
-class Trace:
-    path: str
-    events: list[Event]
-    duration: float  # hours
-    unit: str
-    declared: list[str] = field(default_factory=list)  # nodes the trace lists, faulty or not
-
-    @property
-    def nodes(self) -> list[str]:
-        """Every node of the traced cluster, in natural order of the ids."""
-        return sorted(set(self.declared) | {e.node for e in self.events}, key=natural_key)
-
-
-def natural_key(node: str) -> tuple:
-    return tuple(int(p) if p.isdigit() else p for p in _NATURAL.split(node))
-
-
-def load_trace(path: str) -> Trace:
-    """Read and check a trace; every fault is a TraceError naming the file and line."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_BYTES + 1)  # never more: a FIFO or /dev/zero is refused, not read for ever
-    except OSError as exc:
-        raise TraceError(f"{path}: cannot read the trace: {exc.strerror}") from None
-    if len(raw) > MAX_BYTES:
-        raise TraceError(f"{path}: more than the {MAX_BYTES:,} bytes a trace may have")
-    text = raw.decode("utf-8", errors="replace")
-    if text.lstrip().startswith(("[", "{")):
-        rows, unit, duration, nodes = _json_rows(path, text)
-    else:
-        rows, unit, duration, nodes = _csv_rows(path, text)
-    trace = _check(path, rows, unit, duration)
-    trace.declared = _declared_nodes(path, nodes, trace)
-    return trace
-
-
-def _declared_nodes(path: str, nodes, trace: Trace) -> list[str]:
-    if nodes is None:
-        return []
-    if isinstance(nodes, list):
-        if not all(isinstance(n, (str, int)) and not isinstance(n, bool) and str(n) for n in nodes):
-            raise TraceError(f"{path}: nodes must be a count or a list of node ids")
-        return [str(n) for n in nodes]
-    if isinstance(nodes, str) and nodes.strip().isdigit() and len(nodes.strip()) <= 9:  # a CSV '# nodes: 512'
-        nodes = int(nodes)
-    if isinstance(nodes, bool) or not isinstance(nodes, int) or not 0 <= nodes <= MAX_NODES:
-        raise TraceError(f"{path}: nodes must be a count (a whole number up to {MAX_NODES:,}) or a list of node ids, "
-                         f"not {nodes!r}")
-    count = nodes
-    named = {e.node for e in trace.events}
-    if count < len(named):
-        raise TraceError(f"{path}: nodes = {count}, but the events name {len(named)} nodes")
-    # the nodes that never failed have no id in the trace: name them so they sort after the others
-    return [f"~quiet-{i:06d}" for i in range(count - len(named))]
-
-
-def _json_rows(path: str, text: str):
-    try:
-        data = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise TraceError(f"{path}: not JSON: {exc}") from None
-    unit, duration, nodes = None, None, None
-    if isinstance(data, dict):
-        if set(data) - {"time_unit", "duration", "nodes", "events"} or "events" not in data:
-            raise TraceError(f"{path}: a JSON trace is {{\"time_unit\", \"duration\" and \"nodes\" (optional), "
-                             f"\"events\"}} or a list of events, got keys {sorted(data)}")
-        unit, duration, nodes, data = data.get("time_unit"), data.get("duration"), data.get("nodes"), data["events"]
-        if unit is None:
-            raise TraceError(f"{path}: time_unit missing (one of {', '.join(UNITS)})")
-    if not isinstance(data, list):
-        raise TraceError(f"{path}: the events must be a JSON list")
-    # a line number for each event: the line its object starts on
-    starts = [m.start() for m in re.finditer(r"\{", text)]
-    first = 1 if isinstance(json.loads(text), list) else 2
-    lines = [text.count("\n", 0, s) + 1 for s in starts[first - 1:]] if starts else []
-    rows = []
-    for i, ev in enumerate(data):
-        line = lines[i] if i < len(lines) else i + 1
-        if not isinstance(ev, dict):
-            raise TraceError(f"{path}:{line}: event {i + 1} is not an object")
-        rows.append((line, ev))
-    return rows, unit, duration, nodes
-
-
-def _csv_rows(path: str, text: str):
-    lines = text.splitlines()
-    unit, duration, nodes, skip = None, None, None, 0
-    for ln in lines:
-        s = ln.strip()
-        if not s.startswith("#"):
-            break
-        skip += 1
-        m = re.match(r"#\s*(time_unit|duration|nodes)\s*[:=]\s*(\S+)", s)
-        if m and m.group(1) == "time_unit":
-            unit = m.group(2)
-        elif m and m.group(1) == "nodes":
-            nodes = m.group(2)
-        elif m:
-            try:
-                duration = float(m.group(2))
-            except ValueError:
-                raise TraceError(f"{path}:{skip}: duration must be a number, not {m.group(2)!r}") from None
-    reader = csv.DictReader(io.StringIO("\n".join(lines[skip:])))
-    if not reader.fieldnames:
-        raise TraceError(f"{path}: no CSV header (node,time_days,event,class[,description])")
-    rows = []
-    for i, row in enumerate(reader):
-        if None in row:
-            raise TraceError(f"{path}:{skip + i + 2}: more fields than the header names")
-        rows.append((skip + reader.line_num, {k.strip(): (v or "").strip() for k, v in row.items()}))
-    return rows, unit, duration, nodes
-
-
-def _check(path: str, rows: list[tuple[int, dict]], unit: str | None, duration: float | None) -> Trace:
-    events: list[Event] = []
-    open_since: dict[str, Event] = {}
-    last = -math.inf
-    for line, ev in rows:
-        where = f"{path}:{line}"
-        tkeys = [k for k in ev if k == "time" or k.startswith("time_")]
-        if len(tkeys) != 1:
-            raise TraceError(f"{where}: one time per event: time (with a declared time_unit) or "
-                             f"time_seconds / time_hours / time_days")
-        tkey = tkeys[0]
-        u = unit if tkey == "time" else tkey[len("time_"):]
-        if u is None:
-            raise TraceError(f"{where}: the time unit is missing: declare time_unit (JSON key, or a CSV first "
-                             f"line '# time_unit: days') or name the column time_seconds / time_hours / time_days")
-        if u not in UNITS:
-            raise TraceError(f"{where}: unknown time unit {u!r} (one of {', '.join(UNITS)})")
-        unit = unit or u
-        try:
-            t = float(ev[tkey])
-        except (TypeError, ValueError):
-            raise TraceError(f"{where}: time must be a number, not {ev[tkey]!r}") from None
-        if not math.isfinite(t) or t < 0:
-            raise TraceError(f"{where}: time must be finite and >= 0, not {ev[tkey]!r}")
-        t *= UNITS[u]
-        if t < last:
-            raise TraceError(f"{where}: time goes backwards ({t / UNITS[u]:g} {u} after {last / UNITS[u]:g}): "
-                             f"events must be in time order")
-        last = t
-        node, kind, cls = ev.get("node"), ev.get("event"), ev.get("class")
-        if not isinstance(node, (str, int)) or isinstance(node, bool) or str(node) == "":
-            raise TraceError(f"{where}: node must be a non-empty id, not {node!r}")
-        node = str(node)
-        if kind not in EVENTS:
-            raise TraceError(f"{where}: unknown event type {kind!r} (fault_start or fault_end)")
-        if not isinstance(cls, str) or not cls.strip():
-            if kind == "fault_start":
-                raise TraceError(f"{where}: a fault_start needs a class (free text)")
-            cls = ""
-        desc = ev.get("description", "")
-        e = Event(node, t, kind, cls, desc if isinstance(desc, str) else str(desc), line)
-        if kind == "fault_start":
-            if node in open_since:
-                raise TraceError(f"{where}: node {node} starts a fault while its fault of line "
-                                 f"{open_since[node].line} has not ended")
-            open_since[node] = e
-        else:
-            if node not in open_since:
-                raise TraceError(f"{where}: fault_end for node {node} without a fault_start")
-            began = open_since.pop(node)
-            e = replace(e, cls=e.cls or began.cls)
-        events.append(e)
-    if not events:
-        raise TraceError(f"{path}: no events")
-    if duration is not None and (isinstance(duration, bool) or not isinstance(duration, (int, float))
-                                 or not math.isfinite(duration)):
-        raise TraceError(f"{path}: duration must be a finite number, not {duration!r}")
-    span = last if duration is None else float(duration) * UNITS[unit or "hours"]
-    if span < last or span <= 0:
-        raise TraceError(f"{path}: duration {duration!r} ends before the last event")
-    return Trace(path, events, span, unit or "hours")
+__all__ = ["FORMATS", "UNITS", "ClassTable", "Fault", "Trace", "TraceError", "check", "load_classes", "load_trace",
+           "layout", "replay", "header", "table", "main", "synthetic_events"]
 
 
 # -- trace -> the job's failures ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class JobFault:
+    """A fault of a node that was in the job when it began."""
+
+    fault: Fault
+    slot: int
+    kind: str  # the class table's: predicted, sudden or process
+    ready: float  # when the node that replaces it is free (hours; inf: never)
+    cause: str  # the class table's entry, or the trace's own label when no entry matched
+    predictable: float  # the entry's share seen ahead (0 unless kind is predicted)
+
+
 @dataclass
 class Layout:
     """How the job sits on the trace: its nodes, the spare pool, the copies."""
@@ -336,35 +57,56 @@ class Layout:
     spare_nodes: int
     trace_nodes: int
     duration: float
-    failures: list[tuple[Event, int, str, float]] = field(default_factory=list)  # (event, slot, kind, spare ready)
+    failures: list[JobFault] = field(default_factory=list)
     unknown: dict[str, int] = field(default_factory=dict)
     not_interruptions: int = 0
-    spare_faults: int = 0  # faults of nodes that were spares at the time
+    spare_faults: int = 0  # faults of nodes that were spares (or already out of the job) at the time
     waits: int = 0  # job faults that waited for a repaired node
 
 
-def _copies(trace: Trace, copies: int) -> list[Event]:
-    """The events of ``copies`` disjoint copies of the trace's nodes (``<node>#<k>``), copy k
+def _copies(trace: Trace, copies: int) -> list[Fault]:
+    """The faults of ``copies`` disjoint copies of the trace's nodes (``<node>#<k>``), copy k
     shifted by k/copies of the trace's duration and wrapped around; a fault cut by the wrap ends at
-    the end of the trace and starts again at 0. Sorted by time, ends before starts."""
+    the end of the trace and starts again at 0. Sorted by start (stable: copy by copy)."""
     if copies == 1:
-        return list(trace.events)
+        return list(trace.faults)
     d = trace.duration
-    out: list[Event] = []
+    out: list[Fault] = []
     for k in range(copies):
         shift = d * k / copies
-        started: dict[str, Event] = {}
-        for e in trace.events:
-            node = f"{e.node}#{k}"
-            t = e.time + shift
-            if e.event == "fault_start":
-                started[node] = e
-            elif e.time + shift >= d > started.pop(node).time + shift:  # the fault crosses the wrap
-                out.append(replace(e, node=node, time=d))
-                out.append(replace(e, node=node, time=0.0, event="fault_start"))
-            out.append(replace(e, node=node, time=t - d if t >= d else t))
-    out.sort(key=lambda e: (e.time, e.event == "fault_start"))
+        for f in trace.faults:
+            node, start, end = f"{f.node}#{k}", f.time + shift, f.end + shift
+            if start >= d:
+                out.append(replace(f, node=node, time=start - d, end=end - d))
+            elif end > d:
+                out.append(replace(f, node=node, time=start, end=d))
+                out.append(replace(f, node=node, time=0.0, end=end - d))
+            else:
+                out.append(replace(f, node=node, time=start, end=end))
+    out.sort(key=lambda f: f.time)
     return out
+
+
+def back_up(faults: list[Fault]) -> list[float]:
+    """For each fault, when its node is up again: the end of the run of overlapping (or touching)
+    faults it belongs to, since a node is down while any of its faults is open."""
+    up = [0.0] * len(faults)
+    by_node: dict[str, list[int]] = {}
+    for i, f in enumerate(faults):
+        by_node.setdefault(f.node, []).append(i)
+    for idx in by_node.values():
+        idx.sort(key=lambda i: faults[i].time)
+        run: list[int] = []
+        end = -math.inf
+        for i in idx + [-1]:
+            if i < 0 or faults[i].time > end:
+                for j in run:
+                    up[j] = end
+                run, end = [], -math.inf
+            if i >= 0:
+                run.append(i)
+                end = max(end, faults[i].end)
+    return up
 
 
 def layout(trace: Trace, p: Params, classes: ClassTable, extra_spares: int = 0) -> Layout:
@@ -373,35 +115,28 @@ def layout(trace: Trace, p: Params, classes: ClassTable, extra_spares: int = 0) 
     n_trace = len(trace.nodes)
     copies = max(1, math.ceil(p.nodes / n_trace))
     timed = _copies(trace, copies)
+    up = back_up(timed)
     # copy by copy, so copy 0 fills the first slots
     names = trace.nodes if copies == 1 else [f"{n}#{k}" for k in range(copies) for n in trace.nodes]
     names += [f"spare-{i}" for i in range(extra_spares)]
     job = {n: i for i, n in enumerate(names[:p.nodes])}
     pool: dict[str, float] = {n: 0.0 for n in names[p.nodes:]}  # spare -> free since
-    ends: dict[str, list[float]] = {}  # node -> its faults' end times, in order
-    for e in timed:
-        if e.event == "fault_end":
-            ends.setdefault(e.node, []).append(e.time)
     down_until: dict[str, float] = {}
     lay = Layout(copies, p.nodes, len(pool), n_trace, trace.duration)
-    for e in timed:
-        if e.event == "fault_end":
-            continue
-        t = e.time
-        end = ends.get(e.node, [])
-        until = end.pop(0) if end else math.inf
-        down_until[e.node] = until
-        rule = classes.lookup(e.cls)
+    for f, until in zip(timed, up):
+        t = f.time
+        down_until[f.node] = max(down_until.get(f.node, 0.0), until)
+        rule = classes.lookup(f.cls, f.description)
         kind = rule.kind if rule else "sudden"
         if rule is None:
-            lay.unknown[e.cls] = lay.unknown.get(e.cls, 0) + 1
-        if e.node not in job:
-            lay.spare_faults += e.node in pool
+            lay.unknown[f.label] = lay.unknown.get(f.label, 0) + 1
+        if f.node not in job:
+            lay.spare_faults += 1
             continue
         if kind == "none":
             lay.not_interruptions += 1
             continue
-        slot = job[e.node]
+        slot = job[f.node]
         ready = t
         if kind != "process":
             free = {n: max(since, down_until.get(n, 0.0)) for n, since in pool.items()}
@@ -413,24 +148,22 @@ def layout(trace: Trace, p: Params, classes: ClassTable, extra_spares: int = 0) 
             else:
                 ready = math.inf
             lay.waits += ready > t
-            del job[e.node]
-            pool[e.node] = until  # back in the pool once repaired
-        lay.failures.append((e, slot, kind, ready))
+            del job[f.node]
+            pool[f.node] = down_until[f.node]  # back in the pool once all its faults have ended
+        lay.failures.append(JobFault(f, slot, kind, ready, rule.name if rule else f.label,
+                                     rule.predictable if rule and kind == "predicted" else 0.0))
     return lay
 
 
-def failures_for(lay: Layout, classes: ClassTable, p: Params, rng: random.Random) -> list[Failure]:
+def failures_for(lay: Layout, p: Params, rng: random.Random) -> list[Failure]:
     """One replay's failures: the predicted share and lead times drawn (per replay) with ``rng``."""
     out = []
     horizon = lay.duration
-    for e, slot, kind, ready in lay.failures:
-        rule = classes.lookup(e.cls)
-        share = rule.predictable if rule and kind == "predicted" else 0.0
-        pred = rng.random() < share
+    for jf in lay.failures:
+        pred = rng.random() < jf.predictable
         lead = rng.expovariate(1.0 / p.lead_mean_hours) if p.lead_mean_hours > 0 else 0.0
-        spare = min(ready, horizon)
-        out.append(Failure(e.time, e.cls, pred, lead, slot, kind="process" if kind == "process" else "sudden",
-                           spare_ready=spare))
+        out.append(Failure(jf.fault.time, jf.cause, pred, lead, jf.slot,
+                           kind="process" if jf.kind == "process" else "sudden", spare_ready=min(jf.ready, horizon)))
     return out
 
 
@@ -456,7 +189,7 @@ def replay(trace: Trace, p: Params, classes: ClassTable, runs: int = 20, seed: i
     lay = layout(trace, p, classes, extra_spares)
     q = replace(p, days=trace.duration / 24.0, breaker_nodes=lay.job_nodes + lay.spare_nodes)
     rng = random.Random(seed)
-    draws = [failures_for(lay, classes, q, rng) for _ in range(runs)]
+    draws = [failures_for(lay, q, rng) for _ in range(runs)]
     out = {}
     for s in strategies:
         best = optimise_interval(q, s, draws[:min(runs, 10)]) if optimise else q
@@ -473,10 +206,22 @@ def replay(trace: Trace, p: Params, classes: ClassTable, runs: int = 20, seed: i
     return q, lay, out
 
 
-def header(trace: Trace, lay: Layout, p: Params) -> str:
-    starts = sum(e.event == "fault_start" for e in trace.events)
-    lines = [f"trace {trace.path}: {lay.trace_nodes:,} nodes, {starts:,} faults over {trace.duration / 24:.1f} days "
-             f"(times in {trace.unit})"]
+def match_share(trace: Trace, classes: ClassTable) -> dict[str, int]:
+    """How the trace's faults met the class table: on the description, on the class, only a
+    fallback entry (the trace names no cause), or nothing (replayed as sudden)."""
+    out = {"description": 0, "class": 0, "fallback": 0, "": 0}
+    for f in trace.faults:
+        out[classes.match(f.cls, f.description).on] += 1
+    return out
+
+
+def header(trace: Trace, lay: Layout, p: Params, classes: ClassTable) -> str:
+    n = len(trace.faults)
+    lines = [f"trace {trace.path} ({trace.format}): {lay.trace_nodes:,} nodes, {n:,} faults over "
+             f"{trace.duration / 24:.1f} days (times in {trace.unit}); {trace.overlapping:,} began while their node "
+             f"was down already (down while any fault is open)"
+             + (f"; {trace.skipped_ends:,} fault_end records with no open fault on their node, skipped"
+                if trace.skipped_ends else "")]
     if lay.copies > 1:
         lines.append(f"  the job needs {lay.job_nodes:,} nodes: the trace is repeated over {lay.copies} disjoint copies "
                      f"of its nodes, copy k shifted by k/{lay.copies} of its duration (wrapped around)")
@@ -484,9 +229,14 @@ def header(trace: Trace, lay: Layout, p: Params) -> str:
                  f"other nodes, plus --spares extra ones that never fail); job faults {len(lay.failures):,}, "
                  f"waited for a repaired node {lay.waits:,}, faults of spares {lay.spare_faults:,}, "
                  f"not an interruption {lay.not_interruptions:,}")
+    m = match_share(trace, classes)
+    matched = n - m[""]
+    lines.append(f"  class match: {matched:,} of {n:,} faults ({100 * matched / max(1, n):.1f} %) matched an entry: "
+                 f"{m['description']:,} on the description, {m['class']:,} on the class, {m['fallback']:,} only a "
+                 f"fallback entry (no cause given); with a cause: {100 * (m['description'] + m['class']) / max(1, n):.1f} %")
     unknown = sum(lay.unknown.values())
     lines.append(f"  unknown classes: {unknown:,}" + (" (replayed as sudden: " + ", ".join(
-        f"{c!r} x{n}" for c, n in sorted(lay.unknown.items(), key=lambda kv: -kv[1])[:8]) + ")" if unknown else ""))
+        f"{c!r} x{k}" for c, k in sorted(lay.unknown.items(), key=lambda kv: -kv[1])[:8]) + ")" if unknown else ""))
     return "\n".join(lines)
 
 
@@ -510,14 +260,14 @@ def main(args, p: Params, search: bool) -> int:
 
     try:
         classes = load_classes(args.trace_classes)
-        trace = load_trace(args.trace)
+        trace = load_trace(args.trace, args.trace_format, args.trace_time_unit, args.trace_nodes)
     except TraceError as exc:
         print(f"sentinel simulate goodput: {exc}", file=sys.stderr)
         return 2
     q, lay, results = replay(trace, p, classes, runs=args.runs, seed=args.seed, strategies=tuple(args.strategies),
                              optimise=search, extra_spares=args.spares or 0)
     print(classes.text())
-    print(header(trace, lay, q))
+    print(header(trace, lay, q, classes))
     print(table(results, q))
     return 0
 
@@ -549,3 +299,30 @@ def synthetic_events(p: Params, nodes: int, rng: random.Random) -> list[dict]:
             t = end
     events.sort(key=lambda e: e[:3])  # a process-class fault ends at its own start: start first
     return [e[3] for e in events]
+
+
+# The (Class, Desc) pairs of a published trace (stepfun-ai/InfiniteHBD-Trace, fault_statistics.json),
+# by the Llama 3 class they stand for: synthetic events rewritten in the fault-records format.
+PUBLISHED_PAIRS = {
+    "faulty_gpu": ("GPU", "GPU xid Error"), "gpu_hbm3_memory": ("GPU", "GPU DBE(Double Bit ECC) > Threshold"),
+    "software_bug": ("Software Failure", "Software bug"), "network_switch_cable": ("Parameter Plane Cable", "Link Down"),
+    "host_maintenance": ("Change", "Host maintenance"), "gpu_sram_memory": ("GPU", "GPU SRAM error"),
+    "gpu_system_processor": ("GPU", "GSP timeout"), "nic": ("NIC", "NIC Lost"),
+    "nccl_watchdog_timeout": ("Training Task Troubleshooting", "NCCL watchdog timeout"),
+    "silent_data_corruption": ("GPU", "Silent Data Corruption"), "gpu_thermal": ("GPU", "GPU Temperature High"),
+    "ssd": ("File System", "FS: Multiple Disk FS Error"), "power_supply": ("Power Supply", "Power Supply Failure detected"),
+    "server_chassis": ("Motherboard", "Motherboard Failed"), "io_expansion_board": ("Riser Card", "RiserCard Fault"),
+    "dependency": ("Software Tool", "Dependency unavailable"), "cpu": ("CPU", "Machine Check Exception ( Uncorrectable )"),
+    "system_memory": ("Memory", "DIMM uncorrectable error"),
+}
+
+
+def as_fault_records(events: list[dict], unit: str = "days") -> list[dict]:
+    """``synthetic_events``' events (times in hours) as published fault records: node_id,
+    event_time in ``unit``, event_type, fault_type {Level, Class, Desc} (PUBLISHED_PAIRS)."""
+    out = []
+    for e in events:
+        cls, desc = PUBLISHED_PAIRS.get(e["class"], ("Unknown Error", "Unknown Error"))
+        out.append({"node_id": e["node"], "event_time": round(e["time"] / UNITS[unit], 9), "event_type": e["event"],
+                    "fault_type": {"Level": "Hardware Failure", "Class": cls, "Desc": desc}})
+    return out
