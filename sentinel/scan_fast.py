@@ -33,7 +33,7 @@ def _within_a_line(pattern: str) -> str:
     return _NAMED.sub("(?:", pattern).replace("\\s", "[ \\t]").replace("$", "(?=\\n)")
 
 
-def boring_regex(catalog: signatures.Catalog) -> tuple[re.Pattern[str], re.Pattern[str]]:
+def boring_regex(catalog: signatures.Catalog) -> tuple[re.Pattern[str], tuple[str, ...]]:
     """(runs of boring lines, the texts that make a line interesting wherever they are).
 
     A line's first character says which of the reader's alternatives can match it at all; of
@@ -56,16 +56,18 @@ def boring_regex(catalog: signatures.Catalog) -> tuple[re.Pattern[str], re.Patte
     # a line that starts with a letter: Talos (a host name), dmesg -x (a facility) or syslog (a month);
     # no two of them can start one line (the host is followed by ': ', the facility by ':', the month by a day)
     letter = rf"(?:{kern_talos}|(?!{alt['talos']})(?:{kern_decode}|(?>{syslog}){after_tag}))"
-    digit = (rf"(?!{alt['wrapper']})(?:{kern_talos}|(?!{alt['talos']})(?:{kern_kmsg}{after_tag}|(?!{alt['kmsg']})"
-             rf"(?:(?>{syslog}){after_tag}|(?!{alt['syslog']})(?>{alt['dmesg']}))))")
+    # containerd / CRI-O: the first wrapper that can start a line with a digit; what follows is read again
+    cri = rf"(?>{kmsg._ISO} (?:stdout|stderr) [FP] )[ \t]*+(?=\[){bracket}"
+    digit = (rf"(?:{cri}|(?!{alt['wrapper']})(?:{kern_talos}|(?!{alt['talos']})(?:{kern_kmsg}{after_tag}|(?!{alt['kmsg']})"
+             rf"(?:(?>{syslog}){after_tag}|(?!{alt['syslog']})(?>{alt['dmesg']})))))")
     raw = rf"{kern_kmsg}{after_tag}"
     starts = sorted({p for s in catalog.signatures for p in (*s.prefixes, *s.joins)}, key=len, reverse=True)
     first = "".join(sorted({re.escape(s[0]) for s in starts}))
     message = (r"[ \t]*+(?>(?:\[[ \t]{0,8}[TC]\d{1,7}\][ \t]?)?)[ \t]*+"  # the caller id parse_log_line takes off
                rf"(?!(?=[{first}])(?:{'|'.join(map(re.escape, starts))}))[\t\x20-\x7e]{{0,{MAX_BORING}}}\n")
     line = rf"(?:(?=\[){bracket}|(?=[A-Za-z]){letter}|(?=\d){digit}|(?=<){raw}){message}"
-    needles = sorted({s.needle for s in catalog.signatures if s.needle} | {"\\x0a"})
-    return re.compile(rf"(?:{line})+"), re.compile("|".join(map(re.escape, needles)))
+    needles = tuple(sorted({s.needle for s in catalog.signatures if s.needle} | {"\\x0a"}))
+    return re.compile(rf"(?:{line})+"), needles
 
 
 def _alternatives() -> dict[str, str]:
@@ -116,14 +118,13 @@ def read_lines(stream: IO[bytes], stats, slow_line, catalog: signatures.Catalog)
             carry, skipping = b"", True
 
 
-_CACHE: dict[int, tuple[re.Pattern[str], re.Pattern[str]]] = {}
-
-
-def _compiled(catalog: signatures.Catalog) -> tuple[re.Pattern[str], re.Pattern[str]]:
-    key = id(catalog)
-    if key not in _CACHE:
-        _CACHE[key] = boring_regex(catalog)
-    return _CACHE[key]
+def _compiled(catalog: signatures.Catalog) -> tuple[re.Pattern[str], tuple[str, ...]]:
+    """The catalog's boring-run regex, built once and kept on the catalog (immutable) itself."""
+    built = getattr(catalog, "_boring", None)
+    if built is None:
+        built = boring_regex(catalog)
+        object.__setattr__(catalog, "_boring", built)
+    return built
 
 
 def _complete_lines(complete: bytes, lineno: int, stats, slow_line, runs, needle) -> Iterator[tuple[int, object]]:
@@ -142,9 +143,16 @@ def _complete_lines(complete: bytes, lineno: int, stats, slow_line, runs, needle
         return
     pos, size = 0, len(text)
 
+    ahead = {n: text.find(n) for n in needle}  # each needle's next place, found again only once passed
+
     def line_of_next_needle(start: int) -> int:
-        m = needle.search(text, start)
-        return size if m is None else text.rfind("\n", 0, m.start()) + 1
+        first = size
+        for n, at in ahead.items():
+            if 0 <= at < start:
+                at = ahead[n] = text.find(n, start)
+            if 0 <= at < first:
+                first = at
+        return size if first == size else text.rfind("\n", 0, first) + 1
 
     limit = line_of_next_needle(0)
     while pos < size:
