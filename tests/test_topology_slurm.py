@@ -66,31 +66,36 @@ def migrator(cluster, node: str, root: Path) -> tuple[Migrator, DaemonEndpoint]:
     return m, ep
 
 
-def test_the_spare_under_the_departed_nodes_leaf_is_admitted(tree_cluster, tmp_path):
-    c = tree_cluster
-    # Slurm itself knows the tree
-    shown = c.run("scontrol", "show", "topology").stdout
-    assert "SwitchName=leafA" in shown and "SwitchName=leafB" in shown
+
+def submit_tree_job(c, tmp_path):
+    """The batch script on node[1-4] of the tree (--switches=2: both leaves) with a stand-in agent
+    that runs until <work>/STOP exists; returns (work, stop, job id). The agent's trailing words
+    (ignored by bash -c) satisfy the script's check that the command names an elastic rendezvous
+    (#23); node3 (leaf B) comes before node4 (leaf A) in the allocation's order, so "the first
+    idle node" would be the far one."""
     work = tmp_path / "job"
     work.mkdir()
     os.chmod(tmp_path, 0o755)
     os.chmod(work, 0o755)
     stop = work / "STOP"
-    # a stand-in agent; the trailing words (ignored by bash -c) satisfy the batch script's check
-    # that the command names an elastic rendezvous (#23)
     agent = ["bash", "-c", f'while [ ! -e {stop} ]; do sleep 0.2; done', "agent", "--rdzv-backend=etcd-v2", "end"]
     env = {**c.env, "TRAIN_NODES": "2", "SENTINEL": f"{sys.executable} -m sentinel", "PYTHONPATH": str(REPO),
            "SENTINEL_RUNTIME_DIR": str(work / "%n" / "run"), "SENTINEL_STATE_DIR": str(work / "%n" / "state")}
     for n in NODES:
         (work / n / "run").mkdir(parents=True)
         (work / n / "state").mkdir(parents=True)
-    # the allocation spans both leaves (--switches=2 under topology/tree); node3 (leaf B) comes
-    # before node4 (leaf A) in its order, so "the first idle node" would be the far one
     r = subprocess.run(["sbatch", "--parsable", "--nodes=4", "--nodelist=node[1-4]", "--switches=2",
                         f"--output={work / 'job.out'}", f"--chdir={REPO}", str(SBATCH), *agent],
                        env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    job = r.stdout.strip().split(";")[0]
+    return work, stop, r.stdout.strip().split(";")[0]
+
+def test_the_spare_under_the_departed_nodes_leaf_is_admitted(tree_cluster, tmp_path):
+    c = tree_cluster
+    # Slurm itself knows the tree
+    shown = c.run("scontrol", "show", "topology").stdout
+    assert "SwitchName=leafA" in shown and "SwitchName=leafB" in shown
+    work, stop, job = submit_tree_job(c, tmp_path)
     m = ep = None
     try:
         for n in ("node1", "node2"):
@@ -142,22 +147,7 @@ def test_two_nodes_of_one_job_failing_at_once_keep_both_spare_records_and_get_tw
     the job's Comment and only the last write was left), and the batch script acts on each record:
     an agent on node4 and one on node3, each Sentinel's choice for one failing node."""
     c = tree_cluster
-    work = tmp_path / "job"
-    work.mkdir()
-    os.chmod(tmp_path, 0o755)
-    os.chmod(work, 0o755)
-    stop = work / "STOP"
-    agent = ["bash", "-c", f'while [ ! -e {stop} ]; do sleep 0.2; done', "agent", "--rdzv-backend=etcd-v2", "end"]
-    env = {**c.env, "TRAIN_NODES": "2", "SENTINEL": f"{sys.executable} -m sentinel", "PYTHONPATH": str(REPO),
-           "SENTINEL_RUNTIME_DIR": str(work / "%n" / "run"), "SENTINEL_STATE_DIR": str(work / "%n" / "state")}
-    for n in NODES:
-        (work / n / "run").mkdir(parents=True)
-        (work / n / "state").mkdir(parents=True)
-    r = subprocess.run(["sbatch", "--parsable", "--nodes=4", "--nodelist=node[1-4]", "--switches=2",
-                        f"--output={work / 'job.out'}", f"--chdir={REPO}", str(SBATCH), *agent],
-                       env=env, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    job = r.stdout.strip().split(";")[0]
+    work, stop, job = submit_tree_job(c, tmp_path)
     pairs = []
     try:
         for n in ("node1", "node2"):
