@@ -44,13 +44,15 @@ def xdist_group_of(item) -> str | None:
         return "kube"
     if item.path.name in KERNEL_FILES:
         return "kernel"
+    if item.path.name == "test_netns_hosts.py":  # a drill of 7 hosts x ~10 processes each: one at a time
+        return "netns"
     return None
 
 
 # Files whose tests run whole jobs (torchrun, drills, a booted systemd): handed out first, so the
 # workers do not end the run waiting on one long test started last (longest first). A stable
 # sort: every worker computes the same order, as pytest-xdist requires.
-LONG_FILES = ("test_drill.py", "test_trainer.py", "test_memory_tier.py", "test_bench_smoke.py",
+LONG_FILES = ("test_netns_hosts.py", "test_drill.py", "test_trainer.py", "test_memory_tier.py", "test_bench_smoke.py",
               "test_slurm_drill.py", "test_systemd_nspawn.py", "test_elastic.py", "test_replacement_scale.py",
               "test_slot_rendezvous.py", "test_topology_drill.py", "test_progress.py", "test_hang_job.py")
 
