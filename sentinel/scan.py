@@ -36,7 +36,6 @@ EXIT_NAMES = {OK: "OK", WARNING: "WARNING", CRITICAL: "CRITICAL", UNKNOWN: "UNKN
 SEVERITY_EXIT = {"info": OK, "warning": WARNING, "critical": CRITICAL}
 ACTION_SEVERITY = {"migrate": "critical", "snapshot": "warning", "alert": "warning"}
 MAX_FINDINGS = 1000
-MAX_CONTINUATION = 2048  # a record printed over several lines (dmesg indents its continuation lines)
 KMSG_READ_LIMIT = 1 << 20  # records read from /dev/kmsg at most (its ring holds far fewer)
 
 
