@@ -282,6 +282,9 @@ def _polling_delay(rdzv: Rendezvous, original: Callable[..., None], seconds: Any
 def _make_agent_class():
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.rendezvous.api import RendezvousGracefulExitError
+
+    from trainer import fence
 
     class FastAgent(LocalElasticAgent):
         """torch's LocalElasticAgent that leaves the rendezvous before stopping its workers and
@@ -292,6 +295,7 @@ def _make_agent_class():
             self._sentinel_rdzv = rendezvous
             self._sentinel_draining = draining
             self._sentinel_left = False
+            self.graceful_exit = ""  # why the rendezvous let this node go (its slot was given away)
 
         def _sentinel_leave(self, why: str) -> None:
             if not self._sentinel_left:
@@ -310,9 +314,24 @@ def _make_agent_class():
 
         def _rendezvous(self, worker_group) -> None:
             t = time.monotonic()
-            super()._rendezvous(worker_group)
+            try:
+                super()._rendezvous(worker_group)
+            except RendezvousGracefulExitError as exc:  # e.g. SlotTakenError: torch's run() returns None
+                self.graceful_exit = str(exc) or type(exc).__name__
+                raise
             log.info("rendezvous: group rank %d of %d in %.3f s", worker_group.group_rank,
                      worker_group.group_world_size, time.monotonic() - t)
+
+        def _setup_local_watchdog(self, envs: dict[int, dict[str, str]]) -> None:
+            # torch builds the workers' environment itself (no hook) and calls this with it just
+            # before it starts them: the slot rendezvous's generation, the fencing token of their
+            # snapshot commits (trainer.fence)
+            handler = self._sentinel_rdzv.handler
+            generation, epoch = getattr(handler, "gen", 0), getattr(handler, "epoch", "")
+            if isinstance(generation, int) and generation > 0 and epoch:
+                for env in envs.values():
+                    env[fence.ENV] = fence.token_env(epoch, generation)
+            super()._setup_local_watchdog(envs=envs)
 
         def _start_workers(self, worker_group):
             t = time.monotonic()
@@ -503,6 +522,12 @@ def _run_agent(agent: Any, rdzv: Rendezvous, *, endpoint: str = "") -> int:
     close_rendezvous = True
     try:
         result = agent.run()
+        if result is None:  # the rendezvous let this node go (torch's run() swallows the graceful exit)
+            close_rendezvous = False  # the job goes on without this node
+            fenced = getattr(rdzv.handler, "fenced", [])
+            print(f"trainer.elastic: left the job: {getattr(agent, 'graceful_exit', '') or 'the rendezvous ended'}"
+                  + (f"; fenced writes refused: {', '.join(fenced)}" if fenced else ""), file=sys.stderr)
+            return 0
         if result.is_failed():
             for rank, failure in sorted(result.failures.items()):
                 print(f"trainer.elastic: rank {rank} failed: exit {failure.exitcode}", file=sys.stderr)
