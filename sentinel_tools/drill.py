@@ -76,9 +76,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agent", choices=["warm", "torchrun"], default="warm",
                    help="warm: python -m trainer.elastic, preloaded forkserver, warm spares, graceful leave;"
                         " torchrun: plain torchrun and cold spares (the before)")
-    p.add_argument("--rdzv-backend", choices=["c10d", "etcd-v2", "sentinel"], default="c10d",
+    p.add_argument("--rdzv-backend", choices=["c10d", "etcd-v2", "sentinel"], default=None,
                    help="c10d: a standalone TCPStore; etcd-v2: a local etcd (Debian etcd-server) on loopback; "
-                        "sentinel: rank-preserving slots on the standalone TCPStore (--agent warm only)")
+                        "sentinel: rank-preserving slots on the standalone TCPStore (--agent warm only). Default: "
+                        "c10d; sentinel for --fault partition (its generations fence the cut-off host)")
     p.add_argument("--start-method", choices=["spawn", "fork", "forkserver"], default="spawn",
                    help="torchrun worker start method (--agent torchrun; a -m module ignores it)")
     p.add_argument("--timeout", type=float, default=180.0)
@@ -113,6 +114,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_drill(args: argparse.Namespace) -> int:
+    fault = faults.get(args.fault)
+    if args.rdzv_backend is None:
+        args.rdzv_backend = fault.rdzv_backend or "c10d"
+    elif fault.rdzv_backend and args.rdzv_backend != fault.rdzv_backend:
+        print(f"sentinel drill: --fault {args.fault} needs --rdzv-backend {fault.rdzv_backend} ({fault.rdzv_why})",
+              file=sys.stderr)
+        return 2
     if args.rdzv_backend == "sentinel" and args.agent != "warm":
         print("sentinel drill: --rdzv-backend sentinel needs --agent warm (plain torchrun does not register it)",
               file=sys.stderr)
@@ -125,7 +133,6 @@ def run_drill(args: argparse.Namespace) -> int:
         return 2
     if args.spares < 1 and not args.min_nodes:
         print("sentinel drill: --spares 0 needs --min-nodes < --nodes (continue on fewer nodes)", file=sys.stderr)
-    fault = faults.get(args.fault)
     if fault.needs_hosts and args.hosts != "netns":
         print(f"sentinel drill: --fault {args.fault} is a fault of a whole host: it needs --hosts netns", file=sys.stderr)
         return 2

@@ -44,3 +44,5 @@ class Fault:
     sudden: bool = False  # True: the node dies with its daemon, no migration record
     pg_timeout_seconds: int = 30  # the workers' process-group timeout
     needs_hosts: bool = False  # True: a fault of a whole host, only on --hosts netns
+    rdzv_backend: str = ""  # the rendezvous backend the fault needs ("": any; the drill's default c10d)
+    rdzv_why: str = ""  # why, said when another one is asked for
