@@ -136,14 +136,18 @@ class JobHealth:
             return None
         steps_left = d.get("steps_left")
         steps_left = steps_left if isinstance(steps_left, int) and not isinstance(steps_left, bool) else None
-        why = causes(self._evidence, self.settings)
+        link = d.get("link_relative")  # a slow link: this node's link time over the job's median
+        link = float(link) if isinstance(link, (int, float)) and not isinstance(link, bool) and math.isfinite(link) else None
+        why = causes(self._evidence, self.settings) + ([f"network link {link:.1f}x slower than the job's median"]
+                                                        if link is not None else [])
         verdict = decide(relative, step_seconds, steps_left, self.handover_seconds)
         self.straggler = {"time": now, "relative": relative, "individual": individual, "step_seconds": step_seconds,
                           "steps_left": steps_left, "causes": why, "action": verdict.action, "why": verdict.why,
-                          "step": rep.step}
+                          "step": rep.step, "link_relative": link}
         cause = "; ".join(why) if why else "no hardware cause seen (host, input pipeline or a noisy neighbour)"
-        return Trip("straggler", verdict.action, NODE, "straggler",
-                    f"straggler: {relative:.2f}x the job's median compute ({cause}); {verdict.why}",
+        what = (f"the job runs {relative:.2f}x slower than its best" if link is not None
+                else f"{relative:.2f}x the job's median compute")
+        return Trip("straggler", verdict.action, NODE, "straggler", f"straggler: {what} ({cause}); {verdict.why}",
                     values={"relative": relative, "individual": individual})
 
     def gauges(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -175,6 +179,7 @@ def status_lines(job: dict) -> list[str]:
     st = job.get("straggler") if isinstance(job, dict) else None
     if isinstance(st, dict):
         causes = "; ".join(map(str, st.get("causes") or [])) or "no hardware cause seen"
-        out.append(f"straggler: {st.get('relative', 0):.2f}x the job's median compute ({st.get('individual', 0):.2f}x "
-                   f"its own best) at step {st.get('step')}: {causes} -> {st.get('action')}: {st.get('why')}")
+        what = (f"the job runs {st.get('relative', 0):.2f}x slower than its best" if st.get("link_relative")
+                else f"{st.get('relative', 0):.2f}x the job's median compute ({st.get('individual', 0):.2f}x its own best)")
+        out.append(f"straggler: {what} at step {st.get('step')}: {causes} -> {st.get('action')}: {st.get('why')}")
     return out
