@@ -301,11 +301,6 @@ def cmd_inject(args: argparse.Namespace) -> int:
 # -- status ------------------------------------------------------------------------------------------
 def cmd_drill(args: argparse.Namespace) -> int:
     """`sentinel drill`: the local drill, or with --scheduler slurm the one through a real Slurm cluster."""
-    from sentinel_tools.drill import fault_defaults
-
-    why = fault_defaults(args)
-    if why:
-        return fail(f"drill: {why}")
     if args.scheduler == "slurm":
         from sentinel_tools.drill_slurm import run_slurm_drill
 

@@ -73,6 +73,7 @@ log = logging.getLogger("sentinel.elastic")
 DEFAULT_POLL_SECONDS = 0.1
 LEAVE_TIMEOUT_SECONDS = 5.0
 WARM_WAIT_BEAT = 1.0
+REPORT_LINGER_SECONDS = 2.0  # an agent's last report: the daemon (polling each second) reads it while it lives
 
 
 class NodeLeaving(RuntimeError):
@@ -550,13 +551,28 @@ def _run_agent(agent: Any, rdzv: Rendezvous, *, endpoint: str = "") -> int:
         # learn the next membership; say it once, plainly, instead of torch's traceback
         close_rendezvous = False
         cause = exc.__cause__ or exc
+        why = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else 'no detail'}"
         print(f"trainer.elastic: the rendezvous store {endpoint or '(endpoint unknown)'} cannot be reached "
-              f"({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else 'no detail'}): "
-              "this job cannot continue without it", file=sys.stderr)
+              f"({why}): this job cannot continue without it", file=sys.stderr)
+        _tell_daemon_store_lost(endpoint or "(endpoint unknown)", why)
         return 1
     finally:
         if close_rendezvous:
             rdzv.handler.shutdown()
+
+
+def _tell_daemon_store_lost(endpoint: str, why: str) -> None:
+    """``sentinel status`` on this node says it too: a ``rendezvous`` report over the control
+    channel (this agent is one of the job's processes, as its ranks are). The daemon verifies the
+    sender when it reads the report, so the agent stays a moment (two of its polls) before it exits."""
+    from sentinel.channel import RankEndpoint, Report
+
+    channel = RankEndpoint.open()
+    try:
+        if channel.report(Report("rendezvous", 0, -1, {"store": endpoint, "reachable": False, "error": why[:300]})):
+            time.sleep(REPORT_LINGER_SECONDS)
+    finally:
+        channel.close()
 
 
 def exit_now(code: int) -> None:
