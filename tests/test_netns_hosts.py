@@ -256,3 +256,27 @@ def test_slow_link_names_the_host_within_20_steps_and_hands_over_only_when_it_pa
         assert len(r["recomputed_steps"]) <= 1 and r["verify"]["bitwise_equal"], why(r)
     else:
         assert s["straggler_seen"]["action"] == "alert" and "would save" in s["straggler_seen"]["why"], why(r)
+
+
+def test_migration_bench_smoke_puts_host_rows_beside_loopback_ones(tmp_path):
+    """bench/migration.py --hosts netns --smoke: the Xid 79 drill on namespaced hosts beside the
+    loopback one, in one run: both hand over with no lost step, the spare's host took bytes over
+    the bridge, and the ratio of their fault -> first step is in the report (the figure #41's
+    1.5x is judged on, from a full run: docs/benchmarks.md)."""
+    from bench_smoke import LIMIT_S, command
+
+    out = tmp_path / "migration.json"
+    cmd = command("migration", out, "--hosts", "netns")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT_S, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    figures = doc["figures"]
+    assert [run["path"] for run in doc["runs"]] == ["warm", "hosts-xid79"]
+    assert figures["migration_ok_fraction"] == 1.0 and figures["hosts_xid79_ok_fraction"] == 1.0, r.stdout[-3000:]
+    assert figures["hosts_xid79_lost_steps"] == 0 and figures["hosts_xid79_bytes_into_spare_hosts"] > 0
+    assert figures["hosts_over_loopback_xid79_ratio"] > 0 and len(doc["host"]["loadavg"]) == 3
+    assert "Xid 79: namespaced hosts / loopback (fault -> first step)" in r.stdout
+    for run in doc["runs"]:
+        if run["drill"].get("netns_cluster"):
+            assert_nothing_left(run["drill"]["netns_cluster"])
