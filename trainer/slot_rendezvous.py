@@ -41,7 +41,10 @@ with ``--rdzv-conf slots=off``. The job's first join uses this module's own coun
 ``add`` for a slot number, then an arrival), not torch's.
 
 Store: torch's c10d TCPStore, through torch's own c10d backend factory (``is_host``,
-``store_type`` and timeouts as for ``--rdzv-backend c10d``). etcd is not supported by this handler.
+``store_type`` and timeouts as for ``--rdzv-backend c10d``), or with ``--rdzv-backend
+sentinel-etcd`` a replicated etcd v3 (:mod:`trainer.etcd_rendezvous`, :mod:`trainer.etcd_store`):
+the store interface used here is ``get set add compare_set check wait clone`` plus an optional
+``beat`` (a heartbeat; etcd attaches it to a lease, so a dead host's heartbeat key disappears).
 """
 
 from __future__ import annotations
@@ -143,6 +146,12 @@ class CountingStore:
         finally:
             self._count("wait", sum(map(len, keys)), 1)
 
+    def beat(self, key: str, value: str) -> None:
+        """A heartbeat: the store's own ``beat`` (etcd: a leased key) or a plain ``set``."""
+        beat = getattr(self.store, "beat", None)
+        (beat or self.store.set)(key, value)
+        self._count("beat", len(key) + len(value))
+
     def clone(self, stats: OpStats | None = None) -> "CountingStore":
         """A second connection (its own socket: a heartbeat is never queued behind a wait)."""
         clone = getattr(self.store, "clone", None)
@@ -161,7 +170,7 @@ class SlotRendezvousHandler(RendezvousHandler):
     def __init__(self, store: Store, run_id: str, nodes: int, *, local_addr: str | None = None,
                  join_timeout: float = 600.0, keep_alive_interval: float = 5.0, keep_alive_max_attempt: int = 3,
                  admission_timeout: float | None = None, node_id: str | None = None,
-                 server_factory: Callable[[str], Any] | None = None) -> None:
+                 server_factory: Callable[[str], Any] | None = None, backend: str = BACKEND) -> None:
         if not run_id:
             raise ValueError("the run id must be a non-empty string")
         if nodes < 1:
@@ -169,6 +178,7 @@ class SlotRendezvousHandler(RendezvousHandler):
         if join_timeout <= 0 or keep_alive_interval <= 0 or keep_alive_max_attempt < 1:
             raise ValueError("join_timeout and keep_alive_interval must be > 0, keep_alive_max_attempt >= 1")
         self._raw = store
+        self.backend = backend
         self.stats = OpStats()  # the protocol's operations
         self.heartbeat_stats = OpStats()  # keep-alives, counted apart
         self._store = CountingStore(store, self.stats)
@@ -201,7 +211,7 @@ class SlotRendezvousHandler(RendezvousHandler):
 
     # -- RendezvousHandler -------------------------------------------------------------------------
     def get_backend(self) -> str:
-        return BACKEND
+        return self.backend
 
     @property
     def use_agent_store(self) -> bool:
@@ -258,9 +268,20 @@ class SlotRendezvousHandler(RendezvousHandler):
                            "ops": after[0] - before[0], "bytes": after[1] + after[2] - before[1] - before[2]}
         log.info("generation %d: slot %d of %d (%s, %d store ops, %.3f s)", f, self.slot, self.nodes, role,
                  self.last_round["ops"], self.last_round["seconds"])
-        store = PrefixStore(self._k(f"g{f}", "agents"), self._raw)
-        return RendezvousInfo(store, self.slot, self.nodes,
+        return RendezvousInfo(self._agent_store(f, record), self.slot, self.nodes,
                               RendezvousStoreInfo(record["master_addr"], int(record["master_port"])))
+
+    def _agent_store(self, f: int, record: dict) -> Store:
+        """The agents' store for this generation (torch's agent assigns worker ranks through it):
+        a prefix of the rendezvous store when that is a c10d store; else (etcd) the workers'
+        TCPStore that slot 0 hosts for this generation, under its own prefix."""
+        if isinstance(self._raw, Store):
+            return PrefixStore(self._k(f"g{f}", "agents"), self._raw)
+        server = self._servers.get(f)
+        if server is None:
+            server = TCPStore(record["master_addr"], int(record["master_port"]), is_master=False,
+                              timeout=timedelta(seconds=max(60.0, self.join_timeout)))
+        return PrefixStore("sentinel.agents", server)
 
     # -- arrivals ------------------------------------------------------------------------------------
     def _info(self, f: int) -> str:
@@ -431,8 +452,11 @@ class SlotRendezvousHandler(RendezvousHandler):
             # in the background) gets NO_BEAT_PASSES passes before it counts as dead
             if hb is None:
                 self._no_beat[s] = self._no_beat.get(s, 0) + 1
-            if s in seen and seen[s] == hb and (hb is not None or self._no_beat[s] >= NO_BEAT_PASSES):
-                mark = LEFT + (hb.decode().rsplit(":", 1)[0] if hb else "unknown")
+            # a heartbeat seen on the last pass and gone now: its lease expired (etcd): dead
+            expired = hb is None and seen.get(s) is not None
+            if expired or s in seen and seen[s] == hb and (hb is not None or self._no_beat[s] >= NO_BEAT_PASSES):
+                last = hb or seen.get(s)
+                mark = LEFT + (last.decode().rsplit(":", 1)[0] if last else "unknown")
                 got = self._store.compare_set(key, "", mark).decode()
                 if got == mark:
                     log.warning("generation %d: slot %d neither arrived nor sent a heartbeat for %g s: vacant",
@@ -481,7 +505,7 @@ class SlotRendezvousHandler(RendezvousHandler):
                 try:
                     if self._hb_store is None:
                         self._hb_store = self._store.clone(self.heartbeat_stats)
-                    self._hb_store.set(key, f"{node}:{self._hb_count}")
+                    self._hb_store.beat(key, f"{node}:{self._hb_count}")
                 except RuntimeError as exc:  # the store is unreachable: the watcher decides, not us
                     failures += 1
                     if failures == 1:
