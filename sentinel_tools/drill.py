@@ -76,9 +76,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agent", choices=["warm", "torchrun"], default="warm",
                    help="warm: python -m trainer.elastic, preloaded forkserver, warm spares, graceful leave;"
                         " torchrun: plain torchrun and cold spares (the before)")
-    p.add_argument("--rdzv-backend", choices=["c10d", "etcd-v2", "sentinel"], default="c10d",
+    p.add_argument("--rdzv-backend", choices=["c10d", "etcd-v2", "sentinel", "sentinel-etcd"], default="c10d",
                    help="c10d: a standalone TCPStore; etcd-v2: a local etcd (Debian etcd-server) on loopback; "
-                        "sentinel: rank-preserving slots on the standalone TCPStore (--agent warm only)")
+                        "sentinel: rank-preserving slots on the standalone TCPStore (--agent warm only); "
+                        "sentinel-etcd: the same slots on a 3-member etcd with TLS client certificates (one member "
+                        "per node host with --hosts netns; the victim's member is made the leader before the fault)")
     p.add_argument("--start-method", choices=["spawn", "fork", "forkserver"], default="spawn",
                    help="torchrun worker start method (--agent torchrun; a -m module ignores it)")
     p.add_argument("--timeout", type=float, default=180.0)
@@ -113,9 +115,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_drill(args: argparse.Namespace) -> int:
-    if args.rdzv_backend == "sentinel" and args.agent != "warm":
-        print("sentinel drill: --rdzv-backend sentinel needs --agent warm (plain torchrun does not register it)",
-              file=sys.stderr)
+    if args.rdzv_backend.startswith("sentinel") and args.agent != "warm":
+        print(f"sentinel drill: --rdzv-backend {args.rdzv_backend} needs --agent warm (plain torchrun does not "
+              "register it)", file=sys.stderr)
         return 2
     if args.slurm_conf is not None:
         print("sentinel drill: --slurm-conf needs --scheduler slurm", file=sys.stderr)

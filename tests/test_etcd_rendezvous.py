@@ -5,6 +5,7 @@ process without the job's certificate. Every member is started here and killed a
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -182,7 +183,7 @@ eps = [(h, int(p)) for h, p in (e.split(":") for e in sys.argv[1].split(","))]
 store = EtcdStore(eps, tls=EtcdTLS(*sys.argv[2:5]), lease_ttl=2)
 h = SlotRendezvousHandler(store, "job", 3, local_addr="127.0.0.1", keep_alive_interval=1.0, admission_timeout=2.0,
                           join_timeout=90.0)
-print("joined", h.next_rendezvous().rank, flush=True)
+print("joined", h.next_rendezvous().rank, h.node_id, flush=True)
 sys.stdin.readline()
 """
 
@@ -196,7 +197,8 @@ def test_a_node_that_dies_without_a_goodbye_expires_and_is_replaced(cluster):
     try:
         hs = [handler(cluster, 3), handler(cluster, 3)]
         infos = rendezvous(hs)
-        rank = int(node.stdout.readline().split()[1])
+        _, rank, node_id = node.stdout.readline().split()
+        rank = int(rank)
         assert sorted([rank, *(i.rank for i in infos)]) == [0, 1, 2]
         node.kill()  # the host is gone: no leave, its heartbeat's lease runs out
         node.wait(10)
@@ -206,6 +208,10 @@ def test_a_node_that_dies_without_a_goodbye_expires_and_is_replaced(cluster):
         spare = handler(cluster, 3)
         infos = rendezvous([*hs, spare])
         assert infos[2].rank == rank and [i.rank for i in infos[:2]] == [h.slot for h in hs]
+        # declared vacant on the evidence of its expired lease (the vacancy names it), not after
+        # the passes a slot that never beat gets ("LEFT:unknown")
+        vacancy = json.loads(store.get("sentinel.rdzv.job/vacancy/1"))
+        assert vacancy == {"slot": rank, "gen": 2, "left": f"LEFT:{node_id}"}
     finally:
         node.kill()
         node.wait(10)

@@ -278,9 +278,20 @@ class EtcdStore:
             ttl = int(self._post("/lease/keepalive", {"ID": self._lease}).get("result", {}).get("TTL", -1))
             if ttl <= 0:
                 self._lease = None
-        if self._lease is None:
-            self._lease = int(self._post("/lease/grant", {"TTL": self.lease_ttl, "ID": 0})["ID"])
-        self._post("/kv/put", {"key": _b64(key), "value": _b64(value), "lease": self._lease})
+        if self._lease is not None:
+            self._post("/kv/put", {"key": _b64(key), "value": _b64(value), "lease": self._lease})
+            return
+        self._lease = int(self._post("/lease/grant", {"TTL": self.lease_ttl, "ID": 0})["ID"])
+        # who holds the lease, kept past its expiry (no lease on it): a watcher tells "beat, then
+        # died" from "has not beaten yet" (a slot's new owner whose first beat is on its way)
+        owner = (value.decode() if isinstance(value, bytes) else value).rsplit(":", 1)[0]
+        self._txn([], [{"request_put": {"key": _b64(f"{key}.owner"), "value": _b64(owner)}},
+                       {"request_put": {"key": _b64(key), "value": _b64(value), "lease": self._lease}}])
+
+    def beat_owner(self, key: str) -> str | None:
+        """The node whose lease last carried heartbeat ``key`` (None: nobody ever beat there)."""
+        kvs = self._range(f"{key}.owner").get("kvs")
+        return _unb64(kvs[0].get("value", "")).decode() if kvs else None
 
     def fenced_set(self, key: str, value: str | bytes, generation_key: str, generation: int) -> bool:
         """Write ``key`` only while ``generation_key`` still holds ``generation`` (one transaction):
@@ -309,6 +320,24 @@ class EtcdStore:
         for row in out:
             row["leader"] = leader is not None and row["id"] == str(leader)
         return out
+
+    def move_leader(self, name: str) -> None:
+        """Make member ``name`` the leader (etcd's MoveLeader, asked of the current leader)."""
+        members = self.members()
+        target = next((m for m in members if m["name"] == name), None)
+        leader = next((m for m in members if m["leader"]), None)
+        if target is None or leader is None:
+            raise EtcdStoreError(f"move leader to {name}: no such member or no leader ({members})")
+        if target["leader"]:
+            return
+        session = self._clients[0].session
+        try:
+            resp = session.post(leader["client_urls"][0].rstrip("/") + "/v3/maintenance/transfer-leadership",
+                                data=json.dumps({"targetID": target["id"]}), timeout=10 * self.request_seconds)
+        except requests.exceptions.RequestException as exc:
+            raise EtcdStoreError(f"move leader to {name}: {exc}") from None
+        if resp.status_code != 200:
+            raise EtcdStoreError(f"move leader to {name}: HTTP {resp.status_code} {resp.text[:200]}")
 
     def _status_of(self, url: str) -> dict[str, Any] | None:
         session = self._clients[0].session

@@ -452,10 +452,10 @@ class SlotRendezvousHandler(RendezvousHandler):
             # in the background) gets NO_BEAT_PASSES passes before it counts as dead
             if hb is None:
                 self._no_beat[s] = self._no_beat.get(s, 0) + 1
-            # a heartbeat seen on the last pass and gone now: its lease expired (etcd): dead
-            expired = hb is None and seen.get(s) is not None
+            # a heartbeat seen on the last pass and gone now, or whose lease ran out: dead (etcd)
+            last = hb or seen.get(s) or (self._lease_ran_out(f, s, hb_key) if hb is None else None)
+            expired = hb is None and last is not None
             if expired or s in seen and seen[s] == hb and (hb is not None or self._no_beat[s] >= NO_BEAT_PASSES):
-                last = hb or seen.get(s)
                 mark = LEFT + (last.decode().rsplit(":", 1)[0] if last else "unknown")
                 got = self._store.compare_set(key, "", mark).decode()
                 if got == mark:
@@ -464,6 +464,18 @@ class SlotRendezvousHandler(RendezvousHandler):
                     self._post_vacancy(s, f, mark)
                     vacancies += 1
         return now
+
+    def _lease_ran_out(self, f: int, slot: int, hb_key: str) -> bytes | None:
+        """A store with leased heartbeats (etcd): when the slot's owner in generation ``f - 1``
+        beat on a lease that expired (its heartbeat key is gone: it died without a goodbye), its
+        last heartbeat's node part (``<id>:``); else None."""
+        owner_of = getattr(self._raw, "beat_owner", None)
+        if owner_of is None or f < 2 or not self._store.check([self._k(f"g{f - 1}", f"s{slot}")]):
+            return None
+        mark = self._store.get(self._k(f"g{f - 1}", f"s{slot}")).decode()
+        owner = owner_of(hb_key)
+        gone = owner is not None and not mark.startswith(LEFT) and json.loads(mark).get("id") == owner
+        return f"{owner}:".encode() if gone else None
 
     def _post_vacancy(self, slot: int, f: int, mark: str) -> None:
         v = self._store.add(self._k("vacancies"), 1)
