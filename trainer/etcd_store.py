@@ -15,10 +15,10 @@ beside torch without touching protobuf). Nothing here agrees on anything: etcd's
 * ``add`` (a ticket counter, c10d's ``add``): etcd has no increment, and a compare-and-set loop on
   one counter key retries O(N) times when N survivors arrive at once (torch's dynamic
   rendezvous's cost). Instead each ``add`` puts a key of its own under ``<key>/+/`` (no
-  conflict: never retried) and counts the keys under the prefix as of that put's revision (a
-  ``count_only`` range at that revision): etcd's revisions are one total order, so the k-th put
-  gets k — two requests whatever N is. Re-sending the put after an ambiguous failure (the leader died with
-  the request in flight) rewrites the same key: its create revision, hence its number, stays.
+  conflict: never retried) and counts the prefix in the same transaction: transactions are
+  serialised, so the k-th one counts k — one request whatever N is. Re-sent after an ambiguous
+  failure (the leader died with the request in flight), the key exists already and the count is
+  taken at its create revision: the number stays the one the first try got.
 * ``wait``: a linearizable range, then a watch from the next revision (the generation is
   learned by a watch, not by polling), each bounded in time.
 * ``beat``: the slot's heartbeat key is attached to a lease of ``lease_ttl`` seconds kept alive
@@ -202,19 +202,27 @@ class EtcdStore:
 
     def add(self, key: str, n: int) -> int:
         """c10d's ``add`` for the protocol's counters (arrivals, tickets): ``n`` keys of this call's
-        own under ``<key>/+/`` (one transaction), then the number of such keys created at or before
-        them. ``add(key, 0)`` is the count alone. Counters only grow (n >= 0)."""
+        own under ``<key>/+/`` and, in the same transaction, the count of the prefix (it sees the
+        keys of every earlier transaction and this one's: exactly this call's number). One request;
+        re-sent after an ambiguous failure, the keys exist already and the count is taken as of
+        their creation instead. ``add(key, 0)`` is the count alone. Counters only grow (n >= 0)."""
         if n < 0:
             raise ValueError("etcd counters only grow")
         prefix = f"{key}/+/"
         end = _b64(prefix[:-1] + chr(ord(prefix[-1]) + 1))
+        count = {"request_range": {"key": _b64(prefix), "range_end": end, "count_only": True}}
         if n == 0:
             return int(self._range(prefix, range_end=end, count_only=True).get("count", 0))
         op = uuid.uuid4().hex
-        puts = [{"request_put": {"key": _b64(f"{prefix}{op}.{i}"), "value": ""}} for i in range(n)]
-        out = self._txn([], puts + [{"request_range": {"key": _b64(f"{prefix}{op}.0")}}])
-        created = int(out["responses"][-1]["response_range"]["kvs"][0]["create_revision"])
-        try:  # the keyspace as it was at that revision: exactly the keys created at or before it
+        mine = [_b64(f"{prefix}{op}.{i}") for i in range(n)]
+        out = self._txn([{"key": mine[0], "target": "CREATE", "result": "EQUAL", "create_revision": "0"}],
+                        [{"request_put": {"key": k, "value": ""}} for k in mine] + [count],
+                        [{"request_range": {"key": mine[0]}}])
+        if out.get("succeeded"):
+            return int(out["responses"][-1]["response_range"].get("count", 0))
+        # our keys were written by a first try whose answer was lost: count as of their revision
+        created = int(out["responses"][0]["response_range"]["kvs"][0]["create_revision"])
+        try:  # the keyspace as it was then: exactly the keys created at or before ours
             return int(self._range(prefix, range_end=end, count_only=True, revision=created).get("count", 0))
         except EtcdStoreError as exc:
             if "compacted" not in str(exc):
@@ -242,11 +250,12 @@ class EtcdStore:
                 left = deadline - self._clock()
                 if left <= 0:
                     raise EtcdStoreError(f"wait for {key}: timeout after {timeout.total_seconds():g} s")
-                self._watch_put(key, int(got["header"]["revision"]) + 1, left)
+                if self._watch_put(key, int(got["header"]["revision"]) + 1, left):
+                    break
 
-    def _watch_put(self, key: str, revision: int, seconds: float) -> None:
-        """Return at the first put of ``key`` at or after ``revision``, or after ``seconds``
-        without one (the caller ranges again). etcd3gw's own watch has no timeout on its stream
+    def _watch_put(self, key: str, revision: int, seconds: float) -> bool:
+        """True at the first put of ``key`` at or after ``revision``; False after ``seconds``
+        without one, or when the member failed (the caller ranges again). etcd3gw's own watch has no timeout on its stream
         (a watch on a powered-off member would hang), so the gateway's ``/v3/watch`` is read here
         with requests' connect and read timeouts."""
         client = self._clients[self._current]
@@ -258,13 +267,14 @@ class EtcdStore:
                                      timeout=(self.request_seconds, max(0.05, seconds))) as resp:
                 if resp.status_code != 200:
                     self._current = (self._current + 1) % len(self._clients)
-                    return
+                    return False
                 for line in resp.iter_lines():
                     if line and json.loads(line).get("result", {}).get("events"):
-                        return
+                        return True
         except (requests.exceptions.RequestException, ValueError):
             # a read timeout (no put in time) or a member gone: the caller's range decides which
-            return
+            return False
+        return False
 
     def clone(self) -> "EtcdStore":
         """A second connection to the same members (the heartbeat's own)."""
