@@ -200,10 +200,11 @@ def test_a_node_that_dies_without_a_goodbye_expires_and_is_replaced(cluster):
         _, rank, node_id = node.stdout.readline().split()
         rank = int(rank)
         assert sorted([rank, *(i.rank for i in infos)]) == [0, 1, 2]
-        node.kill()  # the host is gone: no leave, its heartbeat's lease runs out
-        node.wait(10)
         store = cluster.store()
         hb = f"sentinel.rdzv.job/hb/{rank}"
+        wait_for(lambda: store.beat_owner(hb) == node_id, 60, what="the node's first heartbeat")
+        node.kill()  # the host is gone: no leave, its heartbeat's lease runs out
+        node.wait(10)
         wait_for(lambda: not store.check([hb]), 30, what="the dead node's heartbeat lease expired")
         spare = handler(cluster, 3)
         infos = rendezvous([*hs, spare])
