@@ -1,6 +1,7 @@
-"""A job's own certificate authority for its etcd rendezvous (``sentinel etcd-pki``).
+"""A job's own certificate authority for its etcd rendezvous (``--rdzv-backend sentinel-etcd``).
 
-    sentinel etcd-pki --dir /run/sentinel/jobs/JOB --user alice --member 10.0.0.1 --member 10.0.0.2 ...
+    python -m sentinel.etcd_pki --dir /run/sentinel/jobs/JOB --job JOB --user alice \
+        --member etcd0=10.0.0.1 --member etcd1=10.0.0.2,node1.example --member etcd2=10.0.0.3
 
 One CA per job, made with ``openssl`` (present wherever etcd is): a server certificate per etcd
 member (its IPs and names as subject alternative names; it also serves as the member's peer
@@ -13,9 +14,12 @@ gives its files (docs/security.md: Slurm prolog, Kubernetes Secret).
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import os
+import pwd
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,3 +106,33 @@ def make_job_pki(directory: Path, job: str, members: dict[str, list[str]], *, ui
     if uid is not None:
         os.chown(directory, uid, gid if gid is not None else -1)
     return JobPKI(directory, directory / "ca.pem", directory / "client.pem", directory / "client.key")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sentinel.etcd_pki", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", type=Path, required=True, help="where the files go (created 0700)")
+    ap.add_argument("--job", required=True, help="the job's name (in the certificates' subjects)")
+    ap.add_argument("--user", default="", help="hand every file to this user (the job's)")
+    ap.add_argument("--member", action="append", default=[], metavar="NAME=ADDR[,ADDR]",
+                    help="an etcd member and the addresses/names its certificate is valid for (repeat)")
+    args = ap.parse_args(argv)
+    members: dict[str, list[str]] = {}
+    for m in args.member:
+        name, sep, addrs = m.partition("=")
+        if not sep or not name or not addrs:
+            ap.error(f"--member {m!r}: NAME=ADDR[,ADDR]")
+        members[name] = [a for a in addrs.split(",") if a]
+    uid = gid = None
+    if args.user:
+        try:
+            pw = pwd.getpwnam(args.user)
+        except KeyError:
+            ap.error(f"--user {args.user}: no such user")
+        uid, gid = pw.pw_uid, pw.pw_gid
+    pki = make_job_pki(args.dir, args.job, members, uid=uid, gid=gid)
+    print(f"--rdzv-conf cacert={pki.cacert},cert={pki.client_cert},key={pki.client_key}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

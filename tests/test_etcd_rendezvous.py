@@ -293,3 +293,36 @@ def test_a_process_of_the_job_user_without_the_certificate_is_refused(cluster):
     with pytest.raises(EtcdStoreError):
         bare.set("sentinel.rdzv.job/closed", "1")
     assert not cluster.store().check(["sentinel.rdzv.job/closed"])
+
+
+def test_the_daemon_shows_the_members_the_leader_and_who_it_cannot_reach(cluster, start_daemon, sim_state, tmp_path):
+    """`sentinel status` and /metrics: every member reachable and one leader; the leader's host
+    lost: its member unreachable, another one leading (the daemon's own view, over TLS)."""
+    from conftest import metric_value
+
+    pki = cluster.pki
+    endpoints = ", ".join(f'"{a}:{p}"' for a, p in cluster.endpoints())
+    cfg = tmp_path / "sentinel.toml"
+    cfg.write_text(f"[job]\nrendezvous_etcd_endpoints = [{endpoints}]\nrendezvous_etcd_cacert = \"{pki.cacert}\"\n"
+                   f"rendezvous_etcd_cert = \"{pki.client_cert}\"\nrendezvous_etcd_key = \"{pki.client_key}\"\n"
+                   "rendezvous_check_seconds = 1\n")
+    d = start_daemon("--simulate", str(sim_state), "--config", str(cfg))
+
+    def store():
+        return d.status.get("rendezvous_store") or {}
+
+    wait_for(lambda: store().get("leader"), 60, what="the daemon's view of the etcd leader")
+    leader = store()["leader"]
+    assert leader == cluster.leader() and all(m["reachable"] for m in store()["members"]), store()
+    text = d.scrape()
+    assert metric_value(text, "sentinel_rendezvous_store_member_leader", member=leader) == 1
+    assert all(metric_value(text, "sentinel_rendezvous_store_member_up", member=n) == 1 for n in cluster.members)
+    cluster.stop_member(leader)
+    wait_for(lambda: store().get("leader") not in (None, leader), 60, what="a new leader in the daemon's view")
+    gone = next(m for m in store()["members"] if m["name"] == leader)
+    assert not gone["reachable"] and not gone["leader"]
+    out = subprocess.run([sys.executable, "-m", "sentinel", "status", "--runtime-dir", str(d.runtime_dir)],
+                         capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert f"leader {store()['leader']}" in out.stdout and "UNREACHABLE" in out.stdout, out.stdout
+    wait_for(lambda: metric_value(d.scrape(), "sentinel_rendezvous_store_member_up", member=leader) == 0, 30,
+             what="the lost member's up gauge at 0")

@@ -153,6 +153,8 @@ class EtcdStore:
             except etcd_errors.Etcd3Exception as exc:  # refused (auth, bad request): no other member will differ
                 raise EtcdStoreError(f"etcd {client.host}:{client.port} refused {path}: "
                                      f"{(exc.detail_text or str(exc))[:300]}") from None
+            except OSError as exc:  # requests' own: the CA or certificate file is gone or unreadable
+                raise EtcdStoreError(f"etcd {client.host}:{client.port}: {exc}") from None
             self._current = (self._current + 1) % len(self._clients)
             tried += 1
             if self._clock() >= deadline:
