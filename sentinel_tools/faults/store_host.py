@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from sentinel_tools.faults import rank_crash
+from sentinel_tools.faults.rank_crash import inject as crash_one_rank
 from sentinel_tools.faults.base import Fault
 
 STORE_LOSS_BOUND_SECONDS = 30.0
@@ -23,7 +23,7 @@ def inject(drill, victim) -> None:
 def crash_a_rank(drill, victims, deadline: float) -> None:
     time.sleep(CRASH_AFTER_SECONDS)
     for v in victims:
-        rank_crash.inject(drill, v)
+        crash_one_rank(drill, v)
 
 
 def verdict(drill, result, outcome) -> bool:
