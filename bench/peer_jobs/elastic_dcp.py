@@ -59,13 +59,21 @@ def latest(ckpt_dir: Path) -> Path | None:
 def main() -> int:
     ap = common.parser(__doc__.split("\n\n")[0])
     ap.add_argument("--no-ft", action="store_true", help="no checkpoints, no restarts: the baseline")
+    ap.add_argument("--fsdp", action="store_true", help="FSDP2 as trainer.train shards it (Sentinel's baseline)")
     args = ap.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
     rank, world = dist.get_rank(), dist.get_world_size()
     log = common.Log(args.progress, f"rank{rank}")
     log("started", rank=rank, restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
     model, optim = common.build_model(args)
-    ddp = DDP(model)
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.layers:
+            fully_shard(layer)
+        ddp = fully_shard(model)
+    else:
+        ddp = DDP(model)
     state = AppState(ddp, optim)
     ckpt = Path(args.ckpt_dir) if args.ckpt_dir and not args.no_ft else None
     src = latest(ckpt) if ckpt else None
@@ -98,8 +106,10 @@ def main() -> int:
         common.pad(t0, args.step_seconds)
     if pending is not None:
         pending.result()
-    if rank == 0:
+    if not args.fsdp and rank == 0:  # (FSDP's shards: the baseline's digest is not compared)
         common.finish(log, args, model, world=world, rss=common.peak_rss_bytes())
+    elif rank == 0:
+        log("finished", world=world)
     dist.destroy_process_group()
     return 0
 
