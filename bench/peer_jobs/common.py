@@ -92,7 +92,7 @@ class Log:
             f.write(json.dumps(line) + "\n")
 
 
-def maybe_crash(step: int, rank: int) -> None:
+def maybe_crash(step: int, rank: int, log: "Log") -> None:
     """rank-crash: raise in the rank and at the step the harness wrote into PEERS_CRASH_FILE
     ("rank step"), once (the file is removed first, so a restarted rank does not raise again)."""
     path = os.environ.get(CRASH_FILE_ENV, "")
@@ -107,6 +107,7 @@ def maybe_crash(step: int, rank: int) -> None:
             os.unlink(path)
         except FileNotFoundError:
             return  # another process of this rank took it
+        log("fault", step=step, rank=rank, fault="rank-crash")
         raise RuntimeError(f"injected rank-crash: rank {rank} raises at step {step}")
 
 

@@ -86,7 +86,7 @@ def main() -> int:
     ckpt_pg = dist.new_group(backend="gloo") if ckpt is not None else None
     pending = None
     for step in range(state.step, args.steps):
-        common.maybe_crash(step, rank)
+        common.maybe_crash(step, rank, log)
         t0 = time.perf_counter()
         x, y = common.batch(args, step, rank, world)
         loss = common.loss_of(ddp, args, x, y)

@@ -54,7 +54,7 @@ def train(base_store, model, optim, state: dict, args, call_wrapper: inprocess.C
     log("resumed", rank=rank, start=state["step"], source="memory", iteration=call_wrapper.iteration)
     while state["step"] < args.steps:
         step = state["step"]
-        common.maybe_crash(step, rank)
+        common.maybe_crash(step, rank, log)
         t0 = time.perf_counter()
         x, y = common.batch(args, step, rank, world)
         loss = common.loss_of(ddp, args, x, y)

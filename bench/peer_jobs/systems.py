@@ -252,8 +252,32 @@ class DLRover(Peer):
         return None
 
 
+class SentinelSteady(ElasticDCP):
+    """Sentinel's job in steady state, as `sentinel drill` runs it: trainer.train (FSDP2) under
+    torchrun with its SnapshotGuard, the memory tier every step (a replica on the other node),
+    disk snapshots every 10 steps; no fault, so no daemon is needed for the step-time figure."""
+
+    name, label = "sentinel", "Sentinel"
+
+    def launch(self, run: Run, baseline: bool = False) -> None:
+        run.ports = free_ports(1)
+        for node in ("node0", "node1"):
+            self._agent(run, node, [])
+
+    def _agent(self, run: Run, node: str, more: list[str]) -> None:
+        store = run.ports[0]
+        argv = [self.python(), "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store}",
+                *(["--rdzv-conf=is_host=true"] if node == "node0" else []), "--rdzv-id", f"peers-{store}",
+                "-m", "trainer.train", "--steps", str(run.steps), "--step-seconds", str(run.step_seconds),
+                "--snapshot-dir", str(run.work / "snap"), "--interval-steps", "10", "--memory-interval-steps", "1",
+                "--progress", str(run.progress), "--final", str(run.final)]
+        run.spawn(node, argv, run.env(SENTINEL_NODE=node, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
+
+
 PEERS: dict[str, Peer] = {p.name: p for p in (ElasticDCP(), TorchFT(), NVRx(), DLRover())}
-BASELINES: dict[str, Peer] = {p.name: p for p in (NoFT(), NoFTFSDP())}
+# the no-fault, unpadded runs: each system's steady state, and the loops without fault tolerance
+STEADY: dict[str, Peer] = {p.name: p for p in (NoFT(), NoFTFSDP(), SentinelSteady(), ElasticDCP(), TorchFT(), NVRx())}
 
 
 def first_error_line(run: Run) -> str:

@@ -70,7 +70,7 @@ def main() -> int:
         if not resumed:
             log("resumed", rank=group, start=step, source="healed" if step else "")
             resumed = True
-        common.maybe_crash(step, group)
+        common.maybe_crash(step, group, log)
         x, y = common.batch(args, step, group, groups)
         loss = common.loss_of(ddp, args, x, y)
         loss.backward()
