@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -217,6 +218,8 @@ def main() -> None:
     args.systems = (args.systems or ("sentinel,elastic_dcp" if args.smoke else ",".join(ALL_SYSTEMS))).split(",")
     args.steps = args.steps or (16 if args.smoke else 40)
     args.at_step = args.at_step or (6 if args.smoke else 15)
+    # a bench stopped by SIGTERM (measure_all's limit, a CI timeout) still stops every job it started
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     bad = (set(args.faults) - set(FAULTS)) | (set(args.systems) - set(ALL_SYSTEMS))
     if bad:
         ap.error(f"unknown {sorted(bad)}")

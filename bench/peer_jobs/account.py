@@ -23,21 +23,28 @@ def _writer(e: dict) -> str:
 
 def account(events: list[dict], t_fault: float, full: int) -> dict:
     """The fault's cost in one job's log: the step the job was at when it struck (the last step
-    logged before it), fault -> first step logged after it, -> first step with the whole world
-    again, the step indices some writer computed more than once, the degraded step indices."""
+    logged before it), fault -> first step after it, -> first step with the whole world again,
+    the step the job resumed from, the step indices some writer computed more than once, the
+    degraded step indices. The step a process was finishing when the fault struck (the next
+    index, logged by a process that logged before the fault) is not progress after it."""
     steps = sorted((e for e in events if e.get("event") == "step"), key=lambda e: e["time"])
-    before = [e["step"] for e in steps if e["time"] <= t_fault]
-    after = [e for e in steps if e["time"] > t_fault]
+    before = [e for e in steps if e["time"] <= t_fault]
+    fault_step = max((e["step"] for e in before), default=None)
+    old = {e.get("pid") for e in before}
+    after = [e for e in steps if e["time"] > t_fault
+             and not (e.get("pid") in old and fault_step is not None and e["step"] == fault_step + 1)]
     whole = [e for e in after if e.get("participants", full) >= full]
+    resumed = [e["start"] for e in events if e.get("event") == "resumed" and e["time"] > t_fault and "start" in e]
     seen: dict[tuple[str, int], int] = {}
     for e in steps:
         key = (_writer(e), e["step"])
         seen[key] = seen.get(key, 0) + 1
     recomputed = sorted({s for (_, s), n in seen.items() if n > 1})
     degraded = sorted({e["step"] for e in steps if e.get("participants", full) < full})
-    return {"fault_step": max(before) if before else None,
+    return {"fault_step": fault_step,
             "fault_to_first_step_seconds": round(after[0]["time"] - t_fault, 3) if after else None,
             "fault_to_full_world_seconds": round(whole[0]["time"] - t_fault, 3) if whole else None,
+            "resumed_from": min(resumed) if resumed else None,
             "recomputed": recomputed, "recomputed_steps": len(recomputed),
             "degraded": degraded, "degraded_steps": len(degraded),
             "last_step": max((e["step"] for e in steps), default=None)}

@@ -160,8 +160,9 @@ class ElasticDCP(Peer):
         argv = [self.python(), "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                 "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store}",
                 "--rdzv-id", f"peers-{store}", "--monitor-interval", "0.1", *job_args(run, self.script, *more)]
-        if node == "node0":
-            argv.insert(argv.index("--rdzv-id"), "--rdzv-conf=is_host=true")
+        # node0's agent hosts the rendezvous store; the others (a replacement node1 too) only
+        # join it (on one host, left to itself, whichever agent binds first would host it)
+        argv.insert(argv.index("--rdzv-id"), f"--rdzv-conf=is_host={'true' if node == 'node0' else 'false'}")
         run.spawn(node, argv, run.env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
 
     def launch(self, run: Run, baseline: bool = False) -> None:
@@ -268,7 +269,7 @@ class SentinelSteady(ElasticDCP):
         store = run.ports[0]
         argv = [self.python(), "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store}",
-                *(["--rdzv-conf=is_host=true"] if node == "node0" else []), "--rdzv-id", f"peers-{store}",
+                f"--rdzv-conf=is_host={'true' if node == 'node0' else 'false'}", "--rdzv-id", f"peers-{store}",
                 "-m", "trainer.train", "--steps", str(run.steps), "--step-seconds", str(run.step_seconds),
                 "--snapshot-dir", str(run.work / "snap"), "--interval-steps", "10", "--memory-interval-steps", "1",
                 "--progress", str(run.progress), "--final", str(run.final)]
