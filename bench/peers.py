@@ -130,7 +130,8 @@ def steady(system: str, args: argparse.Namespace, work: Path) -> dict:
     try:
         peer.launch(run)
         end = time.monotonic() + args.timeout
-        while run.alive() and time.monotonic() < end:
+        # until the job has written its final digest (NVRx's spares and monitors linger after it) or ended
+        while run.alive() and not run.final.exists() and time.monotonic() < end:
             peak = max(peak, run.tree_rss_bytes())
             time.sleep(0.1)
         events = run.events()

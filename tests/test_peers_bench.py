@@ -57,6 +57,17 @@ def test_survivors_that_go_on_without_the_dead_replicas_are_degraded_not_recompu
     assert got["fault_to_full_world_seconds"] == pytest.approx(29.0 - 5.5)
 
 
+def test_a_survivor_that_restarts_in_its_own_process_makes_progress_after_the_fault():
+    # NVRx: rank 0 (pid 1) survives; the wrapper restarts its function in the same process at
+    # 9.0, the state kept in memory: its next step (8) is progress, and nothing is recomputed
+    events = [step(s, float(s)) for s in range(8)]
+    events.append({"event": "resumed", "start": 8, "time": 9.0, "pid": 1})
+    events += [step(s, 2.0 + s) for s in (8, 9)]
+    got = account(events, 7.5, full=4)
+    assert got["fault_to_first_step_seconds"] == pytest.approx(10.0 - 7.5)
+    assert got["recomputed_steps"] == 0 and got["resumed_from"] == 8
+
+
 def test_summary_takes_medians_of_finished_cells_and_ratios_of_the_same_run():
     def cell(system, first, recomputed, ok=True):
         return {"kind": "cell", "system": system, "fault": "kill", "ok": ok, "fault_to_first_step_seconds": first,

@@ -25,14 +25,24 @@ def account(events: list[dict], t_fault: float, full: int) -> dict:
     """The fault's cost in one job's log: the step the job was at when it struck (the last step
     logged before it), fault -> first step after it, -> first step with the whole world again,
     the step the job resumed from, the step indices some writer computed more than once, the
-    degraded step indices. The step a process was finishing when the fault struck (the next
-    index, logged by a process that logged before the fault) is not progress after it."""
+    degraded step indices. The step a process was finishing when the fault struck is not
+    progress after it: the next index, logged by a process that logged before the fault, with
+    the whole world, before that process logged a restart (an NVRx survivor restarts in its own
+    process; a torchft survivor that goes on without the dead logs fewer participants)."""
     steps = sorted((e for e in events if e.get("event") == "step"), key=lambda e: e["time"])
     before = [e for e in steps if e["time"] <= t_fault]
     fault_step = max((e["step"] for e in before), default=None)
     old = {e.get("pid") for e in before}
-    after = [e for e in steps if e["time"] > t_fault
-             and not (e.get("pid") in old and fault_step is not None and e["step"] == fault_step + 1)]
+    restarted = {}
+    for e in events:
+        if e.get("event") == "resumed" and e["time"] > t_fault:
+            restarted[e.get("pid")] = min(e["time"], restarted.get(e.get("pid"), e["time"]))
+
+    def in_flight(e: dict) -> bool:
+        return (e.get("pid") in old and fault_step is not None and e["step"] == fault_step + 1
+                and e.get("participants", full) >= full and e["time"] < restarted.get(e.get("pid"), float("inf")))
+
+    after = [e for e in steps if e["time"] > t_fault and not in_flight(e)]
     whole = [e for e in after if e.get("participants", full) >= full]
     resumed = [e["start"] for e in events if e.get("event") == "resumed" and e["time"] > t_fault and "start" in e]
     seen: dict[tuple[str, int], int] = {}

@@ -56,7 +56,7 @@ def latest(ckpt_dir: Path) -> Path | None:
     return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
 
 
-def main() -> int:
+def main() -> None:
     ap = common.parser(__doc__.split("\n\n")[0])
     ap.add_argument("--no-ft", action="store_true", help="no checkpoints, no restarts: the baseline")
     ap.add_argument("--fsdp", action="store_true", help="FSDP2 as trainer.train shards it (Sentinel's baseline)")
@@ -106,12 +106,14 @@ def main() -> int:
         common.pad(t0, args.step_seconds)
     if pending is not None:
         pending.result()
+    dist.barrier()  # every rank is done before rank 0 reports
     if not args.fsdp and rank == 0:  # (FSDP's shards: the baseline's digest is not compared)
         common.finish(log, args, model, world=world, rss=common.peak_rss_bytes())
     elif rank == 0:
         log("finished", world=world)
-    dist.destroy_process_group()
-    return 0
+    # no teardown: a rank whose group's store (rank 0's worker, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
+    # is gone could wait in destroy_process_group for minutes (seen here); the work is written
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -13,16 +13,16 @@ Docs followed:
 
 Started directly (not under torchrun: the guide says torchrun's agent kills all local workers
 when one dies, which defeats in-process restart): RANK, WORLD_SIZE (active + spares),
-MASTER_ADDR, MASTER_PORT per process; ``--active N`` is the training world.
+MASTER_ADDR, MASTER_PORT per process; ``--active N`` is the training world. (No ``from __future__
+import annotations`` here: the Wrapper finds its CallWrapper parameter by the annotation's class.)
 """
-
-from __future__ import annotations
 
 import datetime
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -37,7 +37,7 @@ ARGS.add_argument("--active", type=int, default=4, help="active ranks; the rest 
 ARGS.add_argument("--heartbeat-timeout", type=float, default=30.0, help="Wrapper heartbeat_timeout (s), its default")
 
 
-def train(base_store, model, optim, state: dict, args, call_wrapper: inprocess.CallWrapper | None = None):
+def train(base_store, model, optim, state: dict, args, call_wrapper: Optional[inprocess.CallWrapper] = None):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     log = common.Log(args.progress, f"rank{rank}")
     store = dist.PrefixStore(str(call_wrapper.iteration), base_store)  # a fresh namespace per restart

@@ -37,7 +37,7 @@ from torchft.checkpointing.pg_transport import PGTransport  # noqa: E402
 from bench.peer_jobs import common  # noqa: E402
 
 
-def main() -> int:
+def main() -> None:
     ap = common.parser(__doc__.split("\n\n")[0])
     ap.add_argument("--timeout", type=float, default=30.0, help="Manager timeout (s), train_ddp.py's")
     args = ap.parse_args()
@@ -82,7 +82,7 @@ def main() -> int:
         common.pad(t0, args.step_seconds)
     common.finish(log, args if group == 0 else _no_final(args), model, world=groups, rss=common.peak_rss_bytes())
     manager.shutdown(wait=False)
-    return 0
+    os._exit(0)  # no interpreter teardown beside the Manager's threads; the work is written
 
 
 def start_barrier(group: int, groups: int) -> None:
