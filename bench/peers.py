@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -149,8 +150,8 @@ def steady(system: str, args: argparse.Namespace, work: Path) -> dict:
 
 
 def one_round(args: argparse.Namespace, results: _report.Results, refs: dict[str, str | None]) -> None:
-    for system in ["none", "none_fsdp", *args.systems]:
-        if system == "dlrover" or system not in systems.STEADY:
+    for system in ["none", "none_fsdp", *args.systems] if args.steady else []:
+        if system not in systems.STEADY:
             continue
         with tempfile.TemporaryDirectory(prefix=f"peers-{system}-", dir=args.cache) as d:
             r = steady(system, args, Path(d))
@@ -160,11 +161,15 @@ def one_round(args: argparse.Namespace, results: _report.Results, refs: dict[str
               flush=True)
     for fault in args.faults:
         for system in args.systems:
-            with tempfile.TemporaryDirectory(prefix=f"peers-{system}-", dir=args.cache) as d:
+            d = Path(tempfile.mkdtemp(prefix=f"peers-{system}-{fault}-", dir=args.cache))
+            try:
                 if system == "sentinel":
-                    cell = sentinel_cell(fault, args, Path(d))
+                    cell = sentinel_cell(fault, args, d)
                 else:
-                    cell = peer_cell(systems.PEERS[system], fault, args, Path(d), refs.get(system))
+                    cell = peer_cell(systems.PEERS[system], fault, args, d, refs.get(system))
+            finally:
+                if not args.keep:
+                    shutil.rmtree(d, ignore_errors=True)
             results.add({"kind": "cell", "system": system, "fault": fault, **cell})
             print(f"  {system} {fault}: " + (f"fault -> first step {cell.get('fault_to_first_step_seconds')} s, "
                                              f"recomputed {cell.get('recomputed_steps')}, bitwise {cell.get('bitwise')}"
@@ -192,7 +197,7 @@ def print_table(runs: list[dict], figures: dict) -> None:
             else:
                 err = next((c.get("error", "") for c in cells if not c.get("ok")), "not run")
                 cols.append(f"not measured: {err[-80:]}")
-        ov = figures.get(f"peers_{system}_step_overhead_ratio")
+        ov = figures.get(f"peers_{system}_step_over_baseline_ratio")
         mem = figures.get(f"peers_{system}_extra_peak_rss_bytes")
         print(f"{LABELS.get(system, system):<36}" + "".join(f" | {c:<44}" for c in cols)
               + f" | {(f'{ov:.2f}x' if ov else '-'):>13} | {(f'{mem / 1e6:.0f}' if mem is not None else '-'):>13}")
@@ -211,6 +216,9 @@ def main() -> None:
     ap.add_argument("--at-step", type=int)
     ap.add_argument("--step-seconds", type=float, default=0.1)
     ap.add_argument("--timeout", type=float, default=300.0, help="per job (s)")
+    ap.add_argument("--no-steady", dest="steady", action="store_false",
+                    help="skip the no-fault runs (step time, memory; the peers' bitwise reference comes from them)")
+    ap.add_argument("--keep", action="store_true", help="keep each faulted job's work directory (logs, progress)")
     ap.add_argument("--cache", type=Path, help="work directory (default: a temporary one)")
     _report.add_json_argument(ap)
     args = ap.parse_args()

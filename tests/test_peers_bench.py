@@ -100,8 +100,9 @@ def test_smoke_kills_node1_at_the_same_step_for_sentinel_and_torch_elastic(tmp_p
     """bench/peers.py --smoke for real: each system's kill lands at the smoke's step (6) or the one
     after (the harness sees the step logged, then kills); Sentinel recomputes at most one step
     (its memory tier) and ends bitwise equal to its uninterrupted run; torch elastic + DCP resumes
-    from its last complete checkpoint (every 5 steps), recomputes exactly the steps since it and
-    ends bitwise equal too."""
+    from its last complete checkpoint (every 5 steps; the one an async save was still writing when
+    node1 died is not complete, so at most one interval more), recomputes exactly the steps since
+    it and ends bitwise equal too."""
     doc, out = run_smoke("peers", tmp_path)
     cells = {r["system"]: r for r in doc["runs"] if r["kind"] == "cell"}
     assert set(cells) == {"sentinel", "elastic_dcp"}, out
@@ -111,6 +112,6 @@ def test_smoke_kills_node1_at_the_same_step_for_sentinel_and_torch_elastic(tmp_p
         assert c["bitwise"], f"{system}: final parameters differ from its uninterrupted run"
     assert cells["sentinel"]["recomputed_steps"] <= 1
     e = cells["elastic_dcp"]
-    assert e["resumed_from"] % 5 == 0 and e["fault_step"] - 5 < e["resumed_from"] <= e["fault_step"] + 1
+    assert e["resumed_from"] % 5 == 0 and e["fault_step"] - 10 < e["resumed_from"] <= e["fault_step"] + 1
     assert e["recomputed"] == list(range(e["resumed_from"], e["fault_step"] + 1))
     assert "Sentinel" in out and "torch elastic + DCP" in out
