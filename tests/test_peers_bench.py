@@ -38,6 +38,8 @@ def test_the_step_in_flight_at_the_fault_is_not_progress_after_it():
     # fault; the job's first step after it is the restarted job's
     events = [step(s, float(s)) for s in range(8)] + [step(8, 7.6)]
     events += [step(s, 30.0 + s, pid=2) for s in range(5, 10)]
+    events.append(step(7, 7.55, writer="group1", pid=3))  # a writer a little behind logs step 7 late
+    events.insert(0, step(6, 6.0, writer="group1", pid=3))
     got = account(events, 7.5, full=4)
     assert got["fault_step"] == 7
     assert got["fault_to_first_step_seconds"] == pytest.approx(35.0 - 7.5)

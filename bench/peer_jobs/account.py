@@ -26,7 +26,8 @@ def account(events: list[dict], t_fault: float, full: int) -> dict:
     logged before it), fault -> first step after it, -> first step with the whole world again,
     the step the job resumed from, the step indices some writer computed more than once, the
     degraded step indices. The step a process was finishing when the fault struck is not
-    progress after it: the next index, logged by a process that logged before the fault, with
+    progress after it: an index up to the next one (a writer behind the others logs the fault's
+    own step late), logged by a process that logged before the fault, with
     the whole world, before that process logged a restart (an NVRx survivor restarts in its own
     process; a torchft survivor that goes on without the dead logs fewer participants)."""
     steps = sorted((e for e in events if e.get("event") == "step"), key=lambda e: e["time"])
@@ -39,7 +40,7 @@ def account(events: list[dict], t_fault: float, full: int) -> dict:
             restarted[e.get("pid")] = min(e["time"], restarted.get(e.get("pid"), e["time"]))
 
     def in_flight(e: dict) -> bool:
-        return (e.get("pid") in old and fault_step is not None and e["step"] == fault_step + 1
+        return (e.get("pid") in old and fault_step is not None and e["step"] <= fault_step + 1
                 and e.get("participants", full) >= full and e["time"] < restarted.get(e.get("pid"), float("inf")))
 
     after = [e for e in steps if e["time"] > t_fault and not in_flight(e)]

@@ -31,6 +31,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+from torch.utils._pytree import tree_map  # noqa: E402
 
 from bench.peer_jobs import common  # noqa: E402
 
@@ -98,7 +99,10 @@ def main() -> None:
         if ckpt is not None and state.step % args.interval_steps == 0:
             if pending is not None:
                 pending.result()  # one save in flight, as the recipe says
-            pending = dcp.async_save({"app": state}, checkpoint_id=str(ckpt / f"step_{state.step}"),
+            # the staging copy: on a GPU async_save copies the state to host memory before it returns;
+            # CPU tensors it would write while the next steps change them (a torn checkpoint)
+            staged = tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, state.state_dict())
+            pending = dcp.async_save({"app": staged}, checkpoint_id=str(ckpt / f"step_{state.step}"),
                                      process_group=ckpt_pg)
         if rank == 0:
             log("step", step=step, participants=world, compute=round(compute, 6), loss=round(loss.item(), 6),
