@@ -52,7 +52,14 @@ def account(events: list[dict], t_fault: float, full: int) -> dict:
         seen[key] = seen.get(key, 0) + 1
     recomputed = sorted({s for (_, s), n in seen.items() if n > 1})
     degraded = sorted({e["step"] for e in steps if e.get("participants", full) < full})
-    return {"fault_step": fault_step,
+    # where each rank ran before the fault and after it: a restart that hands ranks to other nodes
+    # reorders the gradient sums (gloo's allreduce order follows the ranks): not bitwise, not wrong
+    placed = {}
+    for e in events:
+        if e.get("event") == "resumed" and "rank" in e and "node" in e:
+            placed.setdefault(e["time"] > t_fault, {})[e["rank"]] = e["node"]
+    moved = sorted(r for r, n in placed.get(True, {}).items() if placed.get(False, {}).get(r, n) != n)
+    return {"fault_step": fault_step, "ranks_moved": moved,
             "fault_to_first_step_seconds": round(after[0]["time"] - t_fault, 3) if after else None,
             "fault_to_full_world_seconds": round(whole[0]["time"] - t_fault, 3) if whole else None,
             "resumed_from": min(resumed) if resumed else None,

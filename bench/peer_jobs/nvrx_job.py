@@ -43,6 +43,7 @@ def train(base_store, model, optim, state: dict, args, call_wrapper: Optional[in
     store = dist.PrefixStore(str(call_wrapper.iteration), base_store)  # a fresh namespace per restart
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=10))
     ddp = torch.nn.parallel.DistributedDataParallel(model)
+    optim.zero_grad(set_to_none=True)  # the interrupted step's partial gradients are not the next step's
     # the live state of active rank 0 (model, optimizer, next step) to every rank: a spare that
     # took a dead rank's place has only its initial state
     with torch.no_grad():
