@@ -24,10 +24,14 @@ def step(s: int, t: float, writer: str = "rank0", pid: int = 1, participants: in
 def test_a_restart_from_a_checkpoint_counts_every_step_since_it_as_recomputed():
     # steps 0..7 at t = 0..7, the fault at 7.5, the job resumes from the checkpoint at step 5
     events = [step(s, float(s)) for s in range(8)]
-    events.append({"event": "resumed", "start": 5, "time": 20.0, "pid": 2})
+    events += [{"event": "resumed", "start": 0, "time": -1.0, "pid": 1, "rank": r, "node": f"node{r // 2}"}
+               for r in range(4)]
+    # after the restart the new node1 rendezvoused first: it holds ranks 0-1 now
+    events += [{"event": "resumed", "start": 5, "time": 20.0, "pid": 2, "rank": r, "node": f"node{1 - r // 2}"}
+               for r in range(4)]
     events += [step(s, 21.0 + s, pid=2) for s in range(5, 10)]
     got = account(events, 7.5, full=4)
-    assert got["fault_step"] == 7 and got["resumed_from"] == 5
+    assert got["fault_step"] == 7 and got["resumed_from"] == 5 and got["ranks_moved"] == [0, 1, 2, 3]
     assert got["recomputed"] == [5, 6, 7] and got["recomputed_steps"] == 3
     assert got["fault_to_first_step_seconds"] == pytest.approx(26.0 - 7.5)
     assert got["degraded_steps"] == 0 and got["last_step"] == 9
