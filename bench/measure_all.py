@@ -81,6 +81,8 @@ BENCHES = (
     ("pg_bootstrap", ["--workers", "1024", "2048", "4096", "8192", "--repeats", "1", "--timeout", "300"], 3600, False),
     ("goodput_trace", ["--runs", "10"], 600, False),  # trace replay: bursts against independent faults (docs/goodput.md)
     ("scan_large", ["--runs", "3"], 600, False),  # issue 40: `sentinel scan` of a 50 MB mixed log, CPU seconds
+    # issue 44: Sentinel beside torch elastic + DCP, torchft, NVRx, DLRover (scripts/peers-venvs first)
+    ("peers", ["--runs", "3"], 5400, False),
 )
 
 
@@ -351,6 +353,8 @@ def generated_block(doc: dict) -> str:
             vals = [fmt(n, by[bench][c][n]) if n in by[bench].get(c, {}) else "not measured" for c in cols]
             lines.append(f"| `{n}` | " + " | ".join(vals) + f" | {meaning(n)} |")
         lines.append("")
+        if bench == "peers":
+            lines.extend(peers_table(by[bench]))
     if doc.get("notes"):
         lines.append("Notes recorded in the bundle:")
         lines.append("")
@@ -358,6 +362,38 @@ def generated_block(doc: dict) -> str:
         lines.append("")
     lines.append(END)
     return "\n".join(lines)
+
+
+PEER_ROWS = (("sentinel", "Sentinel"), ("elastic_dcp", "torch elastic + DCP"), ("torchft", "torchft 0.2.0"),
+             ("nvrx", "NVRx 0.4.1 in-process"), ("dlrover", "DLRover 0.6.1"))
+
+
+def peers_table(conds: dict[str, dict[str, float]]) -> list[str]:
+    """bench/peers.py's figures as rows = systems (each condition's own table): per fault, fault ->
+    first step (s), steps recomputed, degraded steps, bitwise-equal fraction; steady-state step
+    time over the loop with no fault tolerance; extra peak memory."""
+    out = []
+    for cond, fig in conds.items():
+        faults = [f for f in ("kill", "xid79", "rank_crash") if any(k.startswith("peers_") and f"_{f}_" in k for k in fig)]
+        out += [f"Systems side by side ({cond}; medians; per fault: fault -> first step s / recomputed / degraded / "
+                "bitwise fraction; for the peers xid79 is a kill at the same step, none of them can see it):", "",
+                "| system | " + " | ".join(faults) + " | step time / no FT | extra peak memory |",
+                "|---|" + "---|" * (len(faults) + 2)]
+        for key, label in PEER_ROWS:
+            cols = []
+            for f in faults:
+                p = f"peers_{key}_{f}_"
+                if p + "fault_to_first_step_seconds" in fig:
+                    cols.append(f"{fig[p + 'fault_to_first_step_seconds']:.4g} / {fig[p + 'recomputed_steps']:g} / "
+                                f"{fig.get(p + 'degraded_steps', 0):g} / {fig.get(p + 'bitwise_equal_fraction', 0):.2g}")
+                else:
+                    cols.append("did not run (see the notes)" if p + "runs_count" in fig else "not measured")
+            ratio = fig.get(f"peers_{key}_step_over_baseline_ratio")
+            mem = fig.get(f"peers_{key}_extra_peak_rss_bytes")
+            out.append(f"| {label} | " + " | ".join(cols) + f" | {f'{ratio:.3g}x' if ratio else '-'} | "
+                       + (f"{mem / 1e6:,.0f} MB" if mem is not None else "-") + " |")
+        out.append("")
+    return out
 
 
 def render_doc(text: str, block: str) -> str:

@@ -1,0 +1,248 @@
+"""Sentinel side by side with what users would install instead: torch elastic + DCP checkpoints,
+torchft, NVIDIA's resiliency extension (NVRx, in-process restart) and DLRover, on one model
+(trainer/train.py's reference transformer, its data order), one world (2 nodes x 2 ranks, gloo on
+CPU), the same faults at the same step, interleaved in one run so every system sees the same
+machine noise.
+
+    python bench/peers.py [--runs 3] [--faults kill,xid79,rank-crash] [--systems ...] [--json PATH] [--smoke]
+
+Faults (at step --at-step of --steps, each step padded to --step-seconds as `sentinel drill` does):
+  kill        SIGKILL every process of node1, no warning; the harness (the scheduler) gives the job
+              a fresh node1 at once where the system needs one (torch elastic, torchft: cold
+              starts; NVRx and Sentinel keep spares running)
+  xid79       a predicted failure (Xid 79 on node1's GPU). Only Sentinel sees it; for every peer
+              it is a kill at the same step, and the table marks it "(as kill)"
+  rank-crash  node1's first rank raises (Sentinel's drill: SIGKILL of that rank)
+
+Per system and fault (median of the runs that finished): fault -> first step (the first step any
+rank logs after the fault), steps recomputed (step indices computed twice), degraded steps (steps
+committed by fewer data-parallel replicas than the world: torchft goes on without the dead
+groups' slices of the batch), and whether the final parameters equal the same system's
+uninterrupted run bitwise. Per system, once per round with no fault and no padding: the
+steady-state step time against the same loop with no fault tolerance at all (DDP for the peers,
+FSDP2 for Sentinel, as trainer.train shards it) and the job's peak resident memory against it.
+Sentinel's cells are `sentinel drill --nodes 2 --procs-per-node 2 --spares 1` (its memory tier
+every step, disk snapshots every 10). How each peer is configured, and from which of its pages:
+bench/peer_jobs/*.py and docs/peers.md. The peers run from their own virtual environments
+(scripts/peers-venvs; $SENTINEL_PEERS_VENVS, default /var/cache/sentinel-peers); a peer that
+cannot start is tried in every round, and its row shows the error line.
+
+``--smoke``: one round of ``kill`` for Sentinel and torch elastic + DCP (and any installed peer
+named with --systems), 16 steps, the fault at step 6. --json: bench/_report.py's shape, written
+after every cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(REPO))
+import _report  # noqa: E402
+from peer_jobs import systems  # noqa: E402
+from peer_jobs.account import account, slug, summarise  # noqa: E402
+
+ALL_SYSTEMS = ("sentinel", "elastic_dcp", "torchft", "nvrx", "dlrover")
+LABELS = {"sentinel": "Sentinel (warm spare, memory tier)", **{n: p.label for n, p in systems.PEERS.items()}}
+FAULTS = ("kill", "xid79", "rank-crash")
+SMOKE_FIGURES = ("peers_sentinel_kill_fault_to_first_step_seconds", "peers_sentinel_kill_recomputed_steps",
+                 "peers_elastic_dcp_kill_fault_to_first_step_seconds", "peers_elastic_dcp_kill_recomputed_steps",
+                 "peers_elastic_dcp_kill_bitwise_equal_fraction",
+                 "peers_elastic_dcp_over_sentinel_kill_fault_to_first_step_ratio")
+
+
+def sentinel_cell(fault: str, args: argparse.Namespace, work: Path) -> dict:
+    """One `sentinel drill` of the same world, steps and fault; its progress log read like the peers'."""
+    wd = work / "drill"
+    argv = [sys.executable, "-m", "sentinel", "drill", "--json", "--nodes", "2", "--procs-per-node", "2",
+            "--spares", "1", "--fault", fault, "--steps", str(args.steps), "--at-step", str(args.at_step),
+            "--step-seconds", str(args.step_seconds), "--timeout", str(args.timeout), "--workdir", str(wd),
+            "--verify", "--reference-cache", str(args.cache / "sentinel-reference")]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout + 300, cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    if not r.stdout.strip().startswith("{"):
+        return {"ok": False, "error": (r.stderr.strip().splitlines() or ["no output"])[-1][-240:]}
+    d = json.loads(r.stdout)
+    events = [json.loads(line) for line in (wd / "progress.jsonl").read_text().splitlines() if line.strip()]
+    t_fault = next(e["time"] for e in d["timeline"] if e["stage"] == "fault injected")
+    cell = account(events, t_fault, full=4)
+    cell.update(ok=bool(d["ok"]), injected=fault, bitwise=bool((d.get("verify") or {}).get("bitwise_equal")),
+                drill={"fault_to_first_step_seconds": d.get("fault_to_first_step_seconds"),
+                       "recomputed_steps": d.get("recomputed_steps")})
+    return cell
+
+
+def peer_cell(peer: systems.Peer, fault: str, args: argparse.Namespace, work: Path, reference: str | None) -> dict:
+    why = peer.available()
+    if why:
+        return {"ok": False, "error": why}
+    run = systems.Run(work, args.steps, args.step_seconds, fault)
+    injected = "rank-crash" if fault == "rank-crash" else "kill"
+    try:
+        peer.launch(run)
+        at = lambda: any(e["event"] == "step" and e["step"] >= args.at_step for e in run.events())  # noqa: E731
+        if not systems.wait_for(lambda: at() or not run.alive(), args.timeout, run) or not at():
+            return {"ok": False, "error": systems.first_error_line(run), "injected": injected}
+        if injected == "kill":
+            t_fault = time.time()
+            run.kill_node("node1")
+            peer.replace(run)
+        else:
+            (run.work / "crash").write_text(f"{peer.crash_rank} {args.at_step + 1}")
+            t_fault = None
+        done = lambda: run.final.exists() or not run.alive()  # noqa: E731
+        systems.wait_for(done, args.timeout, run)
+        events = run.events()
+        if t_fault is None:
+            t_fault = next((e["time"] for e in events if e["event"] == "fault"), None)
+        if t_fault is None:
+            return {"ok": False, "error": "the rank never raised: " + systems.first_error_line(run), "injected": injected}
+        cell = account(events, t_fault, full=4)
+        final = json.loads(run.final.read_text()) if run.final.exists() else None
+        cell.update(injected=injected, ok=final is not None,
+                    bitwise=final is not None and reference is not None and final["params"] == reference)
+        if final is None:
+            cell["error"] = systems.first_error_line(run)
+        return cell
+    finally:
+        run.cleanup()
+
+
+def steady(system: str, args: argparse.Namespace, work: Path) -> dict:
+    """The system with no fault and no padding: step time (median interval of rank 0's steps after
+    the first 5), peak resident memory of the whole job, the final digest (the reference)."""
+    peer = systems.STEADY[system]
+    why = peer.available()
+    if why:
+        return {"ok": False, "error": why}
+    run = systems.Run(work, args.steps, 0.0)
+    peak = 0
+    try:
+        peer.launch(run)
+        end = time.monotonic() + args.timeout
+        # until the job has written its final digest (NVRx's spares and monitors linger after it) or ended
+        while run.alive() and not run.final.exists() and time.monotonic() < end:
+            peak = max(peak, run.tree_rss_bytes())
+            time.sleep(0.1)
+        events = run.events()
+        first = sorted({e["step"]: e["time"] for e in events if e["event"] == "step"
+                        and e.get("writer", "rank0") in ("rank0", "group0") and e.get("rank", 0) == 0}.items())
+        gaps = [b[1] - a[1] for a, b in zip(first, first[1:]) if a[0] >= 5 and b[0] == a[0] + 1]
+        final = json.loads(run.final.read_text()) if run.final.exists() else None
+        out = {"ok": bool(gaps), "step_seconds": statistics.median(gaps) if gaps else None, "peak_rss_bytes": peak,
+               "digest": final["params"] if final else None}
+        if not gaps:
+            out["error"] = systems.first_error_line(run)
+        return out
+    finally:
+        run.cleanup()
+
+
+def one_round(args: argparse.Namespace, results: _report.Results, refs: dict[str, str | None]) -> None:
+    for system in ["none", "none_fsdp", *args.systems] if args.steady else []:
+        if system not in systems.STEADY:
+            continue
+        with tempfile.TemporaryDirectory(prefix=f"peers-{system}-", dir=args.cache) as d:
+            r = steady(system, args, Path(d))
+        refs.setdefault(system, r.get("digest"))
+        results.add({"kind": "steady", "system": system, **r})
+        print(f"  steady {system}: {r.get('step_seconds')} s/step, peak {r.get('peak_rss_bytes')} B {r.get('error', '')}",
+              flush=True)
+    for fault in args.faults:
+        for system in args.systems:
+            d = Path(tempfile.mkdtemp(prefix=f"peers-{system}-{fault}-", dir=args.cache))
+            try:
+                if system == "sentinel":
+                    cell = sentinel_cell(fault, args, d)
+                else:
+                    cell = peer_cell(systems.PEERS[system], fault, args, d, refs.get(system))
+            finally:
+                if not args.keep:
+                    shutil.rmtree(d, ignore_errors=True)
+            results.add({"kind": "cell", "system": system, "fault": fault, **cell})
+            print(f"  {system} {fault}: " + (f"fault -> first step {cell.get('fault_to_first_step_seconds')} s, "
+                                             f"recomputed {cell.get('recomputed_steps')}, bitwise {cell.get('bitwise')}"
+                                             if cell.get("ok") else f"FAILED: {cell.get('error')}"), flush=True)
+
+
+def print_table(runs: list[dict], figures: dict) -> None:
+    load = os.getloadavg()
+    print(f"\nhost: {os.cpu_count()} CPUs, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min) "
+          f"at the end; loads during the run: {min(r['loadavg'][0] for r in runs):.1f} to "
+          f"{max(r['loadavg'][0] for r in runs):.1f}")
+    faults = [f for f in FAULTS if any(r.get("fault") == f for r in runs)]
+    head = f"{'system':<36}" + "".join(f" | {f + ': s / recomputed / degraded / bitwise':<44}" for f in faults)
+    print(head + f" | {'step overhead':>13} | {'extra peak MB':>13}")
+    for system in dict.fromkeys(r["system"] for r in runs if r["kind"] == "cell"):
+        cols = []
+        for f in faults:
+            p = f"peers_{system}_{slug(f)}_"
+            cells = [r for r in runs if r["kind"] == "cell" and r["system"] == system and r["fault"] == f]
+            if p + "fault_to_first_step_seconds" in figures:
+                as_kill = " (as kill)" if f == "xid79" and system != "sentinel" else ""
+                cols.append(f"{figures[p + 'fault_to_first_step_seconds']:.2f} / {figures[p + 'recomputed_steps']:g} / "
+                            f"{figures.get(p + 'degraded_steps', 0):g} / "
+                            f"{sum(bool(c.get('bitwise')) for c in cells if c.get('ok'))}/{len(cells)}{as_kill}")
+            else:
+                err = next((c.get("error", "") for c in cells if not c.get("ok")), "not run")
+                cols.append(f"not measured: {err[-80:]}")
+        ov = figures.get(f"peers_{system}_step_over_baseline_ratio")
+        mem = figures.get(f"peers_{system}_extra_peak_rss_bytes")
+        print(f"{LABELS.get(system, system):<36}" + "".join(f" | {c:<44}" for c in cols)
+              + f" | {(f'{ov:.2f}x' if ov else '-'):>13} | {(f'{mem / 1e6:.0f}' if mem is not None else '-'):>13}")
+    for name, v in sorted(figures.items()):
+        if name.endswith("_ratio") and "_over_sentinel_" in name:
+            print(f"{name:<72} {v:>7.2f}x")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, help="rounds (default 3; 1 with --smoke)")
+    ap.add_argument("--faults", help=f"comma-separated, of {','.join(FAULTS)} (default all; kill with --smoke)")
+    ap.add_argument("--systems", help=f"comma-separated, of {','.join(ALL_SYSTEMS)} (default all; "
+                                      "sentinel,elastic_dcp with --smoke)")
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--at-step", type=int)
+    ap.add_argument("--step-seconds", type=float, default=0.1)
+    ap.add_argument("--timeout", type=float, default=300.0, help="per job (s)")
+    ap.add_argument("--no-steady", dest="steady", action="store_false",
+                    help="skip the no-fault runs (step time, memory; the peers' bitwise reference comes from them)")
+    ap.add_argument("--keep", action="store_true", help="keep each faulted job's work directory (logs, progress)")
+    ap.add_argument("--cache", type=Path, help="work directory (default: a temporary one)")
+    _report.add_json_argument(ap)
+    args = ap.parse_args()
+    args.runs = args.runs or (1 if args.smoke else 3)
+    args.faults = (args.faults or ("kill" if args.smoke else ",".join(FAULTS))).split(",")
+    args.systems = (args.systems or ("sentinel,elastic_dcp" if args.smoke else ",".join(ALL_SYSTEMS))).split(",")
+    args.steps = args.steps or (16 if args.smoke else 40)
+    args.at_step = args.at_step or (6 if args.smoke else 15)
+    # a bench stopped by SIGTERM (measure_all's limit, a CI timeout) still stops every job it started
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    bad = (set(args.faults) - set(FAULTS)) | (set(args.systems) - set(ALL_SYSTEMS))
+    if bad:
+        ap.error(f"unknown {sorted(bad)}")
+    with tempfile.TemporaryDirectory(prefix="sentinel-peers-") as tmp:
+        args.cache = args.cache or Path(tmp)
+        args.cache.mkdir(parents=True, exist_ok=True)
+        results = _report.Results(args.json, "peers", summarise)
+        refs: dict[str, str | None] = {}
+        for i in range(args.runs):  # interleaved: every system sees the same machine noise
+            print(f"round {i + 1}/{args.runs}", flush=True)
+            one_round(args, results, refs)
+        print_table(results.runs, summarise(results.runs))
+        results.finish()
+
+
+if __name__ == "__main__":
+    main()

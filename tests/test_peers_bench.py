@@ -1,0 +1,123 @@
+"""bench/peers.py: its accounting on made-up step logs (what a fault cost), its pins, and its smoke
+run for real (Sentinel's drill and torch elastic + DCP, the kill at the same step): this is the
+bench's smoke in the suite (bench_smoke.OWN_TEST)."""
+
+from __future__ import annotations
+
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from bench_smoke import REPO, run_smoke
+
+sys.path.insert(0, str(REPO / "bench"))
+from peer_jobs.account import account, summarise  # noqa: E402
+
+
+def step(s: int, t: float, writer: str = "rank0", pid: int = 1, participants: int = 4) -> dict:
+    return {"event": "step", "step": s, "time": t, "writer": writer, "pid": pid, "participants": participants}
+
+
+def test_a_restart_from_a_checkpoint_counts_every_step_since_it_as_recomputed():
+    # steps 0..7 at t = 0..7, the fault at 7.5, the job resumes from the checkpoint at step 5
+    events = [step(s, float(s)) for s in range(8)]
+    events += [{"event": "resumed", "start": 0, "time": -1.0, "pid": 1, "rank": r, "node": f"node{r // 2}"}
+               for r in range(4)]
+    # after the restart the new node1 rendezvoused first: it holds ranks 0-1 now
+    events += [{"event": "resumed", "start": 5, "time": 20.0, "pid": 2, "rank": r, "node": f"node{1 - r // 2}"}
+               for r in range(4)]
+    events += [step(s, 21.0 + s, pid=2) for s in range(5, 10)]
+    got = account(events, 7.5, full=4)
+    assert got["fault_step"] == 7 and got["resumed_from"] == 5 and got["ranks_moved"] == [0, 1, 2, 3]
+    assert got["recomputed"] == [5, 6, 7] and got["recomputed_steps"] == 3
+    assert got["fault_to_first_step_seconds"] == pytest.approx(26.0 - 7.5)
+    assert got["degraded_steps"] == 0 and got["last_step"] == 9
+
+
+def test_the_step_in_flight_at_the_fault_is_not_progress_after_it():
+    # rank 0 (node0) finishes step 8, whose collectives completed before node1 died, after the
+    # fault; the job's first step after it is the restarted job's
+    events = [step(s, float(s)) for s in range(8)] + [step(8, 7.6)]
+    events += [step(s, 30.0 + s, pid=2) for s in range(5, 10)]
+    events.append(step(7, 7.55, writer="group1", pid=3))  # a writer a little behind logs step 7 late
+    events.insert(0, step(6, 6.0, writer="group1", pid=3))
+    got = account(events, 7.5, full=4)
+    assert got["fault_step"] == 7
+    assert got["fault_to_first_step_seconds"] == pytest.approx(35.0 - 7.5)
+    assert got["recomputed"] == [5, 6, 7, 8]
+
+
+def test_survivors_that_go_on_without_the_dead_replicas_are_degraded_not_recomputed():
+    # torchft: 4 groups; groups 2 and 3 die at 5.5; 0 and 1 go on alone from 10 s (after the
+    # heartbeat timeout) for steps 6..8; the replacements heal to step 9 and all four go on
+    events = [step(s, float(s), writer=f"group{g}", pid=g) for s in range(6) for g in range(4)]
+    events += [step(s, 10.0 + s, writer=f"group{g}", pid=g, participants=2) for s in (6, 7, 8) for g in (0, 1)]
+    events += [step(s, 20.0 + s, writer=f"group{g}", pid=g + 10) for s in (9, 10) for g in range(4)]
+    got = account(events, 5.5, full=4)
+    assert got["recomputed_steps"] == 0
+    assert got["degraded"] == [6, 7, 8]
+    assert got["fault_to_first_step_seconds"] == pytest.approx(16.0 - 5.5)
+    assert got["fault_to_full_world_seconds"] == pytest.approx(29.0 - 5.5)
+
+
+def test_a_survivor_that_restarts_in_its_own_process_makes_progress_after_the_fault():
+    # NVRx: rank 0 (pid 1) survives; the wrapper restarts its function in the same process at
+    # 9.0, the state kept in memory: its next step (8) is progress, and nothing is recomputed
+    events = [step(s, float(s)) for s in range(8)]
+    events.append({"event": "resumed", "start": 8, "time": 9.0, "pid": 1})
+    events += [step(s, 2.0 + s) for s in (8, 9)]
+    got = account(events, 7.5, full=4)
+    assert got["fault_to_first_step_seconds"] == pytest.approx(10.0 - 7.5)
+    assert got["recomputed_steps"] == 0 and got["resumed_from"] == 8
+
+
+def test_summary_takes_medians_of_finished_cells_and_ratios_of_the_same_run():
+    def cell(system, first, recomputed, ok=True):
+        return {"kind": "cell", "system": system, "fault": "kill", "ok": ok, "fault_to_first_step_seconds": first,
+                "fault_to_full_world_seconds": first, "recomputed_steps": recomputed, "degraded_steps": 0,
+                "bitwise": True}
+
+    runs = [cell("sentinel", 2.0, 1), cell("sentinel", 4.0, 0), cell("sentinel", 3.0, 1),
+            cell("elastic_dcp", 9.0, 3), cell("elastic_dcp", 12.0, 4), cell("elastic_dcp", 99.0, 9, ok=False),
+            {"kind": "steady", "system": "none", "ok": True, "step_seconds": 0.02, "peak_rss_bytes": 1000},
+            {"kind": "steady", "system": "elastic_dcp", "ok": True, "step_seconds": 0.03, "peak_rss_bytes": 1500}]
+    fig = summarise(runs)
+    assert fig["peers_sentinel_kill_fault_to_first_step_seconds"] == 3.0
+    assert fig["peers_sentinel_kill_recomputed_steps"] == 1 and fig["peers_sentinel_kill_max_recomputed_steps"] == 1
+    assert fig["peers_elastic_dcp_kill_fault_to_first_step_seconds"] == 10.5  # the failed cell is left out
+    assert fig["peers_elastic_dcp_kill_ok_fraction"] == pytest.approx(2 / 3)
+    assert fig["peers_elastic_dcp_over_sentinel_kill_fault_to_first_step_ratio"] == pytest.approx(10.5 / 3.0)
+    assert fig["peers_elastic_dcp_step_over_baseline_ratio"] == pytest.approx(1.5)
+    assert fig["peers_elastic_dcp_extra_peak_rss_bytes"] == 500
+
+
+def test_pins_are_the_extra_and_the_venv_script_the_same():
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["peers"]
+    script = (REPO / "scripts" / "peers-venvs").read_text()
+    pinned = set(re.findall(r"\[(?:torchft|nvrx|dlrover)\]=\"([^\"]+)\"", script))
+    assert {p for line in pinned for p in line.split()} == set(extra)
+    assert all("==" in p for p in extra), "every peer is pinned to an exact version"
+
+
+def test_smoke_kills_node1_at_the_same_step_for_sentinel_and_torch_elastic(tmp_path: Path):
+    """bench/peers.py --smoke for real: each system's kill lands at the smoke's step (6) or the one
+    after (the harness sees the step logged, then kills); Sentinel recomputes at most one step
+    (its memory tier) and ends bitwise equal to its uninterrupted run; torch elastic + DCP resumes
+    from its last complete checkpoint (every 5 steps; the one an async save was still writing when
+    node1 died is not complete, so at most one interval more), recomputes exactly the steps since
+    it and ends bitwise equal too."""
+    doc, out = run_smoke("peers", tmp_path)
+    cells = {r["system"]: r for r in doc["runs"] if r["kind"] == "cell"}
+    assert set(cells) == {"sentinel", "elastic_dcp"}, out
+    for system, c in cells.items():
+        assert c["ok"], (system, c.get("error"))
+        assert c["fault_step"] in (6, 7), (system, c["fault_step"])
+        assert c["bitwise"], f"{system}: final parameters differ from its uninterrupted run"
+    assert cells["sentinel"]["recomputed_steps"] <= 1
+    e = cells["elastic_dcp"]
+    assert e["resumed_from"] % 5 == 0 and e["fault_step"] - 10 < e["resumed_from"] <= e["fault_step"] + 1
+    assert e["recomputed"] == list(range(e["resumed_from"], e["fault_step"] + 1))
+    assert "Sentinel" in out and "torch elastic + DCP" in out
