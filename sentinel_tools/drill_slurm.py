@@ -390,6 +390,10 @@ def _metric(node, name: str, labels: dict[str, str]) -> float | None:
 
 
 def run_slurm_drill(args) -> int:
+    refused = drill.fault_defaults(args)
+    if refused:
+        print(f"sentinel drill: {refused}", file=sys.stderr)
+        return 2
     if getattr(args, "hosts", "loopback") != "loopback":
         print("sentinel drill: --scheduler slurm runs its nodes on loopback; --hosts netns is not wired to it yet",
               file=sys.stderr)

@@ -113,9 +113,9 @@ def test_store_semantics_match_c10d(cluster):
 def test_a_write_from_an_older_generation_is_refused(cluster):
     s = cluster.store()
     s.set("latest", "3")
-    assert s.fenced_set("snap", "gen3", "latest", 3)
+    assert s.fenced_set("latest", "3", "snap", "gen3")
     s.set("latest", "4")
-    assert not s.fenced_set("snap", "gen3-late", "latest", 3)
+    assert not s.fenced_set("latest", "3", "snap", "gen3-late")
     assert s.get("snap") == b"gen3"
 
 

@@ -283,33 +283,38 @@ class EtcdStore:
         return EtcdStore(self.endpoints, tls=self.tls, request_seconds=self.request_seconds,
                          failover_seconds=self.failover_seconds, lease_ttl=self.lease_ttl, clock=self._clock)
 
-    def beat(self, key: str, value: str | bytes) -> None:
+    def beat(self, key: str, value: str | bytes, *, fence: tuple[str, str] | None = None) -> bool:
         """Heartbeat: ``key`` = ``value`` attached to this connection's lease, kept alive here. A
-        lease that expired (a partition longer than its TTL) is replaced by a new one."""
+        lease that expired (a partition longer than its TTL) is replaced by a new one. With ``fence``
+        = ``(fence_key, token)`` the write is in one transaction with the compare of ``fence_key``
+        to ``token`` (:func:`trainer.fence.fenced_set`): False, nothing written, once it moved on."""
+        compare = [] if fence is None else [
+            {"key": _b64(fence[0]), "target": "VALUE", "result": "EQUAL", "value": _b64(fence[1])}]
         if self._lease is not None:
             ttl = int(self._post("/lease/keepalive", {"ID": self._lease}).get("result", {}).get("TTL", -1))
             if ttl <= 0:
                 self._lease = None
         if self._lease is not None:
-            self._post("/kv/put", {"key": _b64(key), "value": _b64(value), "lease": self._lease})
-            return
+            put = {"request_put": {"key": _b64(key), "value": _b64(value), "lease": self._lease}}
+            return bool(self._txn(compare, [put]).get("succeeded"))
         self._lease = int(self._post("/lease/grant", {"TTL": self.lease_ttl, "ID": 0})["ID"])
         # who holds the lease, kept past its expiry (no lease on it): a watcher tells "beat, then
         # died" from "has not beaten yet" (a slot's new owner whose first beat is on its way)
         owner = (value.decode() if isinstance(value, bytes) else value).rsplit(":", 1)[0]
-        self._txn([], [{"request_put": {"key": _b64(f"{key}.owner"), "value": _b64(owner)}},
-                       {"request_put": {"key": _b64(key), "value": _b64(value), "lease": self._lease}}])
+        out = self._txn(compare, [{"request_put": {"key": _b64(f"{key}.owner"), "value": _b64(owner)}},
+                                  {"request_put": {"key": _b64(key), "value": _b64(value), "lease": self._lease}}])
+        return bool(out.get("succeeded"))
 
     def beat_owner(self, key: str) -> str | None:
         """The node whose lease last carried heartbeat ``key`` (None: nobody ever beat there)."""
         kvs = self._range(f"{key}.owner").get("kvs")
         return _unb64(kvs[0].get("value", "")).decode() if kvs else None
 
-    def fenced_set(self, key: str, value: str | bytes, generation_key: str, generation: int) -> bool:
-        """Write ``key`` only while ``generation_key`` still holds ``generation`` (one transaction):
-        a writer from an older generation is refused. True when written."""
-        out = self._txn([{"key": _b64(generation_key), "target": "VALUE", "result": "EQUAL",
-                          "value": _b64(str(generation))}],
+    def fenced_set(self, fence_key: str, token: str, key: str, value: str | bytes) -> bool:
+        """Write ``key`` only while ``fence_key`` still holds ``token`` (one transaction; the
+        signature :func:`trainer.fence.fenced_set` calls): a writer from an older generation is
+        refused. True when written."""
+        out = self._txn([{"key": _b64(fence_key), "target": "VALUE", "result": "EQUAL", "value": _b64(token)}],
                         [{"request_put": {"key": _b64(key), "value": _b64(value)}}])
         return bool(out.get("succeeded"))
 
