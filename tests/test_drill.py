@@ -234,6 +234,16 @@ def test_rank_preserving_rendezvous_replaces_two_nodes_in_one_generation_with_no
     assert r["verify"]["bitwise_equal"]
 
 
+def test_the_slot_rendezvous_on_a_three_member_etcd_replaces_two_nodes_in_one_generation(references):
+    """--rdzv-backend sentinel-etcd on loopback: the same hand-over through 3 TLS etcd members."""
+    r = drill("--nodes", "3", "--spares", "2", "--victims", "2", "--fault", "dbe", "--rdzv-backend", "sentinel-etcd",
+              "--verify", references=references)
+    assert r["ok"], why(r)
+    assert sorted(r["final_nodes"]) == ["node0", "spare0", "spare1"] and r["recomputed_steps"] == []
+    assert r["membership_changes"] == 1
+    assert r["verify"]["bitwise_equal"]
+
+
 def test_sentinel_rendezvous_needs_the_warm_agent():
     r = subprocess.run([sys.executable, "-m", "sentinel", "drill", "--agent", "torchrun", "--rdzv-backend", "sentinel"],
                        capture_output=True, text=True, timeout=120, cwd=REPO)

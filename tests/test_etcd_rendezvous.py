@@ -15,6 +15,7 @@ from datetime import timedelta
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from conftest import REPO, wait_for
@@ -158,10 +159,19 @@ def test_a_frozen_member_never_splits_the_job(cluster):
     victim = next(n for n in cluster.members if n != cluster.leader())
     hs[1].leave()
     cluster.members[victim].proc.send_signal(signal.SIGSTOP)
+    spares, threads = [], []
     try:
-        spares = [handler(cluster, 3) for _ in range(2)]
+        spares += [handler(cluster, 3) for _ in range(2)]
         done: list = []
-        threads = [threading.Thread(target=lambda s=s: done.append(s.next_rendezvous()), daemon=True) for s in spares]
+        ended: list = []
+
+        def spare_round(s):
+            try:
+                done.append(s.next_rendezvous())
+            except RendezvousClosedError as exc:  # the losing spare, once the test closes the rendezvous
+                ended.append(exc)
+
+        threads += [threading.Thread(target=spare_round, args=(s,), daemon=True) for s in spares]
         for t in threads:
             t.start()
         infos = rendezvous([hs[0], hs[2]])
@@ -171,8 +181,11 @@ def test_a_frozen_member_never_splits_the_job(cluster):
         assert sum(s.gen == 2 for s in spares) == 1
     finally:
         cluster.members[victim].proc.send_signal(signal.SIGCONT)
-        for s in spares:
-            s.set_closed()
+        if spares:
+            spares[0].set_closed()
+        for t in threads:
+            t.join(60)
+    assert len(ended) == 1 and not any(t.is_alive() for t in threads)
 
 
 DYING_NODE = """
