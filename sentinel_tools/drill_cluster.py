@@ -34,6 +34,9 @@ from sentinel_tools.harness import DrillError, alive, descendants, progress, pyt
 from sentinel_tools.ports import free_port, port_open
 
 SPARE_CALL_WAIT_SECONDS = 30.0
+# --trainer lightning: the stock script, and what a warm agent preloads for it
+LIGHTNING_JOB = repo_root() / "examples" / "lightning_job.py"
+LIGHTNING_PRELOAD = ("lightning.pytorch", "trainer.integrations.lightning")
 # A job left without a spare and not allowed fewer nodes waits for a node that a drill never brings:
 # it is reported after this long past the fault, not at the end of --timeout
 NO_NODE_WAIT_SECONDS = 20.0
@@ -153,14 +156,30 @@ class Drill:
                   str(node.state_dir)]
         if a.agent == "warm":
             launch += ["--warm"] if node.spare else []
-            agent = [py, "-m", "trainer.elastic", "--preload", "trainer.train",
-                     "--ready-file", str(node.local(self.ready_file(node))), "--"]
+            preload = [x for m in LIGHTNING_PRELOAD for x in ("--preload", m)] if self.lightning else ["--preload",
+                                                                                                     "trainer.train"]
+            agent = [py, "-m", "trainer.elastic", *preload, "--ready-file", str(node.local(self.ready_file(node))), "--"]
         else:
             agent = [py, "-m", "torch.distributed.run", f"--start-method={a.start_method}"]
         return [
             *launch, "--", *agent, f"--nnodes={nnodes}", f"--nproc-per-node={a.procs_per_node}",
             f"--rdzv-backend={a.rdzv_backend}", f"--rdzv-endpoint={self.store_endpoint()}", f"--rdzv-id={self.run_id}",
             f"--rdzv-conf={rdzv_conf}", f"--max-restarts={a.max_restarts}", "--monitor-interval=0.1",
+            *self.job_argv(),
+        ]
+
+    @property
+    def lightning(self) -> bool:
+        return getattr(self.args, "trainer", "reference") == "lightning"
+
+    def job_argv(self) -> list[str]:
+        """What every agent runs: trainer/train.py, or the stock Lightning script (its Sentinel
+        settings come through the environment, :meth:`node_env`: the script is not changed)."""
+        a = self.args
+        if self.lightning:
+            return [str(LIGHTNING_JOB), "--max-steps", str(a.steps), "--devices", str(a.procs_per_node),
+                    "--num-nodes", str(a.nodes), "--root", str(self.job_dir / "lightning")]
+        return [
             "-m", "trainer.train", "--steps", str(a.steps), "--snapshot-dir", str(self.snapshots),
             "--interval-steps", str(a.interval_steps), "--step-seconds", str(a.step_seconds),
             "--progress", str(self.progress), "--final", str(self.job_dir / "final.json"),
@@ -193,6 +212,10 @@ class Drill:
         env = {**self.env, "SENTINEL_RUNTIME_DIR": str(node.local(node.runtime)), "SENTINEL_NODE": node.name,
                "SENTINEL_DRILL_FAULT_FILE": str(node.local(node.runtime / "drill-fault")),
                "SENTINEL_MEMORY_DIR": str(self.memory_dir(node))}
+        if self.lightning:  # SentinelCallback's settings and the drill's progress record (trainer.integrations)
+            env.update({"SENTINEL_PROGRESS_FILE": str(self.progress), "SENTINEL_FINAL_FILE": str(self.job_dir / "final.json"),
+                        "SENTINEL_INTERVAL_STEPS": str(self.args.interval_steps), "SENTINEL_MIGRATE_HOLD_SECONDS": "30",
+                        "SENTINEL_DRILL_STEP_SECONDS": str(self.args.step_seconds)})
         if self.args.topology:  # the memory tier places each replica outside its holder's rack
             env["SENTINEL_TOPOLOGY"] = str(self.args.topology)
         return env
