@@ -2,7 +2,7 @@
 
 The one line is ``SentinelCallback(...)`` in ``callbacks=[...]`` (marked below); everything else
 is stock Lightning: a LightningModule with dropout, AdamW and a StepLR schedule, a map-style
-DataLoader with shuffling (Lightning gives it a DistributedSampler), ``seed_everything``, DDP,
+DataLoader with shuffling (Lightning gives it a DistributedSampler), a validation loop at each epoch's end, ``seed_everything``, DDP,
 and Lightning's own ``ModelCheckpoint`` every 10 steps. Launch it as any Lightning job under
 torchelastic:
 
@@ -35,14 +35,18 @@ class Regressor(L.LightningModule):
         self.log("train_loss", loss)
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self.net(x).squeeze(-1), y), sync_dist=True)
+
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.9)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def dataset(n: int = 256, dim: int = 32) -> TensorDataset:
-    g = torch.Generator().manual_seed(0)
+def dataset(n: int = 256, dim: int = 32, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, dim, generator=g)
     y = x @ torch.randn(dim, generator=g) + 0.1 * torch.randn(n, generator=g)
     return TensorDataset(x, y)
@@ -59,6 +63,7 @@ def main() -> None:
     L.seed_everything(1234, workers=True)
     model = Regressor()
     loader = DataLoader(dataset(), batch_size=8, shuffle=True)
+    val_loader = DataLoader(dataset(64, seed=1), batch_size=16)
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy="ddp",
         max_steps=args.max_steps, default_root_dir=args.root, deterministic=True,
@@ -66,7 +71,7 @@ def main() -> None:
         callbacks=[ModelCheckpoint(dirpath=f"{args.root}/checkpoints", every_n_train_steps=10, save_top_k=-1),
                    SentinelCallback(f"{args.root}/sentinel")],  # <- the one line Sentinel adds
     )
-    trainer.fit(model, loader)
+    trainer.fit(model, loader, val_loader)
 
 
 if __name__ == "__main__":

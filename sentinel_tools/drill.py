@@ -136,10 +136,6 @@ def run_drill(args: argparse.Namespace) -> int:
         print(f"sentinel drill: --trainer {trainer} runs --fault {', '.join(sorted(TRAINERS[trainer]))} only",
               file=sys.stderr)
         return 2
-    if trainer == "lightning" and args.memory_interval_steps:
-        # SentinelCallback's snapshots go to disk (the memory tier holds tensors and JSON values; Lightning's
-        # checkpoint has other objects): a sudden loss resumes from the last periodic disk snapshot
-        args.memory_interval_steps = 0
     fault = faults.get(args.fault)
     if fault.needs_hosts and args.hosts != "netns":
         print(f"sentinel drill: --fault {args.fault} is a fault of a whole host: it needs --hosts netns", file=sys.stderr)

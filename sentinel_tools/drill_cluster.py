@@ -215,6 +215,7 @@ class Drill:
         if self.lightning:  # SentinelCallback's settings and the drill's progress record (trainer.integrations)
             env.update({"SENTINEL_PROGRESS_FILE": str(self.progress), "SENTINEL_FINAL_FILE": str(self.job_dir / "final.json"),
                         "SENTINEL_INTERVAL_STEPS": str(self.args.interval_steps), "SENTINEL_MIGRATE_HOLD_SECONDS": "30",
+                        "SENTINEL_MEMORY_INTERVAL_STEPS": str(self.args.memory_interval_steps),
                         "SENTINEL_DRILL_STEP_SECONDS": str(self.args.step_seconds)})
         if self.args.topology:  # the memory tier places each replica outside its holder's rack
             env["SENTINEL_TOPOLOGY"] = str(self.args.topology)

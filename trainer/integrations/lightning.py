@@ -39,6 +39,7 @@ manual optimization with several optimizer steps per batch (the guard steps once
 
 from __future__ import annotations
 
+import base64
 import io
 import logging
 import os
@@ -66,15 +67,16 @@ DRAINED_EXIT = 75  # what trainer.train exits with when drained; torchrun restar
 _LOADER_KEYS = ("loops", "fit_loop", "state_dict", "combined_loader")
 
 
-def _dumps(obj: Any) -> bytes:
+def _dumps(obj: Any) -> str:
+    """One text value: DCP writes it as any object, the memory tier keeps it in a slot's JSON meta."""
     buf = io.BytesIO()
     torch.save(obj, buf)
-    return buf.getvalue()
+    return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _loads(data: bytes) -> Any:
+def _loads(data: str) -> Any:
     # the job's own snapshot, read by the job's own user: what DCP does for any non-tensor value
-    return torch.load(io.BytesIO(data), weights_only=False)
+    return torch.load(io.BytesIO(base64.b64decode(data)), weights_only=False)
 
 
 def rng_states() -> dict[str, Any]:
@@ -112,6 +114,7 @@ class LightningState(Stateful):
         self._has_rank_entry = True  # whether the snapshot about to be loaded holds this rank's entry
         self.loaded: dict[str, Any] | None = None  # the Lightning checkpoint dict, once loaded
         self.loaded_rank: dict[str, Any] | None = None
+        self.rng: dict[str, Any] | None = None  # the RNG states the next training step starts from
 
     @property
     def rank_key(self) -> str:
@@ -133,7 +136,7 @@ class LightningState(Stateful):
         loader = _pop_path(ckpt, _LOADER_KEYS)  # per rank: each rank's loader is at its own place
         out = {"model": model_sd, "optim": optim_sd, "trainer": _dumps(ckpt)}
         if self._has_rank_entry:
-            out[self.rank_key] = _dumps({"rng": rng_states(), "loader": loader})
+            out[self.rank_key] = _dumps({"rng": self.rng, "loader": loader})
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -232,13 +235,20 @@ class _SentinelHooks:
             raise RuntimeError(f"sentinel: the snapshot of step {self.start_step - 1} restored Lightning at "
                                f"global step {trainer.global_step}")
         self._move_plain_loaders(trainer)
-        rng = (self.state.loaded_rank or {}).get("rng")
-        if rng is not None:
-            set_rng_states(rng)
-        else:
+        self.state.rng = (self.state.loaded_rank or {}).get("rng")
+        if self.state.rng is None:
             log.warning("sentinel: the snapshot holds no RNG state for rank %d (another world size)",
                         trainer.global_rank)
         self.state.loaded = None  # release it; Lightning has its own copy until resume_end
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        """Every training step starts from the RNG states the previous one ended with: what runs
+        between two steps (a validation loop, an epoch's new data loader iterator: each draws a
+        seed from the global RNG) takes nothing from the steps' random stream, so a run resumed
+        at any step, whatever Lightning re-runs or skips around it, draws what the uninterrupted
+        run drew."""
+        if self.state is not None and self.state.rng is not None:
+            set_rng_states(self.state.rng)
 
     def _move_plain_loaders(self, trainer: Any) -> None:
         """Lightning restarts a plain loader at its epoch's first batch: skip what was trained on."""
@@ -262,6 +272,8 @@ class _SentinelHooks:
 
     # -- every optimizer step ---------------------------------------------------------------------
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.state is not None:
+            self.state.rng = rng_states()  # what the next batch starts from (on_train_batch_start)
         step = trainer.global_step - 1
         if self.guard is None or trainer.global_step == self._last_global_step or step < 0:
             return  # no optimizer step in this batch (gradient accumulation)
