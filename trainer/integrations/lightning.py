@@ -168,6 +168,19 @@ def _put_path(d: dict[str, Any], keys: tuple[str, ...], value: Any) -> None:
     d[keys[-1]] = value
 
 
+def _epoch_ends_here(trainer: Any) -> bool:
+    """Whether this step is the last of an epoch of several batches: no snapshot is taken there.
+
+    Lightning resumes a checkpoint taken there (``on_train_batch_end`` of an epoch's last batch)
+    by closing the epoch, but then counts the next epoch as already started: that epoch's
+    ``on_train_epoch_start`` hooks never run and a checkpoint taken during it resumes at the
+    wrong place (seen with Lightning 2.6.6: resumed twice, the run diverged). So a request that
+    arrives at an epoch's last step is served at the next step, the next epoch's first, which
+    Lightning resumes exactly. An epoch of one batch has no other step: it is snapshotted as is."""
+    loop = trainer.fit_loop.epoch_loop
+    return bool(loop.batch_progress.is_last_batch) and trainer.num_training_batches > 1
+
+
 def _stateful_loader(loader: Any) -> bool:
     return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
 
@@ -255,7 +268,7 @@ class _SentinelHooks:
         loop = trainer.fit_loop
         progress = loop.epoch_loop.batch_progress
         loader = loop._combined_loader
-        if loader is None or not loop.restarted_mid_epoch or progress.is_last_batch:
+        if loader is None or not loop.restarted_mid_epoch:
             return
         loaders = loader.flattened
         if all(_stateful_loader(dl) for dl in loaders):
@@ -280,6 +293,8 @@ class _SentinelHooks:
         self._last_global_step = trainer.global_step
         if trainer.global_rank == 0:
             self.record("step", step=step, loss=_loss(outputs))
+        if _epoch_ends_here(trainer):
+            return  # the guard steps at the next batch: see _epoch_ends_here
         try:
             self.guard.step(step)
         except NodeDrained as exc:
