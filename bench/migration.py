@@ -1,7 +1,8 @@
 """Migration benchmark: repeated `sentinel drill` runs, interleaved so every path sees the same
 machine noise; median and max of each stage, trip -> first step on the spare, lost steps.
 
-Paths, side by side in one run:
+Paths, side by side in one run (``lightning`` only when asked: ``--trainer lightning`` runs warm and
+lightning):
   warm        Sentinel: predicted fault, migrate snapshot, warm spare (python -m trainer.elastic)
   warm-etcd   the same with torch's etcd-v2 rendezvous on a local etcd (--etcd; Debian etcd-server)
   one3        one victim of a 3-node job (2 warm spares): the baseline for two victims of the same job
@@ -10,8 +11,9 @@ Paths, side by side in one run:
               each other's replica (the ring), so their acks must wait for the disk copy (#47)
   cold        the before: the same predicted migration with plain torchrun and a cold spare
   crash       plain torchrun crash failover: kill -9, no warning, cold spare, periodic snapshot
+  lightning   warm's path for a stock Lightning script with SentinelCallback (examples/lightning_job.py)
 
-    python bench/migration.py [--runs 5] [--interval-steps 10] [--etcd] [--json PATH] [--smoke]
+    python bench/migration.py [--runs 5] [--interval-steps 10] [--etcd] [--trainer lightning] [--json PATH] [--smoke]
 
 Each drill is appended to the JSON as it finishes (with the figures of every drill so far), so a
 run killed or timed out keeps the drills already done. ``--smoke``: one drill each of ``warm`` and
@@ -29,7 +31,8 @@ crash failover, and ``one_of_three_*``, ``two_victims_*``, ``two_adjacent_memory
 ``cold_torchrun_over_warm_ratio`` = cold spare trip -> first step / warm spare trip -> first step;
 ``two_victims_over_one_ratio`` = two victims of 3 nodes / one victim of 2 nodes (trip -> first step);
 ``two_victims_over_one_same_job_ratio`` = two victims / one victim of the same 3-node job (trip -> first
-step); ``etcd_over_c10d_ratio`` = etcd-v2 / c10d warm spare (trip -> first step). The plain torchrun
+step); ``etcd_over_c10d_ratio`` = etcd-v2 / c10d warm spare (trip -> first step);
+``lightning_over_reference_ratio`` = Lightning job / our own loop, warm spare (fault -> first step). The plain torchrun
 baselines (``cold``, ``crash``) run without Sentinel's memory tier (``--memory-interval-steps 0``).
 """
 
@@ -57,10 +60,12 @@ PATHS = {
     # the baselines are plain torchrun as it was before Sentinel: no memory tier (disk snapshots only)
     "cold": ("before: torchrun, cold spare", ["--fault", "xid79", "--agent", "torchrun", "--memory-interval-steps", "0"]),
     "crash": ("plain torchrun crash failover", ["--fault", "kill", "--agent", "torchrun", "--memory-interval-steps", "0"]),
+    # a stock Lightning script with SentinelCallback (examples/lightning_job.py), the same warm-spare path
+    "lightning": ("Sentinel + Lightning, warm spare", ["--fault", "xid79", "--trainer", "lightning"]),
 }
 FIGURE_PREFIX = {"warm": "migration_", "warm-etcd": "etcd_migration_", "one3": "one_of_three_", "two": "two_victims_",
                  "two-memory": "two_adjacent_memory_ack_",
-                 "cold": "cold_spare_torchrun_", "crash": "crash_"}
+                 "cold": "cold_spare_torchrun_", "crash": "crash_", "lightning": "lightning_migration_"}
 
 
 def drill(interval: int, extra: list[str]) -> dict:
@@ -107,6 +112,8 @@ RATIOS = (
      "etcd-v2 / c10d warm spare (trip -> first step)"),
     ("two_victims_over_one_same_job_ratio", "two_victims_trip_to_first_step_seconds",
      "one_of_three_trip_to_first_step_seconds", "two victims / one victim, same 3-node job (trip -> first step)"),
+    ("lightning_over_reference_ratio", "lightning_migration_fault_to_first_step_seconds",
+     "migration_fault_to_first_step_seconds", "Lightning job / our own loop, warm spare (fault -> first step)"),
 )
 
 
@@ -156,14 +163,18 @@ def main() -> None:
     ap.add_argument("--runs", type=int, help="drills per path (default 5; 1 with --smoke)")
     ap.add_argument("--interval-steps", type=int, default=10)
     ap.add_argument("--etcd", action="store_true", help="also the etcd-v2 rendezvous (needs etcd on PATH)")
-    ap.add_argument("--only", help="comma-separated paths to run (default: all)")
+    ap.add_argument("--only", help="comma-separated paths to run (default: all but warm-etcd and lightning)")
+    ap.add_argument("--trainer", choices=["lightning"],
+                    help="compare that trainer's job with our own loop: the paths warm and lightning, side by side")
     _report.add_json_argument(ap)
     args, extra = ap.parse_known_args()
     if args.smoke:
         args.runs, args.only = args.runs or 1, args.only or "warm,crash"
         extra = SMOKE_ARGS + extra
     args.runs = 5 if args.runs is None else args.runs
-    names = args.only.split(",") if args.only else [n for n in PATHS if n != "warm-etcd" or args.etcd]
+    if args.trainer and not args.only:
+        args.only = f"warm,{args.trainer}"
+    names = args.only.split(",") if args.only else [n for n in PATHS if n != "lightning" and (n != "warm-etcd" or args.etcd)]
     unknown = set(names) - set(PATHS)
     if unknown:
         ap.error(f"unknown path(s) {sorted(unknown)}; choose from {sorted(PATHS)}")
