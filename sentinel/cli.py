@@ -302,9 +302,6 @@ def cmd_inject(args: argparse.Namespace) -> int:
 def cmd_drill(args: argparse.Namespace) -> int:
     """`sentinel drill`: the local drill, or with --scheduler slurm the one through a real Slurm cluster."""
     if args.scheduler == "slurm":
-        if getattr(args, "trainer", "reference") != "reference":
-            print("sentinel drill: --scheduler slurm runs the reference job only (--trainer reference)", file=sys.stderr)
-            return 2
         from sentinel_tools.drill_slurm import run_slurm_drill
 
         return run_slurm_drill(args)

@@ -30,13 +30,12 @@ from sentinel.sources import simulated
 from sentinel_tools import drill_report, faults
 from sentinel_tools.drill_report import Timeline
 from sentinel_tools.netns import HOST_RUNTIME
-from sentinel_tools.harness import DrillError, alive, descendants, progress, pythonpath, repo_root, wait
+from sentinel_tools.harness import (LIGHTNING_JOB, LIGHTNING_PRELOAD, DrillError, alive, descendants, progress, pythonpath,
+                                    repo_root, wait)
 from sentinel_tools.ports import free_port, port_open
 
 SPARE_CALL_WAIT_SECONDS = 30.0
-# --trainer lightning: the stock script, and what a warm agent preloads for it
-LIGHTNING_JOB = repo_root() / "examples" / "lightning_job.py"
-LIGHTNING_PRELOAD = ("lightning.pytorch", "trainer.integrations.lightning")
+
 # A job left without a spare and not allowed fewer nodes waits for a node that a drill never brings:
 # it is reported after this long past the fault, not at the end of --timeout
 NO_NODE_WAIT_SECONDS = 20.0

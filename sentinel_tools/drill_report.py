@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sentinel_tools import faults
-from sentinel_tools.harness import repo_root
+from sentinel_tools.harness import LIGHTNING_JOB, repo_root
 
 if TYPE_CHECKING:
     from sentinel_tools.drill_cluster import Drill, Node
@@ -239,8 +239,6 @@ def reference_run(drill: "Drill", ref: Path) -> tuple[dict[str, Any] | None, str
     world = a.nodes * a.procs_per_node
     env = drill.env
     if drill.lightning:  # the stock script on one node of `world` processes, its digest where the callback writes it
-        from sentinel_tools.drill_cluster import LIGHTNING_JOB
-
         job = [str(LIGHTNING_JOB), "--max-steps", str(a.steps), "--devices", str(world), "--num-nodes", "1",
                "--root", str(ref / "lightning")]
         env = {**env, "SENTINEL_FINAL_FILE": str(ref / "final.json")}

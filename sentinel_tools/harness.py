@@ -11,6 +11,10 @@ from typing import Any
 
 from sentinel.procs import running
 
+# drill --trainer lightning: the stock Lightning script, and what a warm agent preloads for it
+LIGHTNING_JOB = Path(__file__).resolve().parents[1] / "examples" / "lightning_job.py"
+LIGHTNING_PRELOAD = ("lightning.pytorch", "trainer.integrations.lightning")
+
 PROGRESS_EVERY = 15.0  # seconds between "still waiting" lines on stderr
 
 
