@@ -46,7 +46,7 @@ __all__ = ["FAULTS", "TRAINERS", "NO_NODE_WAIT_SECONDS", "PORT_RESERVATIONS", "P
 FAULTS = {name: f.description for name, f in faults.FAULTS.items()}
 # the jobs a drill runs, and the faults each supports (the hang and slow faults need trainer/train.py's
 # drill hook; the Lightning job is a stock script)
-TRAINERS = {"reference": set(FAULTS), "lightning": {"xid79", "kill"}}
+TRAINERS = {"reference": set(FAULTS), "lightning": {"xid79", "kill"}, "torchtitan": {"xid79", "kill"}}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,8 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the ranks acknowledge a migrate snapshot once on disk (durable), or once in memory and "
                         "replicated (memory; on disk still when every copy of a shard would leave)")
     p.add_argument("--trainer", choices=sorted(TRAINERS), default="reference",
-                   help="the job: reference (trainer/train.py, our own loop) or lightning (examples/lightning_job.py, a "
-                        "stock Lightning script with SentinelCallback; --fault xid79 or kill; docs/integrations.md)")
+                   help="the job: reference (trainer/train.py, our own loop), lightning (examples/lightning_job.py, a "
+                        "stock Lightning script with SentinelCallback) or torchtitan (examples/torchtitan_job.py: "
+                        "torchtitan's CheckpointManager and state objects); --fault xid79 or kill; docs/integrations.md")
     p.add_argument("--fault", choices=sorted(FAULTS), default="xid79")
     p.add_argument("--at-step", type=int, default=25)
     p.add_argument("--hang-mode", choices=["stop", "skip"], default="stop",
@@ -136,6 +137,8 @@ def run_drill(args: argparse.Namespace) -> int:
         print(f"sentinel drill: --trainer {trainer} runs --fault {', '.join(sorted(TRAINERS[trainer]))} only",
               file=sys.stderr)
         return 2
+    if trainer == "torchtitan":
+        args.memory_interval_steps = 0  # the snapshot is torchtitan's checkpoint: no memory tier (docs/integrations.md)
     fault = faults.get(args.fault)
     if fault.needs_hosts and args.hosts != "netns":
         print(f"sentinel drill: --fault {args.fault} is a fault of a whole host: it needs --hosts netns", file=sys.stderr)

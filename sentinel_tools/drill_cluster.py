@@ -30,7 +30,7 @@ from sentinel.sources import simulated
 from sentinel_tools import drill_report, faults
 from sentinel_tools.drill_report import Timeline
 from sentinel_tools.netns import HOST_RUNTIME
-from sentinel_tools.harness import (LIGHTNING_JOB, LIGHTNING_PRELOAD, DrillError, alive, descendants, progress, pythonpath,
+from sentinel_tools.harness import (TRAINER_JOBS, DrillError, trainer_job_argv, alive, descendants, progress, pythonpath,
                                     repo_root, wait)
 from sentinel_tools.ports import free_port, port_open
 
@@ -155,8 +155,8 @@ class Drill:
                   str(node.state_dir)]
         if a.agent == "warm":
             launch += ["--warm"] if node.spare else []
-            preload = [x for m in LIGHTNING_PRELOAD for x in ("--preload", m)] if self.lightning else ["--preload",
-                                                                                                     "trainer.train"]
+            modules = TRAINER_JOBS[self.trainer][1] if self.trainer in TRAINER_JOBS else ("trainer.train",)
+            preload = [x for m in modules for x in ("--preload", m)]
             agent = [py, "-m", "trainer.elastic", *preload, "--ready-file", str(node.local(self.ready_file(node))), "--"]
         else:
             agent = [py, "-m", "torch.distributed.run", f"--start-method={a.start_method}"]
@@ -168,16 +168,16 @@ class Drill:
         ]
 
     @property
-    def lightning(self) -> bool:
-        return getattr(self.args, "trainer", "reference") == "lightning"
+    def trainer(self) -> str:
+        """The job: reference (trainer/train.py), lightning or torchtitan (examples/)."""
+        return getattr(self.args, "trainer", "reference")
 
     def job_argv(self) -> list[str]:
         """What every agent runs: trainer/train.py, or the stock Lightning script (its Sentinel
         settings come through the environment, :meth:`node_env`: the script is not changed)."""
         a = self.args
-        if self.lightning:
-            return [str(LIGHTNING_JOB), "--max-steps", str(a.steps), "--devices", str(a.procs_per_node),
-                    "--num-nodes", str(a.nodes), "--root", str(self.job_dir / "lightning")]
+        if self.trainer in TRAINER_JOBS:
+            return trainer_job_argv(self.trainer, a, self.job_dir, a.procs_per_node, a.nodes)
         return [
             "-m", "trainer.train", "--steps", str(a.steps), "--snapshot-dir", str(self.snapshots),
             "--interval-steps", str(a.interval_steps), "--step-seconds", str(a.step_seconds),
@@ -211,7 +211,7 @@ class Drill:
         env = {**self.env, "SENTINEL_RUNTIME_DIR": str(node.local(node.runtime)), "SENTINEL_NODE": node.name,
                "SENTINEL_DRILL_FAULT_FILE": str(node.local(node.runtime / "drill-fault")),
                "SENTINEL_MEMORY_DIR": str(self.memory_dir(node))}
-        if self.lightning:  # SentinelCallback's settings and the drill's progress record (trainer.integrations)
+        if self.trainer in TRAINER_JOBS:  # the integration's settings and the drill's progress record
             env.update({"SENTINEL_PROGRESS_FILE": str(self.progress), "SENTINEL_FINAL_FILE": str(self.job_dir / "final.json"),
                         "SENTINEL_INTERVAL_STEPS": str(self.args.interval_steps), "SENTINEL_MIGRATE_HOLD_SECONDS": "30",
                         "SENTINEL_MEMORY_INTERVAL_STEPS": str(self.args.memory_interval_steps),

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sentinel_tools import faults
-from sentinel_tools.harness import LIGHTNING_JOB, repo_root
+from sentinel_tools.harness import TRAINER_JOBS, repo_root, trainer_job_argv
 
 if TYPE_CHECKING:
     from sentinel_tools.drill_cluster import Drill, Node
@@ -238,9 +238,8 @@ def reference_run(drill: "Drill", ref: Path) -> tuple[dict[str, Any] | None, str
     ref.mkdir(parents=True, exist_ok=True)
     world = a.nodes * a.procs_per_node
     env = drill.env
-    if drill.lightning:  # the stock script on one node of `world` processes, its digest where the callback writes it
-        job = [str(LIGHTNING_JOB), "--max-steps", str(a.steps), "--devices", str(world), "--num-nodes", "1",
-               "--root", str(ref / "lightning")]
+    if drill.trainer in TRAINER_JOBS:  # the example job on one node of `world` processes, its digest where it writes it
+        job = trainer_job_argv(drill.trainer, a, ref, world, 1)
         env = {**env, "SENTINEL_FINAL_FILE": str(ref / "final.json")}
     else:
         job = ["-m", "trainer.train", "--steps", str(a.steps), "--snapshot-dir", str(ref / "snapshots"),
