@@ -1,8 +1,8 @@
 """Migration benchmark: repeated `sentinel drill` runs, interleaved so every path sees the same
 machine noise; median and max of each stage, trip -> first step on the spare, lost steps.
 
-Paths, side by side in one run (``lightning`` only when asked: ``--trainer lightning`` runs warm and
-lightning):
+Paths, side by side in one run (``lightning`` and ``torchtitan`` only when asked: ``--trainer lightning``
+runs warm and lightning):
   warm        Sentinel: predicted fault, migrate snapshot, warm spare (python -m trainer.elastic)
   warm-etcd   the same with torch's etcd-v2 rendezvous on a local etcd (--etcd; Debian etcd-server)
   one3        one victim of a 3-node job (2 warm spares): the baseline for two victims of the same job
@@ -12,8 +12,9 @@ lightning):
   cold        the before: the same predicted migration with plain torchrun and a cold spare
   crash       plain torchrun crash failover: kill -9, no warning, cold spare, periodic snapshot
   lightning   warm's path for a stock Lightning script with SentinelCallback (examples/lightning_job.py)
+  torchtitan  warm's path for torchtitan's CheckpointManager and state objects (examples/torchtitan_job.py)
 
-    python bench/migration.py [--runs 5] [--interval-steps 10] [--etcd] [--trainer lightning] [--json PATH] [--smoke]
+    python bench/migration.py [--runs 5] [--interval-steps 10] [--etcd] [--trainer lightning|torchtitan] [--json PATH] [--smoke]
 
 Each drill is appended to the JSON as it finishes (with the figures of every drill so far), so a
 run killed or timed out keeps the drills already done. ``--smoke``: one drill each of ``warm`` and
@@ -32,7 +33,8 @@ crash failover, and ``one_of_three_*``, ``two_victims_*``, ``two_adjacent_memory
 ``two_victims_over_one_ratio`` = two victims of 3 nodes / one victim of 2 nodes (trip -> first step);
 ``two_victims_over_one_same_job_ratio`` = two victims / one victim of the same 3-node job (trip -> first
 step); ``etcd_over_c10d_ratio`` = etcd-v2 / c10d warm spare (trip -> first step);
-``lightning_over_reference_ratio`` = Lightning job / our own loop, warm spare (fault -> first step). The plain torchrun
+``lightning_over_reference_ratio`` (``torchtitan_over_reference_ratio``) = Lightning (TorchTitan) job / our
+own loop, warm spare (fault -> first step). The plain torchrun
 baselines (``cold``, ``crash``) run without Sentinel's memory tier (``--memory-interval-steps 0``).
 """
 
@@ -62,10 +64,13 @@ PATHS = {
     "crash": ("plain torchrun crash failover", ["--fault", "kill", "--agent", "torchrun", "--memory-interval-steps", "0"]),
     # a stock Lightning script with SentinelCallback (examples/lightning_job.py), the same warm-spare path
     "lightning": ("Sentinel + Lightning, warm spare", ["--fault", "xid79", "--trainer", "lightning"]),
+    # torchtitan's CheckpointManager and state objects (examples/torchtitan_job.py); no memory tier
+    "torchtitan": ("Sentinel + TorchTitan, warm spare", ["--fault", "xid79", "--trainer", "torchtitan"]),
 }
 FIGURE_PREFIX = {"warm": "migration_", "warm-etcd": "etcd_migration_", "one3": "one_of_three_", "two": "two_victims_",
                  "two-memory": "two_adjacent_memory_ack_",
-                 "cold": "cold_spare_torchrun_", "crash": "crash_", "lightning": "lightning_migration_"}
+                 "cold": "cold_spare_torchrun_", "crash": "crash_", "lightning": "lightning_migration_",
+                 "torchtitan": "torchtitan_migration_"}
 
 
 def drill(interval: int, extra: list[str]) -> dict:
@@ -114,6 +119,8 @@ RATIOS = (
      "one_of_three_trip_to_first_step_seconds", "two victims / one victim, same 3-node job (trip -> first step)"),
     ("lightning_over_reference_ratio", "lightning_migration_fault_to_first_step_seconds",
      "migration_fault_to_first_step_seconds", "Lightning job / our own loop, warm spare (fault -> first step)"),
+    ("torchtitan_over_reference_ratio", "torchtitan_migration_fault_to_first_step_seconds",
+     "migration_fault_to_first_step_seconds", "TorchTitan job / our own loop, warm spare (fault -> first step)"),
 )
 
 
@@ -163,8 +170,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, help="drills per path (default 5; 1 with --smoke)")
     ap.add_argument("--interval-steps", type=int, default=10)
     ap.add_argument("--etcd", action="store_true", help="also the etcd-v2 rendezvous (needs etcd on PATH)")
-    ap.add_argument("--only", help="comma-separated paths to run (default: all but warm-etcd and lightning)")
-    ap.add_argument("--trainer", choices=["lightning"],
+    ap.add_argument("--only", help="comma-separated paths to run (default: all but warm-etcd, lightning and torchtitan)")
+    ap.add_argument("--trainer", choices=["lightning", "torchtitan"],
                     help="compare that trainer's job with our own loop: the paths warm and lightning, side by side")
     _report.add_json_argument(ap)
     args, extra = ap.parse_known_args()
@@ -174,7 +181,8 @@ def main() -> None:
     args.runs = 5 if args.runs is None else args.runs
     if args.trainer and not args.only:
         args.only = f"warm,{args.trainer}"
-    names = args.only.split(",") if args.only else [n for n in PATHS if n != "lightning" and (n != "warm-etcd" or args.etcd)]
+    names = args.only.split(",") if args.only else [n for n in PATHS if n not in ("lightning", "torchtitan")
+                                                       and (n != "warm-etcd" or args.etcd)]
     unknown = set(names) - set(PATHS)
     if unknown:
         ap.error(f"unknown path(s) {sorted(unknown)}; choose from {sorted(PATHS)}")
