@@ -14,6 +14,15 @@ runs warm and lightning):
   lightning   warm's path for a stock Lightning script with SentinelCallback (examples/lightning_job.py)
   torchtitan  warm's path for torchtitan's CheckpointManager and state objects (examples/torchtitan_job.py)
 
+With ``--hosts netns`` (root) the host faults on namespaced hosts, each beside its loopback
+counterpart in the same run, interleaved: ``hosts-xid79`` beside ``warm`` (the same fault),
+``hosts-power-off`` beside ``kill`` (kill -9 of a node's agent and workers, Sentinel's memory
+tier: the nearest loopback has to losing a host), ``hosts-partition`` (no loopback counterpart);
+the extra column is the bytes that crossed the bridge into the spare's host after the fault
+(the state restored into it plus its training traffic to the end), and
+``hosts_over_loopback_xid79_ratio`` / ``hosts_over_loopback_power_off_ratio`` divide the
+fault -> first step medians (#41: within 1.5x).
+
     python bench/migration.py [--runs 5] [--interval-steps 10] [--etcd] [--trainer lightning|torchtitan] [--json PATH] [--smoke]
 
 Each drill is appended to the JSON as it finishes (with the figures of every drill so far), so a
@@ -66,11 +75,19 @@ PATHS = {
     "lightning": ("Sentinel + Lightning, warm spare", ["--fault", "xid79", "--trainer", "lightning"]),
     # torchtitan's CheckpointManager and state objects (examples/torchtitan_job.py); no memory tier
     "torchtitan": ("Sentinel + TorchTitan, warm spare", ["--fault", "xid79", "--trainer", "torchtitan"]),
+    # --hosts netns: host faults on namespaced hosts, each beside its loopback counterpart (root)
+    "kill": ("loopback: kill -9, Sentinel, memory tier", ["--fault", "kill"]),
+    "hosts-xid79": ("hosts: Xid 79, warm spare", ["--hosts", "netns", "--fault", "xid79"]),
+    "hosts-power-off": ("hosts: power-off, memory tier", ["--hosts", "netns", "--fault", "power-off"]),
+    "hosts-partition": ("hosts: partition, fenced", ["--hosts", "netns", "--fault", "partition"]),
 }
+HOST_PATHS = ("warm", "hosts-xid79", "kill", "hosts-power-off", "hosts-partition")
 FIGURE_PREFIX = {"warm": "migration_", "warm-etcd": "etcd_migration_", "one3": "one_of_three_", "two": "two_victims_",
                  "two-memory": "two_adjacent_memory_ack_",
-                 "cold": "cold_spare_torchrun_", "crash": "crash_", "lightning": "lightning_migration_",
-                 "torchtitan": "torchtitan_migration_"}
+                 "lightning": "lightning_migration_", "torchtitan": "torchtitan_migration_",
+                 "cold": "cold_spare_torchrun_", "crash": "crash_", "kill": "sentinel_kill_",
+                 "hosts-xid79": "hosts_xid79_", "hosts-power-off": "hosts_power_off_",
+                 "hosts-partition": "hosts_partition_"}
 
 
 def drill(interval: int, extra: list[str]) -> dict:
@@ -121,7 +138,21 @@ RATIOS = (
      "migration_fault_to_first_step_seconds", "Lightning job / our own loop, warm spare (fault -> first step)"),
     ("torchtitan_over_reference_ratio", "torchtitan_migration_fault_to_first_step_seconds",
      "migration_fault_to_first_step_seconds", "TorchTitan job / our own loop, warm spare (fault -> first step)"),
+    ("hosts_over_loopback_xid79_ratio", "hosts_xid79_fault_to_first_step_seconds",
+     "migration_fault_to_first_step_seconds", "Xid 79: namespaced hosts / loopback (fault -> first step)"),
+    ("hosts_over_loopback_power_off_ratio", "hosts_power_off_fault_to_first_step_seconds",
+     "sentinel_kill_fault_to_first_step_seconds", "power-off on hosts / kill -9 on loopback (fault -> first step)"),
 )
+
+
+def bridge_bytes(r: dict) -> float | None:
+    """Bytes that crossed the bridge into the hosts that ended in the job without being in it at
+    the fault (the spares): the state restored into them plus their training traffic to the end."""
+    moved = r.get("bridge_bytes_since_fault")
+    if not moved:
+        return None
+    spares = [n for n in r.get("final_nodes", []) if n.startswith("spare")]
+    return float(sum(moved.get(n, {}).get("to_host", 0) for n in spares))
 
 
 def by_path(runs: list[dict]) -> dict[str, list[dict]]:
@@ -159,6 +190,9 @@ def summarise(runs: list[dict]) -> dict[str, float | None]:
         verified = [r for r in ok if "verify" in r]
         if verified:
             figures[f"{p}bitwise_equal_fraction"] = sum(bool(r["verify"]["bitwise_equal"]) for r in verified) / len(verified)
+        moved = [b for b in map(bridge_bytes, ok) if b is not None]
+        if moved:
+            figures[f"{p}bytes_into_spare_hosts"] = median(moved)
     for name, num, den, _ in RATIOS:
         if figures.get(num) and figures.get(den):
             figures[name] = figures[num] / figures[den]
@@ -172,17 +206,22 @@ def main() -> None:
     ap.add_argument("--etcd", action="store_true", help="also the etcd-v2 rendezvous (needs etcd on PATH)")
     ap.add_argument("--only", help="comma-separated paths to run (default: all but warm-etcd, lightning and torchtitan)")
     ap.add_argument("--trainer", choices=["lightning", "torchtitan"],
-                    help="compare that trainer's job with our own loop: the paths warm and lightning, side by side")
+                    help="compare that trainer's job with our own loop: the paths warm and that trainer's, side by side")
+    ap.add_argument("--hosts", choices=["loopback", "netns"], default="loopback",
+                    help="netns: the host faults on namespaced hosts (root), each beside its loopback counterpart "
+                         f"in the same run ({', '.join(HOST_PATHS)})")
     _report.add_json_argument(ap)
     args, extra = ap.parse_known_args()
     if args.smoke:
-        args.runs, args.only = args.runs or 1, args.only or "warm,crash"
+        args.runs = args.runs or 1
+        args.only = args.only or ("warm,hosts-xid79" if args.hosts == "netns" else "warm,crash")
         extra = SMOKE_ARGS + extra
     args.runs = 5 if args.runs is None else args.runs
     if args.trainer and not args.only:
         args.only = f"warm,{args.trainer}"
-    names = args.only.split(",") if args.only else [n for n in PATHS if n not in ("lightning", "torchtitan")
-                                                       and (n != "warm-etcd" or args.etcd)]
+    default = HOST_PATHS if args.hosts == "netns" else [n for n in PATHS if n not in HOST_PATHS[1:]
+                                                        and n not in ("lightning", "torchtitan")]
+    names = args.only.split(",") if args.only else [n for n in default if n != "warm-etcd" or args.etcd]
     unknown = set(names) - set(PATHS)
     if unknown:
         ap.error(f"unknown path(s) {sorted(unknown)}; choose from {sorted(PATHS)}")
@@ -213,7 +252,7 @@ def main() -> None:
         return f"{statistics.median(vals):.2f} / {max(vals):.2f}" if vals else "-"
 
     print(f"\n{'path':<38} {'ok':>5} {'fault->first step s':>20} {'trip->first step s':>19} {'recomputed':>11}"
-          f" {'bitwise':>8}")
+          f" {'bitwise':>8} {'MB into spare':>14}")
     for n in names:
         ok = [r for r in rows[n] if r.get("ok")]
         trip = [r["trip_to_first_step_seconds"] for r in ok if r.get("trip_to_first_step_seconds") is not None]
@@ -221,8 +260,9 @@ def main() -> None:
         lost = [len(r["recomputed_steps"]) for r in ok]
         verified = [r for r in ok if "verify" in r]
         bitwise = f"{sum(r['verify']['bitwise_equal'] for r in verified)}/{len(verified)}" if verified else "-"
+        moved = [b / 1e6 for b in map(bridge_bytes, ok) if b is not None]
         print(f"{PATHS[n][0]:<38} {len(ok)}/{len(rows[n]):<3} {fmt(fault):>20} {fmt(trip) if n != 'crash' else '-':>19}"
-              f" {fmt(lost):>11} {bitwise:>8}")
+              f" {fmt(lost):>11} {bitwise:>8} {fmt(moved):>14}")
     figures = summarise(results.runs)
     shown = [(label, figures[name]) for name, _, _, label in RATIOS if figures.get(name)]
     if shown:

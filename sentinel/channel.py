@@ -76,7 +76,8 @@ REQUEST_TYPES = ("snapshot", "migrate")
 # What a rank reports to its node's daemon unasked (rank -> daemon): the job's own view of its
 # health. "hang": the ranks that can still talk named a culprit on this node (or found none);
 # "straggler": the job's progress exchange scored this node as slow. See sentinel.jobhealth.
-REPORT_KINDS = ("hang", "straggler")
+# "rendezvous": the job's agent could not reach the rendezvous store (trainer.elastic).
+REPORT_KINDS = ("hang", "straggler", "rendezvous")
 MAX_MESSAGE = 4096
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 

@@ -37,6 +37,9 @@ HANG_CULPRIT_HERE = gauge("sentinel_job_hang_culprit_here",
 STRAGGLER_SCORE = gauge("sentinel_job_straggler_score",
                         "This node's straggler score: relative (its compute time over the job's median) and "
                         "individual (over its own best)", "kind")
+RENDEZVOUS_STORE_UP = gauge("sentinel_job_rendezvous_store_up",
+                            "0 once this node's agent reported that the job's rendezvous store cannot be reached "
+                            "(the job cannot take a new membership); left out until an agent reports")
 STRAGGLER_CAUSE = gauge("sentinel_job_straggler_cause_info",
                         "Why this node is slow, as its GPUs report it (clock-event reasons, PCIe, NVLink); "
                         "cause=none when nothing was seen", "cause")
@@ -57,13 +60,15 @@ def _nvlink_errors(g: GpuReading) -> float | None:
 
 @dataclass
 class JobHealth:
-    FAMILIES = (JOB_REPORTS, HANG_CULPRIT_HERE, STRAGGLER_SCORE, STRAGGLER_CAUSE)  # not a field: no annotation
+    FAMILIES = (JOB_REPORTS, HANG_CULPRIT_HERE, STRAGGLER_SCORE, STRAGGLER_CAUSE,  # not a field: no annotation
+                RENDEZVOUS_STORE_UP)
 
     node: str
     settings: StragglerSettings = field(default_factory=StragglerSettings)
     handover_seconds: float = DEFAULT_HANDOVER_SECONDS
     hang: dict[str, Any] | None = None  # the newest hang verdict a rank reported
     straggler: dict[str, Any] | None = None  # the newest straggler report, with causes and decision
+    rendezvous: dict[str, Any] | None = None  # the agent's word on the rendezvous store (it cannot be reached)
     counts: dict[str, int] = field(default_factory=dict)
     _previous: dict[int, _Previous] = field(default_factory=dict)
     _widest: dict[int, float] = field(default_factory=dict)
@@ -101,6 +106,9 @@ class JobHealth:
         trips: list[Trip] = []
         for rep in reports:
             self.counts[rep.kind] = self.counts.get(rep.kind, 0) + 1
+            if rep.kind == "rendezvous":
+                self._rendezvous(rep, now)
+                continue
             if rep.kind == "hang":
                 trip = self._hang(rep, now)
             else:
@@ -123,6 +131,17 @@ class JobHealth:
                     f"({d.get('kind')}): {str(d.get('evidence', ''))[:300]}",
                     values={"culprit_rank": float(here[0]) if here else -1.0, "step": float(rep.step)})
 
+    def _rendezvous(self, rep: Any, now: float) -> None:
+        """The agent (trainer.elastic) could not reach the job's rendezvous store: shown in status
+        and /metrics, no trip (nothing this node's hand-over could fix)."""
+        d = rep.detail
+        store, error = d.get("store"), d.get("error", "")
+        if not isinstance(store, str) or not isinstance(error, str) or not isinstance(d.get("reachable"), bool):
+            self.counts["rendezvous_malformed"] = self.counts.get("rendezvous_malformed", 0) + 1
+            return
+        self.rendezvous = {"time": now, "store": store[:200], "reachable": d["reachable"], "error": error[:300],
+                           "reported_by_pid": rep.pid}
+
     def _straggler(self, rep: Any, now: float) -> Trip | None:
         d = rep.detail
         try:
@@ -136,20 +155,26 @@ class JobHealth:
             return None
         steps_left = d.get("steps_left")
         steps_left = steps_left if isinstance(steps_left, int) and not isinstance(steps_left, bool) else None
-        why = causes(self._evidence, self.settings)
+        link = d.get("link_relative")  # a slow link: this node's link time over the job's median
+        link = float(link) if isinstance(link, (int, float)) and not isinstance(link, bool) and math.isfinite(link) else None
+        why = causes(self._evidence, self.settings) + ([f"network link {link:.1f}x slower than the job's median"]
+                                                        if link is not None else [])
         verdict = decide(relative, step_seconds, steps_left, self.handover_seconds)
         self.straggler = {"time": now, "relative": relative, "individual": individual, "step_seconds": step_seconds,
                           "steps_left": steps_left, "causes": why, "action": verdict.action, "why": verdict.why,
-                          "step": rep.step}
+                          "step": rep.step, "link_relative": link}
         cause = "; ".join(why) if why else "no hardware cause seen (host, input pipeline or a noisy neighbour)"
-        return Trip("straggler", verdict.action, NODE, "straggler",
-                    f"straggler: {relative:.2f}x the job's median compute ({cause}); {verdict.why}",
+        what = (f"the job runs {relative:.2f}x slower than its best" if link is not None
+                else f"{relative:.2f}x the job's median compute")
+        return Trip("straggler", verdict.action, NODE, "straggler", f"straggler: {what} ({cause}); {verdict.why}",
                     values={"relative": relative, "individual": individual})
 
     def gauges(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
         if self.hang is not None:  # left out until the job reported a verdict (most nodes, always)
             out[HANG_CULPRIT_HERE.key()] = 1.0 if self.hang["here"] else 0.0
+        if self.rendezvous is not None:
+            out[RENDEZVOUS_STORE_UP.key()] = 1.0 if self.rendezvous["reachable"] else 0.0
         if self.straggler is not None and self._now - self.straggler["time"] <= self.stale_seconds:
             out[STRAGGLER_SCORE.key(kind="relative")] = self.straggler["relative"]
             out[STRAGGLER_SCORE.key(kind="individual")] = self.straggler["individual"]
@@ -161,7 +186,7 @@ class JobHealth:
         return {JOB_REPORTS.key(kind=k): float(n) for k, n in self.counts.items()}
 
     def status(self) -> dict[str, Any]:
-        return {"hang": self.hang, "straggler": self.straggler}
+        return {"hang": self.hang, "straggler": self.straggler, "rendezvous": self.rendezvous}
 
 
 def status_lines(job: dict) -> list[str]:
@@ -172,9 +197,14 @@ def status_lines(job: dict) -> list[str]:
         where = "this node" if hang.get("here") else ", ".join(map(str, hang.get("hosts") or [])) or "-"
         out.append(f"hang: {hang.get('kind')} at step {hang.get('step')}: culprit rank(s) "
                    f"{hang.get('culprits')} on {where}: {hang.get('evidence')}")
+    rdzv = job.get("rendezvous") if isinstance(job, dict) else None
+    if isinstance(rdzv, dict) and rdzv.get("reachable") is False:
+        out.append(f"rendezvous store {rdzv.get('store')} cannot be reached ({rdzv.get('error')}): this job cannot "
+                   "take a new membership (a node's hand-over, a restart) without it")
     st = job.get("straggler") if isinstance(job, dict) else None
     if isinstance(st, dict):
         causes = "; ".join(map(str, st.get("causes") or [])) or "no hardware cause seen"
-        out.append(f"straggler: {st.get('relative', 0):.2f}x the job's median compute ({st.get('individual', 0):.2f}x "
-                   f"its own best) at step {st.get('step')}: {causes} -> {st.get('action')}: {st.get('why')}")
+        what = (f"the job runs {st.get('relative', 0):.2f}x slower than its best" if st.get("link_relative")
+                else f"{st.get('relative', 0):.2f}x the job's median compute ({st.get('individual', 0):.2f}x its own best)")
+        out.append(f"straggler: {what} at step {st.get('step')}: {causes} -> {st.get('action')}: {st.get('why')}")
     return out

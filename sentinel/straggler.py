@@ -150,6 +150,30 @@ class StragglerTracker:
         self.last.pop(node, None)
 
 
+# A link straggler is judged by the same rule (min_windows windows in a row at or above a
+# threshold of the job's median), on a node's link time instead of its compute time. Its own
+# threshold: a link measured on a busy host swings more than a compute time, and a degraded link
+# is not 30 % slower but several times (a 100 Gb/s port at 25 Gb/s; tc tbf in the drill: ~50x).
+LINK_RELATIVE_THRESHOLD = 3.0
+
+
+def node_link_seconds(links: Iterable[tuple[str, str, float]]) -> dict[str, float]:
+    """Per node its link time from the links measured between nodes: ``(from node, to node,
+    seconds per MB)`` (the memory tier's replica of each rank, timed by the rank receiving it). A
+    host whose own link is slow slows every link into it and out of it; its ring neighbours see
+    only one of theirs slow. So a node's link time is the faster of its slowest link in and its
+    slowest link out; a node without a link measured both ways is left out. With two nodes both
+    see the same one slow link and neither stands out: it takes three to tell which end is slow."""
+    into: dict[str, float] = {}
+    out: dict[str, float] = {}
+    for src, dst, seconds in links:
+        if src == dst or not math.isfinite(seconds) or seconds <= 0:
+            continue
+        into[dst] = max(into.get(dst, 0.0), seconds)
+        out[src] = max(out.get(src, 0.0), seconds)
+    return {n: min(into[n], out[n]) for n in into if n in out}
+
+
 @dataclass(frozen=True)
 class GpuEvidence:
     """What the daemon read about one GPU: its clock-event reasons now, and counter deltas over

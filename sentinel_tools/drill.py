@@ -37,6 +37,8 @@ from sentinel_tools.drill_report import Timeline, cached_reference, print_timeli
 from sentinel_tools.harness import PROGRESS_EVERY, DrillError, alive, descendants, progress, repo_root, wait
 from sentinel_tools.ports import PORT_RESERVATION_SECONDS, PORT_RESERVATIONS, free_port, free_ports
 
+DEFAULT_NODES = 2
+
 # the names other modules and tests import from here, where they lived before the split
 __all__ = ["FAULTS", "TRAINERS", "NO_NODE_WAIT_SECONDS", "PORT_RESERVATIONS", "PORT_RESERVATION_SECONDS", "PROGRESS_EVERY",
            "SPARE_CALL_WAIT_SECONDS", "Drill", "DrillError", "Node", "Timeline", "add_arguments", "alive",
@@ -50,7 +52,9 @@ TRAINERS = {"reference": set(FAULTS), "lightning": {"xid79", "kill"}, "torchtita
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--nodes", type=int, default=None,
+                   help=f"nodes of the job (default {DEFAULT_NODES}; 3 for --fault slow-link: two nodes share their "
+                        "one link, and it takes a third to tell which end is slow)")
     p.add_argument("--spares", type=int, default=1)
     p.add_argument("--procs-per-node", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=2, help="simulated GPUs per node")
@@ -83,9 +87,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agent", choices=["warm", "torchrun"], default="warm",
                    help="warm: python -m trainer.elastic, preloaded forkserver, warm spares, graceful leave;"
                         " torchrun: plain torchrun and cold spares (the before)")
-    p.add_argument("--rdzv-backend", choices=["c10d", "etcd-v2", "sentinel"], default="c10d",
+    p.add_argument("--rdzv-backend", choices=["c10d", "etcd-v2", "sentinel"], default=None,
                    help="c10d: a standalone TCPStore; etcd-v2: a local etcd (Debian etcd-server) on loopback; "
-                        "sentinel: rank-preserving slots on the standalone TCPStore (--agent warm only)")
+                        "sentinel: rank-preserving slots on the standalone TCPStore (--agent warm only). Default: "
+                        "c10d; sentinel for --fault partition (its generations fence the cut-off host)")
     p.add_argument("--start-method", choices=["spawn", "fork", "forkserver"], default="spawn",
                    help="torchrun worker start method (--agent torchrun; a -m module ignores it)")
     p.add_argument("--timeout", type=float, default=180.0)
@@ -119,7 +124,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the interpreter the job runs (default: this one); --user needs one that user can run")
 
 
+def fault_defaults(args: argparse.Namespace) -> str:
+    """The sizes and backend the fault needs where the command line left them out (``--nodes``:
+    2, or the fault's minimum; ``--rdzv-backend``: c10d, or the fault's); the one-line error when
+    the command line asks for less, else ""."""
+    fault = faults.get(args.fault)
+    if args.nodes is None:
+        args.nodes = max(DEFAULT_NODES, fault.min_nodes)
+    elif args.nodes < fault.min_nodes:
+        return f"--fault {args.fault} needs --nodes {fault.min_nodes} or more ({fault.min_nodes_why})"
+    if args.rdzv_backend is None:
+        args.rdzv_backend = fault.rdzv_backend or "c10d"
+    elif fault.rdzv_backend and args.rdzv_backend != fault.rdzv_backend:
+        return f"--fault {args.fault} needs --rdzv-backend {fault.rdzv_backend} ({fault.rdzv_why})"
+    return ""
+
+
 def run_drill(args: argparse.Namespace) -> int:
+    why = fault_defaults(args)
+    if why:
+        print(f"sentinel drill: {why}", file=sys.stderr)
+        return 2
+    fault = faults.get(args.fault)
     if args.rdzv_backend == "sentinel" and args.agent != "warm":
         print("sentinel drill: --rdzv-backend sentinel needs --agent warm (plain torchrun does not register it)",
               file=sys.stderr)
@@ -139,7 +165,6 @@ def run_drill(args: argparse.Namespace) -> int:
         return 2
     if trainer == "torchtitan":
         args.memory_interval_steps = 0  # the snapshot is torchtitan's checkpoint: no memory tier (docs/integrations.md)
-    fault = faults.get(args.fault)
     if fault.needs_hosts and args.hosts != "netns":
         print(f"sentinel drill: --fault {args.fault} is a fault of a whole host: it needs --hosts netns", file=sys.stderr)
         return 2

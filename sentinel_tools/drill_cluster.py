@@ -148,7 +148,9 @@ class Drill:
         a = self.args
         nnodes = f"{a.min_nodes or a.nodes}:{a.nodes}"
         # etcd-v2 is torch's dynamic rendezvous (as c10d) with its state in etcd: the same settings
-        rdzv_conf = ("protocol=http," if a.rdzv_backend == "etcd-v2" else "is_host=false,") + (
+        # read_timeout: a store call on a store whose host is gone fails after 10 s, not torch's 60 s
+        # (the agent then says in one line that the job cannot go on: --fault store-host)
+        rdzv_conf = ("protocol=http," if a.rdzv_backend == "etcd-v2" else "is_host=false,read_timeout=10,") + (
             f"keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2,join_timeout={int(a.timeout)}")
         py = self.python
         launch = [py, "-m", "sentinel", "launch", "--pidfile", str(node.local(node.pidfile)), "--state-dir",

@@ -18,6 +18,7 @@ link, mount and process, also when the drill fails.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -194,7 +195,18 @@ class NetnsDrill(Drill):
             lines += [f"{n.name}: {line}" for line in text.splitlines() if line.startswith(STORE_LOSS_LINE)]
         t_fault = next(iter(self.fault_times), None)
         seconds = round(self.job_dead_at - t_fault, 3) if self.job_dead_at and t_fault else None
-        return {"line": lines[0] if lines else "", "agents_saying_so": len(lines), "seconds_after_fault": seconds}
+        daemons = [n.name for n in self.nodes if not n.spare or n.agent is not None
+                   if ((self.daemon_job_status(n) or {}).get("rendezvous") or {}).get("reachable") is False]
+        return {"line": lines[0] if lines else "", "agents_saying_so": len(lines), "seconds_after_fault": seconds,
+                "daemons_saying_so": daemons}
+
+    def daemon_job_status(self, node: Node) -> dict[str, Any] | None:
+        """The ``job`` part of ``node``'s daemon status (what ``sentinel status`` prints)."""
+        try:
+            job = json.loads((node.runtime / "status.json").read_text()).get("job")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return job if isinstance(job, dict) else None
 
     def cleanup(self) -> None:
         try:

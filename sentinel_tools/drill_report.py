@@ -271,7 +271,7 @@ def print_timeline(result: dict[str, Any]) -> None:
             print("store lost: the job finished without it (it needed no new membership after the fault)")
         else:
             print(f"store lost: {lost['line'] or 'no agent said why'} (the job was gone {lost['seconds_after_fault']} s "
-                  "after the fault)")
+                  f"after the fault; in the status of the daemons of {', '.join(lost.get('daemons_saying_so') or []) or '-'})")
     for note in result["migration_notes"] + result.get("notes", []):
         print(f"note: {note}")
     if "verify" in result:

@@ -393,6 +393,10 @@ def run_slurm_drill(args) -> int:
     if getattr(args, "trainer", "reference") != "reference":
         print("sentinel drill: --scheduler slurm runs the reference job only (--trainer reference)", file=sys.stderr)
         return 2
+    refused = drill.fault_defaults(args)
+    if refused:
+        print(f"sentinel drill: {refused}", file=sys.stderr)
+        return 2
     if getattr(args, "hosts", "loopback") != "loopback":
         print("sentinel drill: --scheduler slurm runs its nodes on loopback; --hosts netns is not wired to it yet",
               file=sys.stderr)

@@ -111,3 +111,60 @@ def test_status_lines_say_who_hung_and_why_a_node_is_slow():
     assert lines[0].startswith("hang: stopped at step 41: culprit rank(s) [3] on this node")
     assert "1.50x the job's median compute" in lines[1] and "GPU 0: hw_slowdown" in lines[1] and "-> alert" in lines[1]
     assert status_lines({}) == []
+
+
+def test_a_store_the_agent_cannot_reach_shows_in_status_and_metrics_and_trips_nothing():
+    """#41 store-host: trainer.elastic's last word when the rendezvous store is gone."""
+    from sentinel.jobhealth import RENDEZVOUS_STORE_UP, status_lines
+
+    jh = JobHealth("node1")
+    lost = Report("rendezvous", 0, -1, {"store": "198.18.0.2:29400", "reachable": False,
+                                        "error": "DistNetworkError: Broken pipe"})
+    assert decode(lost.encode()) == lost
+    assert jh.observe([lost, Report("rendezvous", 0, -1, {"store": 7, "reachable": False})], 1.0) == []
+    assert jh.counts["rendezvous_malformed"] == 1 and jh.status()["rendezvous"]["store"] == "198.18.0.2:29400"
+    assert jh.gauges()[RENDEZVOUS_STORE_UP.key()] == 0.0
+    (line,) = status_lines(jh.status())
+    assert line.startswith("rendezvous store 198.18.0.2:29400 cannot be reached (DistNetworkError: Broken pipe)")
+    assert RENDEZVOUS_STORE_UP.key() not in JobHealth("node2").gauges()  # left out until an agent reports
+
+
+def test_the_agent_tells_its_daemon_the_store_is_gone_before_it_exits(shared_tmp):
+    """The agent is one of the job's processes: its report is accepted (read while it lingers)."""
+    runtime = shared_tmp
+    register_agent(runtime)
+    daemon = DaemonEndpoint(runtime)
+    code = ("import sys; from trainer import elastic; elastic.REPORT_LINGER_SECONDS = 3.0; "
+            "elastic._tell_daemon_store_lost('198.18.0.2:29400', 'DistNetworkError: Broken pipe')")
+    agent = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "SENTINEL_RUNTIME_DIR": str(runtime)})
+    try:
+        got = []
+        deadline = time.monotonic() + 20
+        while not got and time.monotonic() < deadline:
+            daemon.poll_acks()
+            got += daemon.take_reports()
+            time.sleep(0.05)
+        assert [(r.kind, r.pid, r.detail["store"], r.detail["reachable"]) for r in got] == [
+            ("rendezvous", agent.pid, "198.18.0.2:29400", False)]
+        assert agent.wait(30) == 0
+    finally:
+        agent.kill()
+        daemon.close()
+
+
+def test_a_slow_link_straggler_says_the_link_and_weighs_the_jobs_slowdown():
+    """#41 slow-link: ``relative`` is the job's slowdown since its best window (what the hand-over
+    wins back), ``link_relative`` the node's link time over the job's median."""
+    from sentinel.jobhealth import status_lines
+
+    jh = JobHealth("node1", handover_seconds=5.0)
+    rep = Report("straggler", 2, 41, {"relative": 7.8, "individual": 1.1, "step_seconds": 1.1, "steps_left": 18,
+                                      "link_relative": 392.0})
+    (trip,) = jh.observe([rep], 1.0)
+    assert trip.action == "migrate" and "the job runs 7.80x slower than its best" in trip.message
+    assert "network link 392.0x slower than the job's median" in trip.message
+    (line,) = status_lines(jh.status())
+    assert "the job runs 7.80x slower than its best" in line and "-> migrate" in line
+    near_end = Report("straggler", 2, 58, {"relative": 7.8, "step_seconds": 1.1, "steps_left": 1, "link_relative": 392.0})
+    (trip,) = jh.observe([near_end], 2.0)
+    assert trip.action == "alert" and "less than the hand-over's" in trip.message  # it would not pay

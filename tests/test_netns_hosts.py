@@ -1,7 +1,12 @@
 """Real hosts on one machine (#41): every node, spare and the store in its own network and mount
-namespace on one bridge (sentinel_tools.netns), and `sentinel drill --hosts netns` on 4 hosts +
-1 spare with 2 ranks each. Root only: skipped with the reason elsewhere (a failure under CI=true,
-conftest). Every test leaves nothing behind: no namespace, no link, no process of its own."""
+namespace on one bridge (sentinel_tools.netns), and `sentinel drill --hosts netns` for each host
+fault. Each drill runs at the smallest size its fault can be judged at (2 hosts + 1 spare; 2 ranks
+a host where the fault is about a host's ranks: power-off's peer replicas, hang-host; 3 hosts for
+slow-link, which needs a third to tell which end of a link is slow): the drills are the suite's
+longest tests, run one at a time (xdist group "netns"). The issue's 4 hosts + 1 spare x 2 ranks
+runs are the same drills by hand (docs/drill.md). Root only: skipped with the reason elsewhere (a
+failure under CI=true, conftest). Every test leaves nothing behind: no namespace, no link, no
+process of its own."""
 
 from __future__ import annotations
 
@@ -22,7 +27,8 @@ pytestmark = [pytest.mark.needs_root, pytest.mark.slow]
 if netns.missing():
     pytest.skip(netns.missing(), allow_module_level=True)
 
-HOSTS = ["--hosts", "netns", "--nodes", "4", "--spares", "1", "--procs-per-node", "2"]
+HOSTS = ["--hosts", "netns", "--spares", "1"]
+TWO_RANKS = ["--procs-per-node", "2"]
 
 
 def processes_naming(text: str) -> list[int]:
@@ -131,7 +137,7 @@ def test_cleanup_removes_what_a_dead_owner_left_and_nothing_of_a_live_one(cluste
         netns.cleanup(records)
 
 
-# -- drills on 4 hosts + 1 spare, 2 ranks each --------------------------------------------------
+# -- drills on namespaced hosts ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def references(tmp_path_factory) -> Path:
     return session_shared_dir(tmp_path_factory, "drill-references")
@@ -184,7 +190,7 @@ def test_xid79_on_hosts_hands_over_with_no_lost_step_bitwise(host_drill):
 
 
 def test_power_off_resumes_from_peer_replicas_pulled_over_the_bridge(host_drill):
-    r = host_drill("--fault", "power-off", "--verify")
+    r = host_drill("--fault", "power-off", "--verify", *TWO_RANKS)
     assert r["ok"] and r["rc"] == 0, why(r)
     assert len(r["recomputed_steps"]) <= 1 and r["verify"]["bitwise_equal"], why(r)
     # the lost host's two shards came from their replicas on another host, pulled into the spare's
@@ -192,20 +198,17 @@ def test_power_off_resumes_from_peer_replicas_pulled_over_the_bridge(host_drill)
     assert r["power_off"]["bytes_into_spare_hosts"] > 0 and r["bridge_bytes_since_fault"]["node1"]["to_host"] == 0
 
 
-def test_store_host_power_off_is_said_in_one_line_within_30_s(host_drill):
-    """A single c10d store has no replica: the job cannot take a new membership, and must say so
-    in one line, not hang. A job that needs none before its end (the agents learn of the store's
-    loss only when they call it) finishes, bitwise; which of the two happens is the store's timing."""
-    r = host_drill("--fault", "store-host", "--verify")
+def test_store_host_power_off_is_said_in_one_line_within_30_s_and_in_the_daemons_status(host_drill):
+    """A single c10d store has no replica: once the store's host is gone and a rank crashes, the
+    job cannot take a new membership, and must say so in one line, not hang; the daemons of the
+    nodes whose agents said it show it in their status (job.rendezvous)."""
+    r = host_drill("--fault", "store-host")
     assert r["ok"] and r["rc"] == 0, why(r)
-    assert r["failed_node"] == "store"
+    assert r["failed_node"] == "store" and not r["finished"]
     lost = r["store_lost"]
-    if r["finished"]:
-        assert r["recomputed_steps"] == [] and r["verify"]["bitwise_equal"], why(r)
-    else:
-        assert "cannot be reached" in lost["line"] and "this job cannot continue" in lost["line"], why(r)
-        assert lost["seconds_after_fault"] is not None and lost["seconds_after_fault"] <= 30, why(r)
-        assert lost["agents_saying_so"] >= 1
+    assert "cannot be reached" in lost["line"] and "this job cannot continue" in lost["line"], why(r)
+    assert lost["seconds_after_fault"] is not None and lost["seconds_after_fault"] <= 30, why(r)
+    assert lost["agents_saying_so"] >= 1 and lost["daemons_saying_so"], why(r)
 
 
 def test_partition_goes_on_without_the_cut_off_host_and_it_never_steps_again(host_drill):
@@ -215,6 +218,13 @@ def test_partition_goes_on_without_the_cut_off_host_and_it_never_steps_again(hos
     p = r["partition"]
     assert p["healed_seconds_after_fault"] is not None, why(r)  # the link came back while the job ran on
     assert p["cut_off_host_steps_after_fault"] == [] and p["same_rank_twice"] == [], why(r)
+    # fencing by generation: the cut-off agent's arrival was refused and it left by itself (before
+    # the teardown), and the snapshot directory's fence moved past its generation (the commits
+    # the job made after the fault record the newer one)
+    left = p["cut_off_agent"]
+    assert left["exited"] and left["exit_status"] == 0 and "belongs to another node" in left["line"], why(r)
+    assert p["fence"]["generation"] >= 2 and p["commit_generations"], why(r)
+    assert max(p["commit_generations"].values()) == p["fence"]["generation"], why(r)
     assert "node1" not in r["final_nodes"] and "spare0" in r["final_nodes"]
     assert r["restore"]["tier"] == "memory" and r["restore"]["peer"], why(r)
 
@@ -222,10 +232,51 @@ def test_partition_goes_on_without_the_cut_off_host_and_it_never_steps_again(hos
 def test_hang_host_hands_over_though_no_rank_of_the_culprit_host_can_report(host_drill):
     """Every rank of node1 stopped: the live ranks' daemons forward the verdict to node1's daemon
     over the bridge (sentinel.peers), which hands its node over."""
-    r = host_drill("--fault", "hang-host", "--verify")
+    r = host_drill("--fault", "hang-host", "--verify", *TWO_RANKS)
     assert r["ok"] and r["rc"] == 0, why(r)
     assert len(r["recomputed_steps"]) <= 1 and r["verify"]["bitwise_equal"], why(r)
     health = r["job_health"]
     assert health["rule"] == "hang" and "forwarded by" in health["reason"], why(r)
     assert health["last_completed_step_to_handover_seconds"] <= 60, why(r)
     assert "spare0" in r["final_nodes"] and "node1" not in r["final_nodes"]
+
+
+def test_slow_link_names_the_host_within_20_steps_and_hands_over_only_when_it_pays(host_drill):
+    """tc tbf 20 Mbit/s on node1's link (its defaults: 3 hosts): compute stays equal, so the
+    straggler logic needs the links; the replicas name node1, and the daemon hands over because
+    the job runs several times slower for the steps left (an alert would say it would not pay)."""
+    r = host_drill("--fault", "slow-link", "--verify")
+    assert r["ok"] and r["rc"] == 0, why(r)
+    s = r["slow_link"]
+    assert any("network link" in c for c in s["straggler_seen"]["causes"]), why(r)
+    assert s["steps_to_detect"] is not None and s["steps_to_detect"] <= 20, why(r)
+    if s["handed_over"]:
+        assert s["rule"] == "straggler" and "network link" in s["reason"], why(r)
+        assert "spare0" in r["final_nodes"] and "node1" not in r["final_nodes"], why(r)
+        assert len(r["recomputed_steps"]) <= 1 and r["verify"]["bitwise_equal"], why(r)
+    else:
+        assert s["straggler_seen"]["action"] == "alert" and "would save" in s["straggler_seen"]["why"], why(r)
+
+
+def test_migration_bench_smoke_puts_host_rows_beside_loopback_ones(tmp_path):
+    """bench/migration.py --hosts netns --smoke: the Xid 79 drill on namespaced hosts beside the
+    loopback one, in one run: both hand over with no lost step, the spare's host took bytes over
+    the bridge, and the ratio of their fault -> first step is in the report (the figure #41's
+    1.5x is judged on, from a full run: docs/benchmarks.md)."""
+    from bench_smoke import LIMIT_S, command
+
+    out = tmp_path / "migration.json"
+    cmd = command("migration", out, "--hosts", "netns")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT_S, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    figures = doc["figures"]
+    assert [run["path"] for run in doc["runs"]] == ["warm", "hosts-xid79"]
+    assert figures["migration_ok_fraction"] == 1.0 and figures["hosts_xid79_ok_fraction"] == 1.0, r.stdout[-3000:]
+    assert figures["hosts_xid79_lost_steps"] == 0 and figures["hosts_xid79_bytes_into_spare_hosts"] > 0
+    assert figures["hosts_over_loopback_xid79_ratio"] > 0 and len(doc["host"]["loadavg"]) == 3
+    assert "Xid 79: namespaced hosts / loopback (fault -> first step)" in r.stdout
+    for run in doc["runs"]:
+        if run["drill"].get("netns_cluster"):
+            assert_nothing_left(run["drill"]["netns_cluster"])

@@ -225,6 +225,60 @@ def test_a_node_declared_dead_is_replaced_and_its_stale_generation_rejected(serv
         frozen.wait(10)
 
 
+CUT_OFF_NODE = """
+import sys, torch.distributed as dist
+from datetime import timedelta
+from trainer.slot_rendezvous import SlotRendezvousHandler, SlotTakenError
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=60))
+h = SlotRendezvousHandler(store, "job", 3, local_addr="127.0.0.1", keep_alive_interval=0.2, admission_timeout=0.5)
+print("joined", h.next_rendezvous().rank, flush=True)
+sys.stdin.readline()  # cut off (SIGSTOP) meanwhile; back now, still at generation 1
+print("heartbeat", h.heartbeat(), flush=True)
+print("leave", h.leave(), flush=True)
+print("shutdown", h.shutdown(), flush=True)
+print("refused", h.stats.refused + h.heartbeat_stats.refused, flush=True)
+try:
+    h.next_rendezvous()
+    print("rejoin", "accepted", flush=True)
+except SlotTakenError:
+    print("rejoin", "refused", flush=True)
+"""
+
+
+def test_a_cut_off_node_back_after_its_replacement_has_every_write_refused_by_the_generation_fence(server):
+    """Fencing by generation (#41, partition): the node's heartbeat, its leave (which would mark
+    the spare's slot LEFT and post a vacancy) and its shutdown (which would close the job's
+    rendezvous) are refused, and nothing of the newer generation changed."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    node = subprocess.Popen([sys.executable, "-c", CUT_OFF_NODE, str(server.port)], env=env, cwd=REPO,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        hs = [handler(server, 3, join_timeout=120.0), handler(server, 3, join_timeout=120.0)]
+        rendezvous(hs)
+        slot = int(node.stdout.readline().split()[1])
+        node.send_signal(signal.SIGSTOP)
+        spare = handler(server, 3)
+        infos = rendezvous([*hs, spare])
+        assert infos[2].rank == slot and spare.gen == 2
+        key = f"sentinel.rdzv.job/hb/{slot}"
+        wait_for(lambda: server.get(key).decode().startswith(spare.node_id), 10, what="the spare's heartbeat")
+        vacancies = server.add("sentinel.rdzv.job/vacancies", 0)
+        node.send_signal(signal.SIGCONT)
+        node.stdin.write("go\n")
+        node.stdin.flush()
+        said = dict(node.stdout.readline().rstrip("\n").split(" ", 1) for _ in range(5))
+        assert said["heartbeat"] == "False" and said["shutdown"] == "False", said
+        assert said["leave"].startswith("fenced: slot") and "nothing written" in said["leave"], said
+        assert int(said["refused"]) >= 3 and said["rejoin"] == "refused", said
+        assert server.get(key).decode().startswith(spare.node_id)
+        assert server.add("sentinel.rdzv.job/vacancies", 0) == vacancies
+        assert not server.check(["sentinel.rdzv.job/closed"]) and not server.check([f"sentinel.rdzv.job/g3/s{slot}"])
+        assert node.wait(30) == 0
+    finally:
+        node.kill()
+        node.wait(10)
+
+
 def test_closed_rendezvous_is_seen_by_a_waiting_spare(server):
     hs = first_join(server, 2)
     spare = handler(server, 2)

@@ -68,3 +68,23 @@ def test_bad_settings_name_the_key():
         StragglerSettings(relative_threshold=1.0)
     with pytest.raises(StragglerConfigError, match="straggler.window_steps"):
         StragglerSettings(window_steps=0)
+
+
+def test_a_slow_host_link_is_told_from_its_neighbours_by_its_links_both_ways():
+    """#41 slow-link: the replica ring 0->1->2->3->0, node1's link shaped. The links into and out of
+    node1 are slow; node0 (out to node1) and node2 (in from node1) have one fast link each."""
+    from sentinel.straggler import LINK_RELATIVE_THRESHOLD, node_link_seconds
+
+    fast, slow = 0.004, 0.5
+    ring = [("node0", "node1", slow), ("node1", "node2", slow), ("node2", "node3", fast), ("node3", "node0", fast)]
+    links = node_link_seconds(ring)
+    assert links == {"node0": fast, "node1": slow, "node2": fast, "node3": fast}
+    tracker = StragglerTracker(StragglerSettings(relative_threshold=LINK_RELATIVE_THRESHOLD))
+    named = [tracker.observe({n: [v] for n, v in links.items()}) for _ in range(3)]
+    assert named[1] == [] and [s.node for s in named[2]] == ["node1"] and named[2][0].relative > 50
+    three = node_link_seconds([("node0", "node1", slow), ("node1", "node2", slow), ("node2", "node0", fast)])
+    assert max(three, key=three.get) == "node1" and three["node1"] / sorted(three.values())[1] > 50
+    # two nodes share one link both ways: neither end stands out
+    assert node_link_seconds([("node0", "node1", slow), ("node1", "node0", slow)]) == {"node0": slow, "node1": slow}
+    # a link within a node, or one not measured, is no evidence
+    assert node_link_seconds([("node0", "node0", slow), ("node0", "node1", float("nan"))]) == {}

@@ -6,6 +6,10 @@ Contract
   ``COMMITTED`` exists. Rank 0 writes the marker (atomically: a temporary file, fsync, rename)
   once the save completed on every rank (DCP writes its metadata only after gathering every
   rank's writes); a snapshot interrupted halfway has no marker and is never loaded.
+* Fenced by generation (:mod:`trainer.fence`, with the slot rendezvous): the marker records the
+  writer's generation, and a commit by an older generation than the newest that resumed from the
+  directory is refused before anything is written: a cut-off rank 0 never commits, so its
+  snapshot is never loaded.
 * Retention: after each commit, the newest ``keep`` complete snapshots stay; older complete ones
   and abandoned partial ones older than the newest are removed.
 * Before a save into a step directory, rank 0 removes a marker left there (a failed save, or a
@@ -45,6 +49,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from trainer.fence import DirectoryFence, FencedWriteRefused
 from trainer.memory.slot import MemoryTierError
 
 log = logging.getLogger("sentinel.trainer")
@@ -138,10 +143,11 @@ class DiskTier:
     collective on ``group``; :meth:`finish`, :meth:`set_aside` and :meth:`read_part` are not."""
 
     def __init__(self, directory: str | os.PathLike, *, group: Any, rank: int, world: int, keep: int = 3,
-                 async_save: bool = True) -> None:
+                 async_save: bool = True, generation: tuple[str, int] | None = None) -> None:
         if keep < 1:
             raise ValueError("keep must be >= 1")
         self.directory = Path(directory)
+        self.fence = DirectoryFence(self.directory, generation)  # (epoch, generation); None: not fenced
         self.group = group
         self.rank, self.world = rank, world
         self.keep = keep
@@ -150,6 +156,8 @@ class DiskTier:
         self._pool: ThreadPoolExecutor | None = None
         if self.rank == 0:
             _mkdir_private(self.directory, parents=True)
+            # before rank 0 lists what to load: from now on an older generation's commit is refused
+            self.fence.raise_to()
 
     # -- reading ----------------------------------------------------------------------------------
     def snapshots(self) -> list[tuple[int, Path]]:
@@ -212,8 +220,10 @@ class DiskTier:
         if self.rank == 0:
             # A directory left at this step (a failed save, or a corrupt one that could not be
             # moved aside) must not keep vouching for what is written now. Rank 0 is in the save's
-            # first collective, so no rank writes before this unlink.
-            (path / MARKER).unlink(missing_ok=True)
+            # first collective, so no rank writes before this unlink. Fenced: a cut-off rank 0 must
+            # not unlink the marker of what a newer generation committed at this step.
+            with self.fence.commit():
+                (path / MARKER).unlink(missing_ok=True)
         return path
 
     def save(self, step: int, build: Callable[[], Mapping[str, Any]], staged: Callable[[DiskWrite], None]
@@ -276,6 +286,9 @@ class DiskTier:
         if self.rank == 0:
             try:
                 self._commit(write, marker)
+            except FencedWriteRefused as exc:
+                log.error("snapshot at step %d not committed: %s", write.step, exc)
+                return f"commit refused (fenced): {exc}"
             except OSError as exc:
                 return f"commit failed: {exc}"
         return ""
@@ -283,16 +296,19 @@ class DiskTier:
     def _commit(self, write: DiskWrite, extra: Mapping[str, Any]) -> None:
         marker = {"step": write.step, "world_size": self.world, "time": time.time(), "blocked_seconds": write.blocked,
                   **extra}
-        _private_files(write.path)
-        tmp = write.path / f".{MARKER}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            os.fchmod(f.fileno(), 0o600)  # whatever the umask
-            f.write(json.dumps(marker))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, write.path / MARKER)
-        self._retain(write.step)
+        if self.fence.token is not None:
+            marker["epoch"], marker["generation"] = self.fence.token
+        with self.fence.commit():  # refused, nothing written, once a newer generation resumed here
+            _private_files(write.path)
+            tmp = write.path / f".{MARKER}.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                os.fchmod(f.fileno(), 0o600)  # whatever the umask
+                f.write(json.dumps(marker))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, write.path / MARKER)
+            self._retain(write.step)
 
     def _retain(self, newest: int) -> None:
         complete = complete_snapshots(self.directory)

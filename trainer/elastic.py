@@ -73,6 +73,7 @@ log = logging.getLogger("sentinel.elastic")
 DEFAULT_POLL_SECONDS = 0.1
 LEAVE_TIMEOUT_SECONDS = 5.0
 WARM_WAIT_BEAT = 1.0
+REPORT_LINGER_SECONDS = 2.0  # an agent's last report: the daemon (polling each second) reads it while it lives
 
 
 class NodeLeaving(RuntimeError):
@@ -282,6 +283,9 @@ def _polling_delay(rdzv: Rendezvous, original: Callable[..., None], seconds: Any
 def _make_agent_class():
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.rendezvous.api import RendezvousGracefulExitError
+
+    from trainer import fence
 
     class FastAgent(LocalElasticAgent):
         """torch's LocalElasticAgent that leaves the rendezvous before stopping its workers and
@@ -292,6 +296,7 @@ def _make_agent_class():
             self._sentinel_rdzv = rendezvous
             self._sentinel_draining = draining
             self._sentinel_left = False
+            self.graceful_exit = ""  # why the rendezvous let this node go (its slot was given away)
 
         def _sentinel_leave(self, why: str) -> None:
             if not self._sentinel_left:
@@ -310,9 +315,24 @@ def _make_agent_class():
 
         def _rendezvous(self, worker_group) -> None:
             t = time.monotonic()
-            super()._rendezvous(worker_group)
+            try:
+                super()._rendezvous(worker_group)
+            except RendezvousGracefulExitError as exc:  # e.g. SlotTakenError: torch's run() returns None
+                self.graceful_exit = str(exc) or type(exc).__name__
+                raise
             log.info("rendezvous: group rank %d of %d in %.3f s", worker_group.group_rank,
                      worker_group.group_world_size, time.monotonic() - t)
+
+        def _setup_local_watchdog(self, envs: dict[int, dict[str, str]]) -> None:
+            # torch builds the workers' environment itself (no hook) and calls this with it just
+            # before it starts them: the slot rendezvous's generation, the fencing token of their
+            # snapshot commits (trainer.fence)
+            handler = self._sentinel_rdzv.handler
+            generation, epoch = getattr(handler, "gen", 0), getattr(handler, "epoch", "")
+            if isinstance(generation, int) and generation > 0 and epoch:
+                for env in envs.values():
+                    env[fence.ENV] = fence.token_env(epoch, generation)
+            super()._setup_local_watchdog(envs=envs)
 
         def _start_workers(self, worker_group):
             t = time.monotonic()
@@ -503,6 +523,12 @@ def _run_agent(agent: Any, rdzv: Rendezvous, *, endpoint: str = "") -> int:
     close_rendezvous = True
     try:
         result = agent.run()
+        if result is None:  # the rendezvous let this node go (torch's run() swallows the graceful exit)
+            close_rendezvous = False  # the job goes on without this node
+            fenced = getattr(rdzv.handler, "fenced", [])
+            print(f"trainer.elastic: left the job: {getattr(agent, 'graceful_exit', '') or 'the rendezvous ended'}"
+                  + (f"; fenced writes refused: {', '.join(fenced)}" if fenced else ""), file=sys.stderr)
+            return 0
         if result.is_failed():
             for rank, failure in sorted(result.failures.items()):
                 print(f"trainer.elastic: rank {rank} failed: exit {failure.exitcode}", file=sys.stderr)
@@ -525,13 +551,28 @@ def _run_agent(agent: Any, rdzv: Rendezvous, *, endpoint: str = "") -> int:
         # learn the next membership; say it once, plainly, instead of torch's traceback
         close_rendezvous = False
         cause = exc.__cause__ or exc
+        why = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else 'no detail'}"
         print(f"trainer.elastic: the rendezvous store {endpoint or '(endpoint unknown)'} cannot be reached "
-              f"({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else 'no detail'}): "
-              "this job cannot continue without it", file=sys.stderr)
+              f"({why}): this job cannot continue without it", file=sys.stderr)
+        _tell_daemon_store_lost(endpoint or "(endpoint unknown)", why)
         return 1
     finally:
         if close_rendezvous:
             rdzv.handler.shutdown()
+
+
+def _tell_daemon_store_lost(endpoint: str, why: str) -> None:
+    """``sentinel status`` on this node says it too: a ``rendezvous`` report over the control
+    channel (this agent is one of the job's processes, as its ranks are). The daemon verifies the
+    sender when it reads the report, so the agent stays a moment (two of its polls) before it exits."""
+    from sentinel.channel import RankEndpoint, Report
+
+    channel = RankEndpoint.open()
+    try:
+        if channel.report(Report("rendezvous", 0, -1, {"store": endpoint, "reachable": False, "error": why[:300]})):
+            time.sleep(REPORT_LINGER_SECONDS)
+    finally:
+        channel.close()
 
 
 def exit_now(code: int) -> None:

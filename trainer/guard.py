@@ -61,6 +61,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from sentinel.channel import Ack, NullEndpoint, RankEndpoint, Request
 from trainer.disk import (  # noqa: F401 - re-exported: trainer.guard's names from before the split
     CORRUPT, MARKER, PREFIX, DiskTier, DiskWrite, complete_snapshots, snapshot_path, staged_bytes)
+from trainer.fence import generation_from_env
 from trainer.hold import NodeDrained, SigtermDuringHold  # noqa: F401 - NodeDrained re-exported
 from trainer.memory import MemoryTier, MemoryTierError, RestoreResult, default_holder_dir
 from trainer.memory.plan import nodes_left_without_a_copy
@@ -166,8 +167,9 @@ class SnapshotGuard:
                                             bytes_per_second=replica_bytes_per_second, timeout=memory_timeout)
         # ``disk``: another writer with DiskTier's interface (trainer.integrations.torchtitan: the trainer's own
         # checkpoint manager writes and loads; the guard still decides when, and which snapshot)
-        self.disk = disk if disk is not None else DiskTier(self.directory, group=self.group, rank=self.rank,
-                                                           world=self.world, keep=keep, async_save=async_save)
+        self.disk = disk if disk is not None else DiskTier(
+            self.directory, group=self.group, rank=self.rank, world=self.world, keep=keep, async_save=async_save,
+            generation=generation_from_env())
         self.watch = JobWatch.open(self, **(progress or {}))  # hangs, stragglers: trainer.progress (its options)
 
     def _open_memory(self, directory: str | os.PathLike | None, run_id: str | None, local_world: int | None,

@@ -36,11 +36,10 @@ Contract
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import math
 import os
-import pickle
 import socket
 import sys
 import threading
@@ -56,88 +55,14 @@ import torch.distributed as dist
 
 from sentinel.hang import (Entered, HangSettings, Verdict, find_culprit, hang_timeout, parse_flight_recorder,
                            settings_from_env)
+from trainer.flight import (  # noqa: F401 - re-exported: trainer.progress's names from before the split
+    FR_GROUPS, FR_SLOTS, dump_flight_recorder, flight_recorder_on, group_key, split_steps, window_entries)
 
 log = logging.getLogger("sentinel.trainer.progress")
 
 EXIT_HANG = 76  # the exit status of a rank that abandoned a hung collective
 FIELDS = ("step", "step_seconds", "compute_seconds", "comm_seconds", "samples", "snapshot_steps", "since_start",
-          "fr_skip")
-
-
-def flight_recorder_on() -> bool:
-    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
-        v = os.environ.get(name, "")
-        if v.isdigit() and int(v) > 0:
-            return True
-    return False
-
-
-def dump_flight_recorder() -> dict[str, Any] | None:
-    """This rank's flight recorder dump (parsed JSON), or None when it is off or unavailable."""
-    if not flight_recorder_on():
-        return None
-    try:
-        from torch._C._distributed_c10d import _dump_fr_trace
-    except ImportError:
-        return None
-    try:  # torch's own bytes from this process; no stack traces (about 0.2 ms for 64 entries)
-        return pickle.loads(_dump_fr_trace(True, False, False))
-    except (RuntimeError, ValueError, pickle.UnpicklingError) as exc:
-        log.debug("flight recorder dump failed: %s", exc)
-        return None
-
-
-def group_key(group: Any) -> str:
-    """The name the flight recorder gives ``group`` (``default_pg``, or its pg id)."""
-    if group is None:
-        return "default_pg"
-    try:
-        name = dist.distributed_c10d._get_process_group_name(group)
-    except (AttributeError, RuntimeError, ValueError):
-        return ""
-    return name
-
-
-FR_SLOTS = 64  # collectives per group per window whose entry times the ranks compare
-FR_GROUPS = 8  # groups compared (by pg id modulo this)
-
-
-def window_entries(boundaries: list[tuple[int, int, bool]], traces: Mapping[str, Any],
-                   exclude: set[str] = frozenset()) -> dict[int, int]:
-    """Pure: slot -> entry wall ns of each collective this rank entered within the window (after
-    the first step boundary, up to the last), from :func:`sentinel.hang.parse_flight_recorder`'s
-    traces. A slot is ``(pg id % FR_GROUPS) * FR_SLOTS + seq % FR_SLOTS``: the same collective has
-    the same slot on every rank (the last FR_SLOTS of each group in the window)."""
-    if len(boundaries) < 2:
-        return {}
-    lo, hi = boundaries[0][1], boundaries[-1][1]
-    out: dict[int, int] = {}
-    for name, t in traces.items():
-        if name in exclude or not str(t.pg_id).isdigit():
-            continue
-        seqs = sorted(q for q, ns in t.created_ns.items() if lo < ns <= hi)[-FR_SLOTS:]
-        for q in seqs:
-            out[(int(t.pg_id) % FR_GROUPS) * FR_SLOTS + q % FR_SLOTS] = t.created_ns[q]
-    return out
-
-
-def split_steps(boundaries: list[tuple[int, int, bool]], mine: Mapping[int, int],
-                latest: Mapping[int, float]) -> list[tuple[int, float, float, bool]]:
-    """Pure: (step, step seconds, compute seconds, snapshot) per step, from the step boundaries
-    ``(step, wall ns at the end of that step, snapshot)`` in order, this rank's collective entry
-    times (slot -> ns, :func:`window_entries`) and the latest entry of each over the job's ranks.
-    A rank waits in a collective until the last rank enters it: compute is the step time less
-    those waits, so the slowest rank (whom everyone waits for) keeps its whole step, and a rank
-    that waited for it does not. A step without a compared collective is left out."""
-    out = []
-    for (_, start, _), (step, end, snap) in zip(boundaries, boundaries[1:]):
-        inside = [(ns, latest.get(slot)) for slot, ns in mine.items() if start < ns <= end]
-        if not inside or end <= start:
-            continue
-        wait = sum(max(0.0, last - ns) for ns, last in inside if last is not None and math.isfinite(last)) / 1e9
-        step_s = (end - start) / 1e9
-        out.append((step, step_s, max(0.0, step_s - wait), snap))
-    return out
+          "fr_skip", "link_seconds_per_mb", "link_from")
 
 
 @dataclass
@@ -165,7 +90,7 @@ class Progress:
     def __init__(self, *, every: int = 10, group: Any = None, rank: int = 0, world: int = 1,
                  node: str | None = None, exclude: tuple[str, ...] = (), window: int = 64,
                  clock: Callable[[], float] = time.monotonic, wall_ns: Callable[[], int] = time.time_ns,
-                 fr_budget: float = 0.01) -> None:
+                 fr_budget: float = 0.01, link: Callable[[], tuple[float, int]] | None = None) -> None:
         if every < 1:
             raise ValueError("progress every must be >= 1")
         self.every = every
@@ -188,6 +113,7 @@ class Progress:
         self._last_wall: int | None = None
         self.fr = flight_recorder_on()
         self.fr_budget = fr_budget
+        self.link = link or (lambda: (0.0, -1))  # (seconds per MB, from rank) of the last replica received
         self._fr_skip = 0
         self._want_skip = 0
         self._dumped = False
@@ -255,7 +181,7 @@ class Progress:
         last = bounds[-1][0] if bounds else self.last_step
         since = self.steps_since_start if since_start is None else since_start
         return [float(last), step_s, compute, max(0.0, step_s - compute), float(samples), float(snaps),
-                float(since), float(self._want_skip if self._dumped else 0)]
+                float(since), float(self._want_skip if self._dumped else 0), *map(float, self.link())]
 
     def exchange(self, step: int) -> JobProgress | None:
         """Start the exchange of the window ending at ``step`` (every rank at the same step). Two
@@ -466,16 +392,22 @@ class JobWatch:
     def __init__(self, *, endpoint: Any, rank: int, world: int, control_group: Any, exclude: tuple[str, ...] = (),
                  every: int = 5, hang: HangSettings | None = None, total_steps: int | None = None,
                  straggler: Any = None, store: Any = None, prefix: str = "", node: str | None = None,
-                 exit: Callable[[int], None] = os._exit) -> None:
-        from sentinel.straggler import StragglerSettings, StragglerTracker
+                 exit: Callable[[int], None] = os._exit, link: Callable[[], tuple[float, int]] | None = None) -> None:
+        from sentinel.straggler import LINK_RELATIVE_THRESHOLD, StragglerSettings, StragglerTracker
 
         self.endpoint = endpoint
         self.total_steps = total_steps
         self.exit = exit
-        self.progress = Progress(every=every, group=control_group, rank=rank, world=world, node=node, exclude=exclude)
+        self.progress = Progress(every=every, group=control_group, rank=rank, world=world, node=node, exclude=exclude,
+                                 link=link)
         self.settings = straggler or StragglerSettings()
         self.tracker = StragglerTracker(self.settings)
         self.stragglers: list[Any] = []
+        # slow links: the same rule on each node's link time (sentinel.straggler.node_link_seconds)
+        self.link_tracker = StragglerTracker(dataclasses.replace(self.settings, relative_threshold=LINK_RELATIVE_THRESHOLD))
+        self.link_stragglers: list[Any] = []
+        self.last_links: dict[str, float] = {}  # the last window's link time per node (seconds per MB)
+        self._best_step: float | None = None  # the job's best window step time: what a slow link slows
         # the last window scored: (step, node -> compute seconds, the nodes it named stragglers)
         self.last_window: tuple[int, dict[str, float], tuple[str, ...]] | None = None
         self.hang_settings = hang or settings_from_env(os.environ)
@@ -505,8 +437,10 @@ class JobWatch:
             box = [os.urandom(8).hex()]
             dist.broadcast_object_list(box, src=0, group=guard.control_group)
             prefix = f"sentinel/hang/{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}/{box[0]}"
+        memory = getattr(guard, "memory", None)
         watch = cls(endpoint=guard.endpoint, rank=guard.rank, world=guard.world, control_group=guard.control_group,
-                    exclude=exclude, store=store, prefix=prefix, **kw)
+                    exclude=exclude, store=store, prefix=prefix,
+                    link=memory.link_evidence if memory is not None else None, **kw)
         watch.inflight = lambda: getattr(guard, "_inflight", None)
         return watch
 
@@ -519,30 +453,57 @@ class JobWatch:
         job = self.progress.on_step(step, snapshot=snapshot)
         if job is None:
             return
+        warm = {r: f for r, f in job.figures.items()  # the first window after a (re)start holds warm-up steps
+                if f["since_start"] > self.settings.warmup_steps + self.progress.every}
         window: dict[str, list[float]] = {}
-        for r, f in job.figures.items():
-            if f["samples"] <= 0 or f["since_start"] <= self.settings.warmup_steps + self.progress.every:
-                continue  # the first window after a (re)start holds warm-up steps
-            node = job.nodes.get(r, str(r))
-            window[node] = [max(window.get(node, [0.0])[0], f["compute_seconds"])]
-        if len(window) < 2:
-            return
-        self.stragglers = self.tracker.observe(window)
-        self.last_window = (step, {node: v[0] for node, v in window.items()}, tuple(s.node for s in self.stragglers))
-        me = self.progress.node
-        for s in self.stragglers:
-            if s.node != me:
-                continue
-            step_s = max((f["step_seconds"] for f in job.figures.values()), default=0.0)
-            left = None if self.total_steps is None else max(0, self.total_steps - step - 1)
-            log.warning("this node (%s) is a straggler: %.2fx the job's median compute, %.2fx its own best",
-                        me, s.relative, s.individual)
-            from sentinel.channel import Report
+        for r, f in warm.items():
+            if f["samples"] > 0:
+                node = job.nodes.get(r, str(r))
+                window[node] = [max(window.get(node, [0.0])[0], f["compute_seconds"])]
+        step_s = max((f["step_seconds"] for f in job.figures.values()), default=0.0)
+        if len(window) >= 2:
+            self.stragglers = self.tracker.observe(window)
+            self.last_window = (step, {n: v[0] for n, v in window.items()}, tuple(s.node for s in self.stragglers))
+            for s in self.stragglers:
+                if s.node == self.progress.node:
+                    self._report(s, step, step_s, s.relative)
+        self._score_links(job, warm, step, step_s)
 
-            self.endpoint.report(Report("straggler", self.progress.rank, step, {
-                "node": me, "relative": round(s.relative, 4), "individual": round(s.individual, 4),
-                "step_seconds": round(step_s, 6), "compute_seconds": round(s.compute_seconds, 6),
-                "job_median_seconds": round(s.job_median_seconds, 6), "steps_left": left}))
+    def _score_links(self, job: JobProgress, warm: Mapping[int, Mapping[str, float]], step: int, step_s: float) -> None:
+        """Slow links: each rank's last replica received is a link between two nodes; a node named
+        by the link rule is reported with the job's slowdown since its best window (what the
+        hand-over would win back: the daemon decides whether that pays)."""
+        from sentinel.straggler import node_link_seconds
+
+        if step_s > 0:
+            self._best_step = min(self._best_step or step_s, step_s)
+        links = node_link_seconds((job.nodes.get(int(f["link_from"]), ""), job.nodes.get(r, str(r)), f["link_seconds_per_mb"])
+                                  for r, f in warm.items() if f["link_from"] >= 0)
+        if len(links) < 3:  # two nodes share their one link: neither end stands out
+            return
+        self.last_links = links
+        self.link_stragglers = self.link_tracker.observe({n: [v] for n, v in links.items()})
+        for s in self.link_stragglers:
+            if s.node == self.progress.node:
+                self._report(s, step, step_s, step_s / self._best_step if self._best_step else 1.0, link=True)
+
+    def _report(self, s: Any, step: int, step_s: float, slowdown: float, *, link: bool = False) -> None:
+        """Tell this node's daemon it is a straggler (``link``: its link, ``s.relative`` times the
+        job's median link time); ``relative`` is the job's slowdown it causes, which the daemon's
+        hand-over decision weighs."""
+        from sentinel.channel import Report
+
+        me = self.progress.node
+        left = None if self.total_steps is None else max(0, self.total_steps - step - 1)
+        what = "link time" if link else "compute"
+        log.warning("this node (%s) is a straggler: %.2fx the job's median %s, %.2fx its own best", me, s.relative,
+                    what, s.individual)
+        detail = {"node": me, "relative": round(max(slowdown, 1e-6), 4), "individual": round(s.individual, 4),
+                  "step_seconds": round(step_s, 6), "compute_seconds": round(s.compute_seconds, 6),
+                  "job_median_seconds": round(s.job_median_seconds, 6), "steps_left": left}
+        if link:
+            detail["link_relative"] = round(s.relative, 4)
+        self.endpoint.report(Report("straggler", self.progress.rank, step, detail))
 
     def _on_verdict(self, verdict: Verdict) -> None:
         from sentinel.channel import Report

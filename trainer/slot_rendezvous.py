@@ -2,13 +2,11 @@
 
     python -m trainer.elastic -- --rdzv-backend sentinel --nnodes N:N --rdzv-endpoint HOST:PORT ...
 
-torch's dynamic rendezvous (``c10d``, ``etcd-v2``) keeps the whole membership in one blob that every
-agent reads, changes and compare-and-sets: a membership change is a round of O(N) retries of O(N)
-bytes each (O(N^2) store work) and re-numbers the ranks. Here the job's membership is N **slots**:
+torch's dynamic rendezvous keeps the membership in one blob every agent compare-and-sets: O(N^2)
+store work per change, and the ranks are re-numbered (docs/rendezvous.md). Here it is N **slots**:
 
-* slot ``i`` is group rank ``i`` for as long as the job runs; a spare that replaces a departed
-  node takes the departed node's slot (same group rank, so the same local/global worker ranks and
-  the same ring and tree neighbours);
+* slot ``i`` is group rank ``i`` for as long as the job runs; a spare takes a departed node's
+  slot (the same group rank, worker ranks, ring and tree neighbours);
 * membership changes in **generations**. Generation ``f`` is committed when every slot has
   *arrived* in it: an arrival is one ``compare_set`` of the node's own key ``g<f>/s<slot>`` (no
   other node writes it, so it never conflicts) plus one ``add`` of the counter ``g<f>/n``; the
@@ -20,19 +18,17 @@ bytes each (O(N^2) store work) and re-numbers the ranks. Here the job's membersh
 * a node that leaves (``leave()``, the agent does it when drained) marks its slot in the forming
   generation ``LEFT:<id>`` and posts a vacancy; the k-th vacancy goes to the spare holding the
   k-th spare ticket, which ``compare_set``-s the slot from ``LEFT:<id>`` to itself. Several
-  departures in one generation are several vacancies of the same generation: the generation
-  commits once all are filled.
+  departures in one generation commit once all their vacancies are filled.
 
-Recovery (off the fast path, done by one *watcher*: the first arrival of a generation, or anyone
-who waited 3 x ``admission_timeout``): after ``admission_timeout`` seconds without a commit it
-re-offers a vacancy whose spare did not claim it (a spare that died mid-admission) and declares
-vacant a slot that neither arrived nor advanced its heartbeat over a whole timeout (a node that
-died without leaving; one that never beat gets ``NO_BEAT_PASSES`` timeouts). That costs the watcher
-O(N) ``check`` operations, once per timeout. Never in generation 1 (nodes may still be starting):
-``join_timeout`` bounds the first join, as torch's does.
+Recovery (off the fast path, by one *watcher*: the first arrival of a generation, or anyone who
+waited 3 x ``admission_timeout``): after ``admission_timeout`` without a commit it re-offers a
+vacancy no spare claimed (a spare that died mid-admission) and declares vacant a slot that neither
+arrived nor advanced its heartbeat over a whole timeout (one that never beat: ``NO_BEAT_PASSES``):
+O(N) ``check``-s per timeout. Never in generation 1: ``join_timeout`` bounds the first join.
 
 A node whose slot was given away (it was declared dead, or replaced, and came back) is refused
-with :class:`SlotTakenError` (a ``RendezvousGracefulExitError``: its agent exits, the job goes on).
+with :class:`SlotTakenError` (a ``RendezvousGracefulExitError``: its agent exits, the job goes on);
+its heartbeat, ``leave`` and ``shutdown`` are fenced by its generation (:mod:`trainer.fence`).
 
 **When torch's handler is used instead** (``create_handler`` returns torch's
 ``DynamicRendezvousHandler`` on the same store): when ``--nnodes`` is a range (``MIN < MAX``: an
@@ -70,6 +66,8 @@ from torch.distributed.elastic.rendezvous.api import (
     rendezvous_handler_registry,
 )
 
+from trainer import fence
+
 log = logging.getLogger("sentinel.rendezvous")
 
 BACKEND = "sentinel"
@@ -89,6 +87,7 @@ class OpStats:
     ops: dict[str, int] = field(default_factory=dict)
     bytes_out: int = 0
     bytes_in: int = 0
+    refused: int = 0  # fenced writes refused (not store operations)
 
     @property
     def total(self) -> int:
@@ -143,6 +142,22 @@ class CountingStore:
         finally:
             self._count("wait", sum(map(len, keys)), 1)
 
+    def fenced_set(self, fence_key: str, token: str, key: str, value: str) -> bool:
+        """Write ``key`` only while ``fence_key`` holds ``token`` (:func:`trainer.fence.fenced_set`;
+        the store's own transaction where it has one, counted as one op)."""
+        if getattr(self.store, "fenced_set", None) is not None:
+            ok = fence.fenced_set(self.store, fence_key, token, key, value)
+            self._count("fenced_set", len(fence_key) + len(token) + len(key) + len(value))
+        else:  # our compare_set and set, counted as they are
+            ok = fence.compare_then_set(self, fence_key, token, key, value)
+        if not ok:
+            self.refuse()
+        return ok
+
+    def refuse(self) -> None:  # a write refused by the generation fence
+        with self._lock:
+            self.stats.refused += 1
+
     def clone(self, stats: OpStats | None = None) -> "CountingStore":
         """A second connection (its own socket: a heartbeat is never queued behind a wait)."""
         clone = getattr(self.store, "clone", None)
@@ -150,7 +165,7 @@ class CountingStore:
 
 
 def _is_timeout(exc: BaseException) -> bool:
-    return "timeout" in str(exc).lower() or "timed out" in str(exc).lower()
+    return any(word in str(exc).lower() for word in ("timeout", "timed out"))
 
 
 class SlotRendezvousHandler(RendezvousHandler):
@@ -194,6 +209,8 @@ class SlotRendezvousHandler(RendezvousHandler):
         self._no_beat: dict[int, int] = {}
         self._arrived: tuple[int, int] | None = None
         self.last_round: dict[str, Any] = {}
+        self.fenced: list[str] = []  # this node's writes refused by the generation fence
+        self.epoch = ""  # the job instance (generation 1's commit): fence tokens are (epoch, generation)
 
     # -- keys ------------------------------------------------------------------------------------------
     def _k(self, *parts: object) -> str:
@@ -221,8 +238,10 @@ class SlotRendezvousHandler(RendezvousHandler):
     def shutdown(self) -> bool:
         self._stop_heartbeats()
         try:
-            self.set_closed()
-            return True
+            if self._store.fenced_set(self._k("latest"), str(self.gen), self._k("closed"), "1"):
+                return True
+            self.fenced.append(f"closing the rendezvous from generation {self.gen}")  # not this node's to close
+            return False
         except RuntimeError as exc:  # the store is gone: nothing left to close
             log.warning("could not close the rendezvous: %s", exc)
             return False
@@ -248,7 +267,7 @@ class SlotRendezvousHandler(RendezvousHandler):
         else:
             f = self._survivor_arrive()
         record = self._await(f, deadline)
-        self.gen = f
+        self.gen, self.epoch = f, str(record.get("epoch", ""))
         self._servers = {g: s for g, s in self._servers.items() if g >= f}
         self._start_heartbeats()
         if self.slot == 0:
@@ -322,7 +341,11 @@ class SlotRendezvousHandler(RendezvousHandler):
 
     def _commit(self, f: int) -> None:
         host = json.loads(self._info(f) if self.slot == 0 else self._store.get(self._k(f"g{f}", "s0")))
-        record = json.dumps({"gen": f, "nodes": self.nodes, "master_addr": host["addr"], "master_port": host["port"]})
+        # the job instance: made by generation 1's commit, carried on (a committing spare reads it)
+        epoch = self.epoch or (json.loads(self._store.get(self._k(f"g{f - 1}"))).get("epoch", "") if f > 1
+                               else uuid.uuid4().hex)
+        record = json.dumps({"gen": f, "nodes": self.nodes, "master_addr": host["addr"], "master_port": host["port"],
+                             "epoch": epoch})
         self._store.set(self._k(f"g{f}"), record)
         self._store.set(self._k("latest"), str(f))
 
@@ -455,6 +478,11 @@ class SlotRendezvousHandler(RendezvousHandler):
         if self.slot is None:
             return "was not in a slot"
         latest = int(self._store.get(self._k("latest")))
+        holder = self._store.get(self._k(f"g{latest}", f"s{self.slot}")).decode()
+        if latest > self.gen and (holder.startswith(LEFT) or json.loads(holder).get("id") != self.node_id):
+            self._store.refuse()  # fenced: a committed generation holds another node here (its mark never changes)
+            self.fenced.append(f"leave of slot {self.slot} in generation {self.gen}")
+            return f"fenced: slot {self.slot} belongs to another node since generation {latest}: nothing written"
         mark = LEFT + self.node_id
         for f in (latest + 1, latest + 2):
             got = self._store.compare_set(self._k(f"g{f}", f"s{self.slot}"), "", mark).decode()
@@ -472,26 +500,34 @@ class SlotRendezvousHandler(RendezvousHandler):
         made once, by the thread (a connect can take seconds under load: never inside a round)."""
         self._stop_heartbeats()
         stop = threading.Event()
-        key, slot, node = self._k("hb", self.slot), self.slot, self.node_id
 
         def beat() -> None:
             failures = 0
             while True:
-                self._hb_count += 1
                 try:
-                    if self._hb_store is None:
-                        self._hb_store = self._store.clone(self.heartbeat_stats)
-                    self._hb_store.set(key, f"{node}:{self._hb_count}")
+                    if not self.heartbeat() and not stop.is_set():  # (a stopped round's beat may race the next)
+                        self.fenced.append(f"heartbeat of slot {self.slot} in generation {self.gen}")
+                        log.warning("slot %d: heartbeat refused, fenced (generation %d is not the job's)", self.slot, self.gen)
+                        return
                 except RuntimeError as exc:  # the store is unreachable: the watcher decides, not us
                     failures += 1
                     if failures == 1:
-                        log.warning("slot %d: heartbeat failed (said once): %s", slot, exc)
+                        log.warning("slot %d: heartbeat failed (said once): %s", self.slot, exc)
                 if stop.wait(self.keep_alive_interval):
                     return
 
         self._hb_stop = stop
-        self._hb_thread = threading.Thread(target=beat, name=f"sentinel-rdzv-hb-{slot}", daemon=True)
+        self._hb_thread = threading.Thread(target=beat, name=f"sentinel-rdzv-hb-{self.slot}", daemon=True)
         self._hb_thread.start()
+
+    def heartbeat(self) -> bool:
+        """One keep-alive of this node's slot (``hb/<slot>``) fenced by its generation: False, nothing
+        written, once a newer generation committed without this node. Raises the store's errors."""
+        self._hb_count += 1
+        if self._hb_store is None:
+            self._hb_store = self._store.clone(self.heartbeat_stats)
+        beat = f"{self.node_id}:{self._hb_count}"
+        return self._hb_store.fenced_set(self._k("latest"), str(self.gen), self._k("hb", self.slot), beat)
 
     def _stop_heartbeats(self) -> None:
         if self._hb_stop is not None:

@@ -163,7 +163,8 @@ class _GuardLog:
         window = g.watch.last_window
         if window is not self.window and self.rank == 0:
             self.record("exchange", step=window[0], compute={n: round(c, 6) for n, c in window[1].items()},
-                        stragglers=list(window[2]))
+                        stragglers=list(window[2]), links={n: round(c, 6) for n, c in g.watch.last_links.items()},
+                        link_stragglers=[s.node for s in g.watch.link_stragglers])
         self.window = window
         if not self.placed and self.rank == 0 and g.memory is not None and g.memory.placement:
             self.record("replica_placement", placement=g.memory.placement)

@@ -37,4 +37,5 @@ def verdict(drill, result, outcome) -> bool:
 
 
 FAULT = Fault("slow-link", "one host's link shaped to --link-rate with tc tbf (--hosts netns): slow network, normal "
-              "compute", inject, verdict=verdict, needs_hosts=True)
+              "compute", inject, verdict=verdict, needs_hosts=True, min_nodes=3,
+              min_nodes_why="two nodes share their one link: it takes a third to tell which end is slow")

@@ -54,6 +54,10 @@ class Replicator:
         self.last_error = ""
         self.copied_bytes = 0
         self.seconds: list[float] = []
+        # the link from ``recv_from`` as the last replica measured it: (bytes received, seconds this
+        # rank waited for them once its receives were posted); the straggler logic's link evidence
+        self.link_in: tuple[int, float] | None = None
+        self._in_seconds = 0.0
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._current: Job | None = None
         self._lock = threading.Lock()
@@ -123,6 +127,7 @@ class Replicator:
         so every wake-up here can delay it; the work itself is in gloo and zlib, without the GIL."""
         own = job.slot
         ok = True
+        self._in_seconds = 0.0
         if self.send_to != _rank():  # a single node: nobody to copy to
             crc = own.crc()
             meta = own.meta_bytes()
@@ -155,6 +160,7 @@ class Replicator:
                 meta_obj["role"] = REPLICA
                 target.finish(step_in, meta_obj, crc_in)
                 self.replica_newest = target
+                self.link_in = (n_in + HEAD_BYTES, self._in_seconds)
             self.copied_bytes += own.data_len
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
         if collective(2):
@@ -167,14 +173,19 @@ class Replicator:
         return False
 
     def _exchange(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Post every (send to the partner, receive from the other partner) at once; wait for all."""
-        works = []
+        """Post every (send to the partner, receive from the other partner) at once; wait for all,
+        the receives first: their wait is the link from ``recv_from`` (``link_in``)."""
+        t0 = time.perf_counter()
+        recvs, sends = [], []
         for out, into in pairs:
             if into.numel():
-                works.append(dist.irecv(into, src=self.recv_from, group=self.group))
+                recvs.append(dist.irecv(into, src=self.recv_from, group=self.group))
             if out.numel():
-                works.append(dist.isend(out, dst=self.send_to, group=self.group))
-        for w in works:
+                sends.append(dist.isend(out, dst=self.send_to, group=self.group))
+        for w in recvs:
+            w.wait()
+        self._in_seconds += time.perf_counter() - t0
+        for w in sends:
             w.wait()
 
     def _pair_data(self, out: torch.Tensor, into: torch.Tensor, n_out: int, n_in: int, *, start: int = 0) -> None:

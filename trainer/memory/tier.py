@@ -245,6 +245,15 @@ class MemoryTier:
                 **extra, "holder": str(self.dir)}
 
     # -- snapshots ----------------------------------------------------------------------------------
+    def link_evidence(self) -> tuple[float, int]:
+        """(seconds per MB of the last replica received, the rank it came from): the link from
+        ``recv_from`` to this rank, for the straggler logic (``trainer.progress``); (0, -1) before
+        the first replica (or on one node)."""
+        link = self.replicator.link_in if self.replicator is not None else None
+        if link is None or link[0] <= 0 or self.recv_from == self.rank:
+            return 0.0, -1
+        return link[1] / (link[0] / 1e6), self.recv_from
+
     def busy(self) -> bool:
         return self.replicator is not None and self.replicator.busy()
 
