@@ -1,7 +1,8 @@
 """Migration benchmark: repeated `sentinel drill` runs, interleaved so every path sees the same
 machine noise; median and max of each stage, trip -> first step on the spare, lost steps.
 
-Paths, side by side in one run:
+Paths, side by side in one run (``lightning`` and ``torchtitan`` only when asked: ``--trainer lightning``
+runs warm and lightning):
   warm        Sentinel: predicted fault, migrate snapshot, warm spare (python -m trainer.elastic)
   warm-etcd   the same with torch's etcd-v2 rendezvous on a local etcd (--etcd; Debian etcd-server)
   one3        one victim of a 3-node job (2 warm spares): the baseline for two victims of the same job
@@ -10,6 +11,8 @@ Paths, side by side in one run:
               each other's replica (the ring), so their acks must wait for the disk copy (#47)
   cold        the before: the same predicted migration with plain torchrun and a cold spare
   crash       plain torchrun crash failover: kill -9, no warning, cold spare, periodic snapshot
+  lightning   warm's path for a stock Lightning script with SentinelCallback (examples/lightning_job.py)
+  torchtitan  warm's path for torchtitan's CheckpointManager and state objects (examples/torchtitan_job.py)
 
 With ``--hosts netns`` (root) the host faults on namespaced hosts, each beside its loopback
 counterpart in the same run, interleaved: ``hosts-xid79`` beside ``warm`` (the same fault),
@@ -20,7 +23,7 @@ the extra column is the bytes that crossed the bridge into the spare's host afte
 ``hosts_over_loopback_xid79_ratio`` / ``hosts_over_loopback_power_off_ratio`` divide the
 fault -> first step medians (#41: within 1.5x).
 
-    python bench/migration.py [--runs 5] [--interval-steps 10] [--etcd] [--json PATH] [--smoke]
+    python bench/migration.py [--runs 5] [--interval-steps 10] [--etcd] [--trainer lightning|torchtitan] [--json PATH] [--smoke]
 
 Each drill is appended to the JSON as it finishes (with the figures of every drill so far), so a
 run killed or timed out keeps the drills already done. ``--smoke``: one drill each of ``warm`` and
@@ -38,7 +41,9 @@ crash failover, and ``one_of_three_*``, ``two_victims_*``, ``two_adjacent_memory
 ``cold_torchrun_over_warm_ratio`` = cold spare trip -> first step / warm spare trip -> first step;
 ``two_victims_over_one_ratio`` = two victims of 3 nodes / one victim of 2 nodes (trip -> first step);
 ``two_victims_over_one_same_job_ratio`` = two victims / one victim of the same 3-node job (trip -> first
-step); ``etcd_over_c10d_ratio`` = etcd-v2 / c10d warm spare (trip -> first step). The plain torchrun
+step); ``etcd_over_c10d_ratio`` = etcd-v2 / c10d warm spare (trip -> first step);
+``lightning_over_reference_ratio`` (``torchtitan_over_reference_ratio``) = Lightning (TorchTitan) job / our
+own loop, warm spare (fault -> first step). The plain torchrun
 baselines (``cold``, ``crash``) run without Sentinel's memory tier (``--memory-interval-steps 0``).
 """
 
@@ -66,6 +71,10 @@ PATHS = {
     # the baselines are plain torchrun as it was before Sentinel: no memory tier (disk snapshots only)
     "cold": ("before: torchrun, cold spare", ["--fault", "xid79", "--agent", "torchrun", "--memory-interval-steps", "0"]),
     "crash": ("plain torchrun crash failover", ["--fault", "kill", "--agent", "torchrun", "--memory-interval-steps", "0"]),
+    # a stock Lightning script with SentinelCallback (examples/lightning_job.py), the same warm-spare path
+    "lightning": ("Sentinel + Lightning, warm spare", ["--fault", "xid79", "--trainer", "lightning"]),
+    # torchtitan's CheckpointManager and state objects (examples/torchtitan_job.py); no memory tier
+    "torchtitan": ("Sentinel + TorchTitan, warm spare", ["--fault", "xid79", "--trainer", "torchtitan"]),
     # --hosts netns: host faults on namespaced hosts, each beside its loopback counterpart (root)
     "kill": ("loopback: kill -9, Sentinel, memory tier", ["--fault", "kill"]),
     "hosts-xid79": ("hosts: Xid 79, warm spare", ["--hosts", "netns", "--fault", "xid79"]),
@@ -75,6 +84,7 @@ PATHS = {
 HOST_PATHS = ("warm", "hosts-xid79", "kill", "hosts-power-off", "hosts-partition")
 FIGURE_PREFIX = {"warm": "migration_", "warm-etcd": "etcd_migration_", "one3": "one_of_three_", "two": "two_victims_",
                  "two-memory": "two_adjacent_memory_ack_",
+                 "lightning": "lightning_migration_", "torchtitan": "torchtitan_migration_",
                  "cold": "cold_spare_torchrun_", "crash": "crash_", "kill": "sentinel_kill_",
                  "hosts-xid79": "hosts_xid79_", "hosts-power-off": "hosts_power_off_",
                  "hosts-partition": "hosts_partition_"}
@@ -124,6 +134,10 @@ RATIOS = (
      "etcd-v2 / c10d warm spare (trip -> first step)"),
     ("two_victims_over_one_same_job_ratio", "two_victims_trip_to_first_step_seconds",
      "one_of_three_trip_to_first_step_seconds", "two victims / one victim, same 3-node job (trip -> first step)"),
+    ("lightning_over_reference_ratio", "lightning_migration_fault_to_first_step_seconds",
+     "migration_fault_to_first_step_seconds", "Lightning job / our own loop, warm spare (fault -> first step)"),
+    ("torchtitan_over_reference_ratio", "torchtitan_migration_fault_to_first_step_seconds",
+     "migration_fault_to_first_step_seconds", "TorchTitan job / our own loop, warm spare (fault -> first step)"),
     ("hosts_over_loopback_xid79_ratio", "hosts_xid79_fault_to_first_step_seconds",
      "migration_fault_to_first_step_seconds", "Xid 79: namespaced hosts / loopback (fault -> first step)"),
     ("hosts_over_loopback_power_off_ratio", "hosts_power_off_fault_to_first_step_seconds",
@@ -190,7 +204,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, help="drills per path (default 5; 1 with --smoke)")
     ap.add_argument("--interval-steps", type=int, default=10)
     ap.add_argument("--etcd", action="store_true", help="also the etcd-v2 rendezvous (needs etcd on PATH)")
-    ap.add_argument("--only", help="comma-separated paths to run (default: all)")
+    ap.add_argument("--only", help="comma-separated paths to run (default: all but warm-etcd, lightning and torchtitan)")
+    ap.add_argument("--trainer", choices=["lightning", "torchtitan"],
+                    help="compare that trainer's job with our own loop: the paths warm and that trainer's, side by side")
     ap.add_argument("--hosts", choices=["loopback", "netns"], default="loopback",
                     help="netns: the host faults on namespaced hosts (root), each beside its loopback counterpart "
                          f"in the same run ({', '.join(HOST_PATHS)})")
@@ -201,7 +217,10 @@ def main() -> None:
         args.only = args.only or ("warm,hosts-xid79" if args.hosts == "netns" else "warm,crash")
         extra = SMOKE_ARGS + extra
     args.runs = 5 if args.runs is None else args.runs
-    default = HOST_PATHS if args.hosts == "netns" else [n for n in PATHS if n not in HOST_PATHS[1:]]
+    if args.trainer and not args.only:
+        args.only = f"warm,{args.trainer}"
+    default = HOST_PATHS if args.hosts == "netns" else [n for n in PATHS if n not in HOST_PATHS[1:]
+                                                        and n not in ("lightning", "torchtitan")]
     names = args.only.split(",") if args.only else [n for n in default if n != "warm-etcd" or args.etcd]
     unknown = set(names) - set(PATHS)
     if unknown:

@@ -40,12 +40,15 @@ from sentinel_tools.ports import PORT_RESERVATION_SECONDS, PORT_RESERVATIONS, fr
 DEFAULT_NODES = 2
 
 # the names other modules and tests import from here, where they lived before the split
-__all__ = ["FAULTS", "NO_NODE_WAIT_SECONDS", "PORT_RESERVATIONS", "PORT_RESERVATION_SECONDS", "PROGRESS_EVERY",
+__all__ = ["FAULTS", "TRAINERS", "NO_NODE_WAIT_SECONDS", "PORT_RESERVATIONS", "PORT_RESERVATION_SECONDS", "PROGRESS_EVERY",
            "SPARE_CALL_WAIT_SECONDS", "Drill", "DrillError", "Node", "Timeline", "add_arguments", "alive",
            "cached_reference", "claim_spare", "descendants", "free_port", "free_ports", "main", "print_timeline",
            "progress", "repo_root", "run_drill", "wait"]
 
 FAULTS = {name: f.description for name, f in faults.FAULTS.items()}
+# the jobs a drill runs, and the faults each supports (the hang and slow faults need trainer/train.py's
+# drill hook; the Lightning job is a stock script)
+TRAINERS = {"reference": set(FAULTS), "lightning": {"xid79", "kill"}, "torchtitan": {"xid79", "kill"}}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,6 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--migrate-ack", choices=("durable", "memory"), default="durable",
                    help="the ranks acknowledge a migrate snapshot once on disk (durable), or once in memory and "
                         "replicated (memory; on disk still when every copy of a shard would leave)")
+    p.add_argument("--trainer", choices=sorted(TRAINERS), default="reference",
+                   help="the job: reference (trainer/train.py, our own loop), lightning (examples/lightning_job.py, a "
+                        "stock Lightning script with SentinelCallback) or torchtitan (examples/torchtitan_job.py: "
+                        "torchtitan's CheckpointManager and state objects); --fault xid79 or kill; docs/integrations.md")
     p.add_argument("--fault", choices=sorted(FAULTS), default="xid79")
     p.add_argument("--at-step", type=int, default=25)
     p.add_argument("--hang-mode", choices=["stop", "skip"], default="stop",
@@ -153,6 +160,13 @@ def run_drill(args: argparse.Namespace) -> int:
         return 2
     if args.spares < 1 and not args.min_nodes:
         print("sentinel drill: --spares 0 needs --min-nodes < --nodes (continue on fewer nodes)", file=sys.stderr)
+    trainer = getattr(args, "trainer", "reference")
+    if args.fault not in TRAINERS[trainer]:
+        print(f"sentinel drill: --trainer {trainer} runs --fault {', '.join(sorted(TRAINERS[trainer]))} only",
+              file=sys.stderr)
+        return 2
+    if trainer == "torchtitan":
+        args.memory_interval_steps = 0  # the snapshot is torchtitan's checkpoint: no memory tier (docs/integrations.md)
     if fault.needs_hosts and args.hosts != "netns":
         print(f"sentinel drill: --fault {args.fault} is a fault of a whole host: it needs --hosts netns", file=sys.stderr)
         return 2

@@ -30,10 +30,12 @@ from sentinel.sources import simulated
 from sentinel_tools import drill_etcd, drill_report, faults
 from sentinel_tools.drill_report import Timeline
 from sentinel_tools.netns import HOST_RUNTIME
-from sentinel_tools.harness import DrillError, alive, descendants, progress, pythonpath, repo_root, wait
+from sentinel_tools.harness import (TRAINER_JOBS, DrillError, trainer_job_argv, alive, descendants, progress, pythonpath,
+                                    repo_root, wait)
 from sentinel_tools.ports import free_port, port_open
 
 SPARE_CALL_WAIT_SECONDS = 30.0
+
 # A job left without a spare and not allowed fewer nodes waits for a node that a drill never brings:
 # it is reported after this long past the fault, not at the end of --timeout
 NO_NODE_WAIT_SECONDS = 20.0
@@ -162,14 +164,30 @@ class Drill:
                   str(node.state_dir)]
         if a.agent == "warm":
             launch += ["--warm"] if node.spare else []
-            agent = [py, "-m", "trainer.elastic", "--preload", "trainer.train",
-                     "--ready-file", str(node.local(self.ready_file(node))), "--"]
+            modules = TRAINER_JOBS[self.trainer][1] if self.trainer in TRAINER_JOBS else ("trainer.train",)
+            preload = [x for m in modules for x in ("--preload", m)]
+            agent = [py, "-m", "trainer.elastic", *preload, "--ready-file", str(node.local(self.ready_file(node))), "--"]
         else:
             agent = [py, "-m", "torch.distributed.run", f"--start-method={a.start_method}"]
         return [
             *launch, "--", *agent, f"--nnodes={nnodes}", f"--nproc-per-node={a.procs_per_node}",
             f"--rdzv-backend={a.rdzv_backend}", f"--rdzv-endpoint={self.store_endpoint()}", f"--rdzv-id={self.run_id}",
             f"--rdzv-conf={rdzv_conf}", f"--max-restarts={a.max_restarts}", "--monitor-interval=0.1",
+            *self.job_argv(),
+        ]
+
+    @property
+    def trainer(self) -> str:
+        """The job: reference (trainer/train.py), lightning or torchtitan (examples/)."""
+        return getattr(self.args, "trainer", "reference")
+
+    def job_argv(self) -> list[str]:
+        """What every agent runs: trainer/train.py, or the stock Lightning script (its Sentinel
+        settings come through the environment, :meth:`node_env`: the script is not changed)."""
+        a = self.args
+        if self.trainer in TRAINER_JOBS:
+            return trainer_job_argv(self.trainer, a, self.job_dir, a.procs_per_node, a.nodes)
+        return [
             "-m", "trainer.train", "--steps", str(a.steps), "--snapshot-dir", str(self.snapshots),
             "--interval-steps", str(a.interval_steps), "--step-seconds", str(a.step_seconds),
             "--progress", str(self.progress), "--final", str(self.job_dir / "final.json"),
@@ -202,6 +220,11 @@ class Drill:
         env = {**self.env, "SENTINEL_RUNTIME_DIR": str(node.local(node.runtime)), "SENTINEL_NODE": node.name,
                "SENTINEL_DRILL_FAULT_FILE": str(node.local(node.runtime / "drill-fault")),
                "SENTINEL_MEMORY_DIR": str(self.memory_dir(node))}
+        if self.trainer in TRAINER_JOBS:  # the integration's settings and the drill's progress record
+            env.update({"SENTINEL_PROGRESS_FILE": str(self.progress), "SENTINEL_FINAL_FILE": str(self.job_dir / "final.json"),
+                        "SENTINEL_INTERVAL_STEPS": str(self.args.interval_steps), "SENTINEL_MIGRATE_HOLD_SECONDS": "30",
+                        "SENTINEL_MEMORY_INTERVAL_STEPS": str(self.args.memory_interval_steps),
+                        "SENTINEL_DRILL_STEP_SECONDS": str(self.args.step_seconds)})
         if self.args.topology:  # the memory tier places each replica outside its holder's rack
             env["SENTINEL_TOPOLOGY"] = str(self.args.topology)
         return env

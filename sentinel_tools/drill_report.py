@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sentinel_tools import faults
-from sentinel_tools.harness import repo_root
+from sentinel_tools.harness import TRAINER_JOBS, repo_root, trainer_job_argv
 
 if TYPE_CHECKING:
     from sentinel_tools.drill_cluster import Drill, Node
@@ -188,7 +188,7 @@ def restore_report(drill: "Drill", events: list[dict[str, Any]], t_fault: float)
     return out
 
 
-def cached_reference(cache: Path, world: int, steps: int, run) -> tuple[dict[str, Any] | None, str]:
+def cached_reference(cache: Path, world: int, steps: int, run, job: str = "reference") -> tuple[dict[str, Any] | None, str]:
     """``--reference-cache``: the uninterrupted run's final state for this world size, step count
     and trainer code (a digest of ``trainer/``'s sources), made by ``run(directory)`` once and
     reused by every later drill that verifies the same job; drills running at once wait for the
@@ -197,9 +197,9 @@ def cached_reference(cache: Path, world: int, steps: int, run) -> tuple[dict[str
     import hashlib
 
     code = hashlib.sha256()
-    for src in sorted((repo_root() / "trainer").rglob("*.py")):
+    for src in sorted([*(repo_root() / "trainer").rglob("*.py"), *(repo_root() / "examples").glob("*.py")]):
         code.update(src.relative_to(repo_root()).as_posix().encode() + b"\0" + src.read_bytes())
-    key = f"world{world}-steps{steps}-{code.hexdigest()[:16]}"
+    key = f"{job}-world{world}-steps{steps}-{code.hexdigest()[:16]}"
     cache.mkdir(parents=True, exist_ok=True)
     kept = cache / f"{key}.json"
     with open(cache / f"{key}.lock", "w") as lock:
@@ -224,7 +224,7 @@ def verify(drill: "Drill", finished: dict[str, Any]) -> dict[str, Any]:
         want, error = reference_run(drill, drill.work / "reference")
     else:
         want, error = cached_reference(Path(cache), drill.args.nodes * drill.args.procs_per_node, drill.args.steps,
-                                       lambda ref: reference_run(drill, ref))
+                                       lambda ref: reference_run(drill, ref), job=getattr(drill.args, "trainer", "reference"))
     if want is None:
         return {"bitwise_equal": False, "error": error}
     return {"bitwise_equal": want["params"] == finished["params"] and want["optim"] == finished["optim"],
@@ -236,10 +236,16 @@ def reference_run(drill: "Drill", ref: Path) -> tuple[dict[str, Any] | None, str
     its final state, or None and why."""
     a = drill.args
     ref.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nodes * a.procs_per_node}",
-            "-m", "trainer.train", "--steps", str(a.steps), "--snapshot-dir", str(ref / "snapshots"),
-            "--final", str(ref / "final.json")]
-    r = subprocess.run(argv, env=drill.env, capture_output=True, text=True, timeout=600, cwd=str(repo_root()))
+    world = a.nodes * a.procs_per_node
+    env = drill.env
+    if drill.trainer in TRAINER_JOBS:  # the example job on one node of `world` processes, its digest where it writes it
+        job = trainer_job_argv(drill.trainer, a, ref, world, 1)
+        env = {**env, "SENTINEL_FINAL_FILE": str(ref / "final.json")}
+    else:
+        job = ["-m", "trainer.train", "--steps", str(a.steps), "--snapshot-dir", str(ref / "snapshots"),
+               "--final", str(ref / "final.json")]
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *job]
+    r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=str(repo_root()))
     if r.returncode != 0:
         return None, r.stderr[-2000:]
     return json.loads((ref / "final.json").read_text()), ""

@@ -390,6 +390,9 @@ def _metric(node, name: str, labels: dict[str, str]) -> float | None:
 
 
 def run_slurm_drill(args) -> int:
+    if getattr(args, "trainer", "reference") != "reference":
+        print("sentinel drill: --scheduler slurm runs the reference job only (--trainer reference)", file=sys.stderr)
+        return 2
     refused = drill.fault_defaults(args)
     if refused:
         print(f"sentinel drill: {refused}", file=sys.stderr)

@@ -11,6 +11,12 @@ from typing import Any
 
 from sentinel.procs import running
 
+# drill --trainer lightning / torchtitan: the job's script, and what a warm agent preloads for it
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+TRAINER_JOBS = {"lightning": (EXAMPLES / "lightning_job.py", ("lightning.pytorch", "trainer.integrations.lightning")),
+                "torchtitan": (EXAMPLES / "torchtitan_job.py", ("torchtitan.components.checkpoint",
+                                                                "trainer.integrations.torchtitan"))}
+
 PROGRESS_EVERY = 15.0  # seconds between "still waiting" lines on stderr
 
 
@@ -76,3 +82,12 @@ def pythonpath() -> str:
     the same sentinel and trainer as the drill."""
     parts = [str(repo_root())] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     return os.pathsep.join(parts)
+
+
+def trainer_job_argv(trainer: str, a: Any, root: Path, devices: int, nodes: int) -> list[str]:
+    """The Lightning or TorchTitan example job's command line (its Sentinel settings: the environment)."""
+    script = str(TRAINER_JOBS[trainer][0])
+    if trainer == "lightning":
+        return [script, "--max-steps", str(a.steps), "--devices", str(devices), "--num-nodes", str(nodes),
+                "--root", str(root / "lightning")]
+    return [script, "--steps", str(a.steps), "--interval", str(max(1, a.interval_steps)), "--root", str(root / "torchtitan")]

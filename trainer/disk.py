@@ -165,8 +165,17 @@ class DiskTier:
         return complete_snapshots(self.directory)
 
     def load(self, state: Mapping[str, Any], path: Path) -> str:
-        """Collective: load ``path`` into ``state``. The error ("" when it loaded on this rank)."""
+        """Collective: load ``path`` into ``state``. The error ("" when it loaded on this rank).
+
+        A value with a ``before_load(path)`` method is told which snapshot is about to be read
+        before DCP asks it for its state dict (the template it loads into): an integration whose
+        state holds entries only some ranks saved (per-rank RNG, a data loader's position) asks
+        for exactly what that snapshot has."""
         try:
+            for value in state.values():
+                before = getattr(value, "before_load", None)
+                if callable(before):
+                    before(path)
             dcp.load(state, checkpoint_id=str(path), process_group=self.group)
         except (CheckpointException, Exception) as exc:  # noqa: BLE001 - CheckpointException is a BaseException
             return f"{type(exc).__name__}: {exc}"

@@ -109,7 +109,7 @@ class SnapshotGuard:
                  memory_interval_steps: int = 0, memory_dir: str | os.PathLike | None = None,
                  memory_run_id: str | None = None, local_world_size: int | None = None,
                  replica_bytes_per_second: float = 0.0, memory_timeout: float = 120.0,
-                 migrate_ack: str = "durable", progress: Mapping[str, Any] | None = None) -> None:
+                 migrate_ack: str = "durable", progress: Mapping[str, Any] | None = None, disk: Any = None) -> None:
         if check_every < 1:
             raise ValueError("check_every must be >= 1")
         if keep < 1:
@@ -165,8 +165,11 @@ class SnapshotGuard:
         if memory_interval_steps > 0:
             self.memory = self._open_memory(memory_dir, memory_run_id, local_world_size,
                                             bytes_per_second=replica_bytes_per_second, timeout=memory_timeout)
-        self.disk = DiskTier(self.directory, group=self.group, rank=self.rank, world=self.world, keep=keep,
-                             async_save=async_save, generation=generation_from_env())
+        # ``disk``: another writer with DiskTier's interface (trainer.integrations.torchtitan: the trainer's own
+        # checkpoint manager writes and loads; the guard still decides when, and which snapshot)
+        self.disk = disk if disk is not None else DiskTier(
+            self.directory, group=self.group, rank=self.rank, world=self.world, keep=keep, async_save=async_save,
+            generation=generation_from_env())
         self.watch = JobWatch.open(self, **(progress or {}))  # hangs, stragglers: trainer.progress (its options)
 
     def _open_memory(self, directory: str | os.PathLike | None, run_id: str | None, local_world: int | None,
