@@ -9,7 +9,9 @@ What differs from a production node, and why (each is named in docs/known-limits
   the pod bridge's address and the test's overlay points the pod's in-cluster config there
   (KUBERNETES_SERVICE_HOST/PORT);
 * the kubelet authenticates with the admin token (no TLS bootstrap, no Node authorizer);
-* the kubelet's own cgroup tree is off (--cgroups-per-qos=false; cgroup v1, no systemd here).
+* the kubelet's own cgroup tree is off (--cgroups-per-qos=false; cgroup v1, no systemd here);
+* oom_score_adj is clamped to containerd's (restrict_oom_score_adj): root here has no
+  CAP_SYS_RESOURCE, and runc fails to start a container asking for a negative one.
 
 Every process is started here and stopped by pid; the pods are deleted through the API first (so
 the kubelet stops them and CNI removes their network namespaces), then what is left (tasks, shims,
@@ -90,7 +92,7 @@ class KubeletNode:
     def start_control_plane(self) -> None:
         audit = self.root / "audit-policy.yaml"
         audit.write_text("apiVersion: audit.k8s.io/v1\nkind: Policy\nrules:\n"
-                         "  - level: Metadata\n    verbs: [patch, update]\n    resources: [{group: '', resources: [nodes]}]\n"
+                         "  - level: Metadata\n    verbs: [patch, update]\n    resources: [{group: '', resources: [nodes, nodes/status]}]\n"
                          "  - level: None\n")
         cluster = KubeCluster(self.root / "cluster", address=self.gateway, nodes=(), apiserver_args=(
             f"--audit-policy-file={audit}", f"--audit-log-path={self.root / 'audit.log'}"))
@@ -132,6 +134,9 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
   sandbox_image = "{PAUSE_REF}"
   stream_server_address = "127.0.0.1"
   stream_server_port = "{stream_port}"
+  # no CAP_SYS_RESOURCE here: runc cannot lower oom_score_adj (the sandbox asks -998, a critical
+  # pod -997); clamp them to containerd's own instead
+  restrict_oom_score_adj = true
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "overlayfs"
     default_runtime_name = "runc"

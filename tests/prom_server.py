@@ -14,15 +14,20 @@ from sentinel_tools.ports import free_port
 
 
 class Prometheus:
-    def __init__(self, root: Path, targets: list[str], rule_files: list[Path] = (), job: str = "sentinel") -> None:
+    """``targets``: host:port of each daemon, or a file_sd JSON file that the test rewrites as
+    daemons come and go (Prometheus rereads it on change)."""
+
+    def __init__(self, root: Path, targets: list[str] | Path, rule_files: list[Path] = (), job: str = "sentinel") -> None:
         self.root = root
+        root.mkdir(parents=True, exist_ok=True)
         self.port = free_port()  # below the ephemeral range: no other suite's connection takes it first
         cfg = root / "prometheus.yml"
         rules = "".join(f"  - {p}\n" for p in rule_files)
+        sd = (f"    file_sd_configs:\n      - files: [{json.dumps(str(targets))}]\n        refresh_interval: 1s\n"
+              if isinstance(targets, Path) else f"    static_configs:\n      - targets: {json.dumps(targets)}\n")
         cfg.write_text("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
                        + (f"rule_files:\n{rules}" if rules else "")
-                       + f"scrape_configs:\n  - job_name: {job}\n    static_configs:\n"
-                       + f"      - targets: {json.dumps(targets)}\n")
+                       + f"scrape_configs:\n  - job_name: {job}\n" + sd)
         self.log = root / "prometheus.log"
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
