@@ -5,6 +5,7 @@ the shipped alert rules, and an Xid 79 injected through the simulated state trip
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import subprocess
 from pathlib import Path
@@ -48,11 +49,17 @@ def test_the_manifests_name_the_image_the_build_makes(archive):
     assert config["Entrypoint"] == ["/usr/local/bin/sentinel"] and container["args"][0] == "run"
     assert config["Labels"]["org.opencontainers.image.version"] == VERSION
     assert len(made["layers"]) == 3  # Debian, the pinned Python dependencies, the wheel
-    # no image name in the repository that the build does not make
-    r = subprocess.run(["git", "grep", "-n", "-E", r"image: *[a-z0-9.-]+\.[a-z]+/", "--", "deploy"], cwd=REPO,
-                       capture_output=True, text=True, timeout=30)
-    for line in r.stdout.splitlines():
-        assert "ghcr.io/sentinel-gpu/" in line, line
+    # the training job names the trainer image (scripts/build-image --trainer), and no image name
+    # in the repository is one the build does not make
+    jobs = [d for d in yaml.safe_load_all((REPO / "deploy" / "kubernetes" / "training-job.yaml").read_text()) if d]
+    images = {c["image"] for d in jobs if d["kind"] in ("Job", "Deployment")
+              for c in d["spec"]["template"]["spec"]["containers"]}
+    assert images == {f"ghcr.io/sentinel-gpu/sentinel-trainer:{VERSION}"}
+    r = subprocess.run(["git", "grep", "-n", "-I", "-E", r"(image: *|ghcr\.io/|docker\.io/|quay\.io/)[a-z0-9.-]+/", "--", ".",
+                        ":!tests/corpus"], cwd=REPO, capture_output=True, text=True, timeout=30)
+    named = re.findall(r"((?:ghcr|docker|quay)\.io/[a-z0-9._/-]+)", r.stdout)
+    assert named and set(named) <= {"ghcr.io/sentinel-gpu/sentinel", "ghcr.io/sentinel-gpu/sentinel-trainer"}, \
+        sorted(set(named))
 
 
 def test_the_image_carries_the_daemon_and_bcc_but_not_torch(podman):
