@@ -10,7 +10,9 @@ Prometheus scraping a drill's daemons and asserts each returns series.
 
 What the daemon does not export has no panel: the trainer's snapshot tiers (memory, peer
 replica, disk) are reported by the drill and the benchmarks, not as metrics (docs/known-limits.md).
-Conditions that a drill cannot show with data (loop errors, lost eBPF events, a blind node) are
+Counters are shown as totals since each daemon started, not as increase() over a window: a
+counter's series appears with its first event (an Xid code, an action), and increase() reads
+that first increment as 0. Conditions that a drill cannot show with data (loop errors, lost eBPF events, a blind node) are
 alert rules (monitoring/alerts.yml), not panels that would stay empty.
 """
 
@@ -22,6 +24,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from sentinel.actions import ACTIONS
 from sentinel.daemon import LAST_POLL
 from sentinel.exporter import RENDER_DURATION
 from sentinel.families import Family
@@ -29,7 +32,7 @@ from sentinel.fields import NVML_FIELDS
 from sentinel.fields import families as field_families
 from sentinel.metrics import (GPU_HEALTH, GPU_PREDICTED_FAILURE, GPU_XID_ERRORS, POLICY_TRIPS,
                               SOURCE_POLL_DURATION, SOURCE_UP)
-from sentinel.migration_record import BACKEND_CALLS, MIGRATION_STEPS, NODE_CORDONED
+from sentinel.migration_record import MIGRATION_STEPS, NODE_CORDONED
 
 OUT = Path(__file__).resolve().parents[1] / "monitoring" / "grafana-dashboard.json"
 UID = "sentinel-overview"
@@ -76,9 +79,8 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
         PanelSpec("stat", "Nodes cordoned", (Query(f"sum({n(NODE_CORDONED)})"),), 6, 4),
         PanelSpec("timeseries", "GPU health (0 ok · 1 watch · 2 predicted · 3 failed)",
                   (Query(f"{n(GPU_HEALTH)} > 0", "{{instance}} gpu {{gpu}}"),), 12, 8),
-        PanelSpec("table", "Xid errors (1h) by Xid",
-                  (Query(f"sum by (instance, gpu, xid) (increase({n(GPU_XID_ERRORS)}[1h])) > 0"),),
-                  12, 8),
+        PanelSpec("table", "Xid errors by Xid (since each daemon started)",
+                  (Query(f"sum by (instance, gpu, xid) ({n(GPU_XID_ERRORS)})"),), 12, 8),
         PanelSpec("table", "Signal coverage (0: the node is blind to it)",
                   (Query(f"min by (instance, source, via) ({n(SOURCE_UP)})"),), 12, 8,
                   description="One row per signal and the path that reads it (ebpf, kmsg, sysfs, nvml); "
@@ -87,8 +89,8 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
     ("Predictions and their lead time", (
         PanelSpec("timeseries", "Forecast time to failure threshold (lead time)",
                   (Query(n(GPU_PREDICTED_FAILURE), "{{instance}} gpu {{gpu}}"),), 12, 8, unit="s"),
-        PanelSpec("bargauge", "Policy trips (1h)",
-                  (Query(f"sum by (rule, action) (increase({n(POLICY_TRIPS)}[1h]))", "{{rule}} → {{action}}"),), 12, 8),
+        PanelSpec("bargauge", "Policy trips (since each daemon started)",
+                  (Query(f"sum by (rule, action) ({n(POLICY_TRIPS)})", "{{rule}} → {{action}}"),), 12, 8),
         PanelSpec("timeseries", "Corrected ECC error rate",
                   (Query(f'rate({n(ECC)}{{type="corrected",scope="volatile"}}[5m])', "{{instance}} gpu {{gpu}}"),),
                   12, 8, unit="cps"),
@@ -99,12 +101,12 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                   12, 8),
     )),
     ("Migrations and their stages", (
-        PanelSpec("bargauge", "Migration steps (1h)",
-                  (Query(f"sum by (step) (increase({n(MIGRATION_STEPS)}[1h]))", "{{step}}"),), 12, 8,
+        PanelSpec("bargauge", "Migration steps (since each daemon started)",
+                  (Query(f"sum by (step) ({n(MIGRATION_STEPS)})", "{{step}}"),), 12, 8,
                   description="started, agent_stopped, returned_to_service ... and each failure by name"),
-        PanelSpec("table", "Scheduler calls (1h) by backend, operation and outcome",
-                  (Query(f"sum by (backend, op, outcome) (increase({n(BACKEND_CALLS)}[1h])) > 0"),),
-                  12, 8),
+        PanelSpec("table", "Actions by kind and outcome (since each daemon started)",
+                  (Query(f"sum by (instance, action, outcome) ({n(ACTIONS)})"),), 12, 8,
+                  description="notify, migrate, cordon ... and whether each was carried out"),
     )),
     ("Daemon cost", (
         PanelSpec("timeseries", "Source poll duration", (Query(n(SOURCE_POLL_DURATION), "{{instance}} {{source}}"),),

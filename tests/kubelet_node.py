@@ -77,6 +77,7 @@ class KubeletNode:
         self.procs: dict[str, subprocess.Popen] = {}
         self.sysctls = {k: Path("/proc/sys", k).read_text() for k in KUBELET_SYSCTLS if Path("/proc/sys", k).exists()}
         self.cluster: KubeCluster | None = None
+        self.pods: set[str] = set()  # <namespace>_<name>_<uid>: the kubelet's /var/log/pods/ entries
 
     # -- bring-up ---------------------------------------------------------------------------------
     def start(self, images: list[Path]) -> None:
@@ -142,6 +143,8 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
     default_runtime_name = "runc"
     [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        Root = "{d / 'runc'}"
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "/usr/lib/cni"
     conf_dir = "{d / 'cni'}"
@@ -223,6 +226,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
                 self.cluster.stop()
             self.kill_shims()
             self.unmount_all()
+            self.remove_host_leftovers()
             subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=30)
             for key, value in self.sysctls.items():
                 try:
@@ -242,6 +246,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         for ds in apps.list_daemon_set_for_all_namespaces().items:
             apps.delete_namespaced_daemon_set(ds.metadata.name, ds.metadata.namespace)
         for pod in core.list_pod_for_all_namespaces().items:
+            self.pods.add(f"{pod.metadata.namespace}_{pod.metadata.name}_{pod.metadata.uid}")
             core.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace, grace_period_seconds=10)
         end = time.monotonic() + 90
         while time.monotonic() < end and core.list_pod_for_all_namespaces().items:
@@ -275,6 +280,30 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
                 except ProcessLookupError:
                     pass
 
+    def remove_host_leftovers(self) -> None:
+        """What the kubelet, containerd and CNI write outside the node's directory, at paths they
+        fix: this node's pod log directories, its CNI result cache entries, the kubelet's
+        device-plugin socket (unless another kubelet runs), then the directories left empty."""
+        for pod in self.pods:
+            shutil.rmtree(Path("/var/log/pods") / pod, ignore_errors=True)
+        for cached in Path("/var/lib/cni/results").glob(f"sntl-{self.id}-*"):
+            cached.unlink(missing_ok=True)
+        others = [p for p in os.listdir("/proc") if p.isdigit() and _exe_name(p) == "kubelet"]
+        if not others:
+            for name in ("kubelet.sock", "DEPRECATION"):
+                Path("/var/lib/kubelet/device-plugins", name).unlink(missing_ok=True)
+        for top in ("/var/lib/kubelet", "/run/containerd", "/var/lib/cni/results", "/var/log/pods"):
+            for dirpath, _, _ in sorted(os.walk(top), key=lambda w: len(w[0]), reverse=True):
+                try:
+                    os.rmdir(dirpath)  # only if empty: another suite's node may be using it
+                except OSError:
+                    pass
+        for hierarchy in Path("/sys/fs/cgroup").iterdir():  # runc's parent cgroup, once no container is in it
+            try:
+                os.rmdir(hierarchy / "k8s.io")
+            except OSError:
+                pass
+
     def unmount_all(self) -> None:
         for _ in range(3):
             mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()
@@ -283,6 +312,13 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
                 return
             for mnt in sorted(mounts, key=len, reverse=True):
                 subprocess.run(["umount", "-l", mnt], capture_output=True, timeout=30)
+
+
+def _exe_name(pid: str) -> str:
+    try:
+        return Path(os.readlink(f"/proc/{pid}/exe")).name
+    except OSError:
+        return ""
 
 
 def start_node(images: list[Path]) -> KubeletNode:
