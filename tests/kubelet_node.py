@@ -282,25 +282,26 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 
     def remove_host_leftovers(self) -> None:
         """What the kubelet, containerd and CNI write outside the node's directory, at paths they
-        fix: this node's pod log directories, its CNI result cache entries, the kubelet's
-        device-plugin socket (unless another kubelet runs), then the directories left empty."""
+        fix: this node's pod log directories and CNI result cache entries; then, unless another
+        kubelet or containerd runs, the kubelet's device-plugin files and the directories left empty."""
         for pod in self.pods:
             shutil.rmtree(Path("/var/log/pods") / pod, ignore_errors=True)
         for cached in Path("/var/lib/cni/results").glob(f"sntl-{self.id}-*"):
             cached.unlink(missing_ok=True)
-        others = [p for p in os.listdir("/proc") if p.isdigit() and _exe_name(p) == "kubelet"]
-        if not others:
-            for name in ("kubelet.sock", "DEPRECATION"):
-                Path("/var/lib/kubelet/device-plugins", name).unlink(missing_ok=True)
-        for top in ("/var/lib/kubelet", "/run/containerd", "/var/lib/cni/results", "/var/log/pods"):
+        if any(_exe_name(p) in ("kubelet", "containerd") for p in os.listdir("/proc") if p.isdigit()):
+            return  # another suite's node runs: what is left at the shared paths may be its own
+        for name in ("kubelet.sock", "DEPRECATION"):
+            Path("/var/lib/kubelet/device-plugins", name).unlink(missing_ok=True)
+        for top in ("/var/lib/kubelet", "/run/containerd"):  # only these two programs write there
             for dirpath, _, _ in sorted(os.walk(top), key=lambda w: len(w[0]), reverse=True):
                 try:
-                    os.rmdir(dirpath)  # only if empty: another suite's node may be using it
+                    os.rmdir(dirpath)  # only if empty
                 except OSError:
                     pass
-        for hierarchy in Path("/sys/fs/cgroup").iterdir():  # runc's parent cgroup, once no container is in it
+        for shared in [Path("/var/lib/cni/results"), Path("/var/log/pods"),
+                       *(h / "k8s.io" for h in Path("/sys/fs/cgroup").iterdir())]:  # runc's parent cgroup
             try:
-                os.rmdir(hierarchy / "k8s.io")
+                shared.rmdir()  # only if empty: other programs write there too
             except OSError:
                 pass
 
