@@ -33,7 +33,7 @@ _ci_skips: list[str] = []
 # - "slurm" and "kube": the one cluster of the session (a session fixture lives per worker).
 KERNEL_FILES = {"test_ebpf.py", "test_kernel_signatures_e2e.py", "test_kernel_trust.py", "test_log_formats.py",
                 "test_packaging.py", "test_prometheus.py", "test_security.py", "test_signature_trust.py",
-                "test_systemd_nspawn.py"}
+                "test_systemd_nspawn.py", "test_image_kernel.py"}
 
 
 def xdist_group_of(item) -> str | None:
