@@ -33,7 +33,7 @@ _ci_skips: list[str] = []
 # - "slurm" and "kube": the one cluster of the session (a session fixture lives per worker).
 KERNEL_FILES = {"test_ebpf.py", "test_kernel_signatures_e2e.py", "test_kernel_trust.py", "test_log_formats.py",
                 "test_packaging.py", "test_prometheus.py", "test_security.py", "test_signature_trust.py",
-                "test_systemd_nspawn.py"}
+                "test_systemd_nspawn.py", "test_image_kernel.py"}
 
 
 def xdist_group_of(item) -> str | None:
@@ -55,7 +55,8 @@ def xdist_group_of(item) -> str | None:
 LONG_FILES = ("test_netns_hosts.py", "test_drill.py", "test_trainer.py", "test_memory_tier.py", "test_bench_smoke.py",
               "test_slurm_drill.py", "test_systemd_nspawn.py", "test_elastic.py", "test_replacement_scale.py",
               "test_slot_rendezvous.py", "test_etcd_rendezvous.py", "test_topology_drill.py", "test_progress.py",
-              "test_hang_job.py", "test_lightning.py", "test_torchtitan.py", "test_peers_bench.py")
+              "test_hang_job.py", "test_lightning.py", "test_torchtitan.py", "test_peers_bench.py",
+              "test_kubelet.py", "test_image.py", "test_dashboard.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (it appends them to the node ids)

@@ -46,12 +46,20 @@ def missing() -> str:
 
 
 class KubeCluster:
-    def __init__(self, root: Path) -> None:
+    """``address``: where the apiserver listens and what it advertises (a pod reaches it on a
+    bridge's address, tests/kubelet_node.py); ``apiserver_args``: appended to its command line;
+    ``nodes``: the Node objects the fixture makes Ready (none where a real kubelet registers)."""
+
+    def __init__(self, root: Path, address: str = "127.0.0.1", apiserver_args: tuple[str, ...] = (
+            "--disable-admission-plugins=ServiceAccount",), nodes: tuple[str, ...] = NODES) -> None:
         self.root = root
+        self.address = address
+        self.apiserver_args = apiserver_args
+        self.nodes = nodes
         self.etcd_port, self.peer_port, self.port = free_ports(3)
         self.token = secrets.token_hex(16)
         self.procs: dict[str, subprocess.Popen] = {}
-        self.url = f"https://127.0.0.1:{self.port}"
+        self.url = f"https://{address}:{self.port}"
 
     def start(self) -> None:
         r = self.root
@@ -68,13 +76,13 @@ class KubeCluster:
              "--initial-cluster", f"default=http://127.0.0.1:{self.peer_port}"],
             stdout=open(r / "etcd.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
         self.procs["kube-apiserver"] = subprocess.Popen(
-            [str(KUBE_APISERVER), f"--etcd-servers=http://127.0.0.1:{self.etcd_port}", "--bind-address=127.0.0.1",
-             "--advertise-address=127.0.0.1", f"--secure-port={self.port}", "--insecure-port=0",
+            [str(KUBE_APISERVER), f"--etcd-servers=http://127.0.0.1:{self.etcd_port}", f"--bind-address={self.address}",
+             f"--advertise-address={self.address}", f"--secure-port={self.port}", "--insecure-port=0",
              f"--cert-dir={r / 'certs'}", f"--token-auth-file={r / 'tokens.csv'}", "--authorization-mode=RBAC",
              f"--service-account-key-file={r / 'sa.pub'}", f"--service-account-signing-key-file={r / 'sa.key'}",
              "--service-account-issuer=https://kubernetes.default.svc", "--service-cluster-ip-range=10.96.0.0/24",
              "--allow-privileged=true",  # as every GPU cluster sets it: device plugins and node agents need it
-             "--enable-admission-plugins=NodeRestriction", "--disable-admission-plugins=ServiceAccount"],
+             "--enable-admission-plugins=NodeRestriction", *self.apiserver_args],
             stdout=open(r / "apiserver.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
         self.wait(self.ready, 90, "kube-apiserver /readyz")
         self.kubeconfig = self.write_kubeconfig(r / "admin.kubeconfig", self.token)
@@ -129,7 +137,7 @@ current-context: c
         from kubernetes import client
 
         core = self.core()
-        for n in NODES:
+        for n in self.nodes:
             core.create_node(client.V1Node(metadata=client.V1ObjectMeta(name=n, labels={"nvidia.com/gpu.present": "true"}),
                                            status=client.V1NodeStatus(capacity={"nvidia.com/gpu": "8"})))
         self.reset_nodes()
@@ -138,7 +146,7 @@ current-context: c
         """Every node Ready, schedulable, untainted, with no GPUHealthy condition."""
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         core = self.core()
-        for n in NODES:
+        for n in self.nodes:
             core.patch_node(n, {"spec": {"unschedulable": None, "taints": None},
                                 "metadata": {"annotations": None}})
             core.patch_node_status(n, {"status": {"conditions": [
