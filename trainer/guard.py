@@ -102,6 +102,16 @@ class SnapshotRecord:
     tier: str = "disk"  # "memory": committed once in memory on every rank and replicated
 
 
+def _side_group() -> Any:
+    """A gloo group with the job's own timeout (``new_group``'s default is 30 min: a survivor's
+    collective with a powered-off peer, no RST, then never failed and never re-joined)."""
+    try:
+        timeout = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError, ValueError):  # no gloo/CPU backend: torch's default
+        timeout = None
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
 class SnapshotGuard:
     def __init__(self, directory: str | os.PathLike, state: Mapping[str, Any], *, interval_steps: int = 0,
                  check_every: int = 1, keep: int = 3, migrate_hold_seconds: float = DEFAULT_MIGRATE_HOLD_SECONDS,
@@ -139,8 +149,8 @@ class SnapshotGuard:
         # collectives run crashed or hung here (gloo size mismatch). The agreement and hold
         # collectives run on the training thread while a background save may be mid-collective,
         # so they get a third group: two threads must never share one gloo group.
-        self.group = group if group is not None else (dist.new_group(backend="gloo") if self.distributed else None)
-        self.control_group = dist.new_group(backend="gloo") if self.distributed else None
+        self.group = group if group is not None else (_side_group() if self.distributed else None)
+        self.control_group = _side_group() if self.distributed else None
         self.endpoint = endpoint if endpoint is not None else RankEndpoint.open()
         # "" when the channel is fine (or no daemon is installed); otherwise why this rank cannot
         # be reached, e.g. its socket path was squatted. The job runs on, but never silently.
@@ -181,7 +191,7 @@ class SnapshotGuard:
         local_world = local_world or int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         # The replica copy runs on a thread of its own: its own gloo group (two threads never
         # share one), never the training group nor the disk tier's.
-        replica_group = dist.new_group(backend="gloo") if self.distributed else None
+        replica_group = _side_group() if self.distributed else None
         return MemoryTier(directory or default_holder_dir(), run_id=run_id, rank=self.rank, world=self.world,
                           local_world=local_world, group=replica_group, **options)
 
