@@ -199,16 +199,20 @@ def test_power_off_resumes_from_peer_replicas_pulled_over_the_bridge(host_drill)
 
 
 def test_store_host_power_off_is_said_in_one_line_within_30_s_and_in_the_daemons_status(host_drill):
-    """A single c10d store has no replica: once the store's host is gone and a rank crashes, the
-    job cannot take a new membership, and must say so in one line, not hang; the daemons of the
-    nodes whose agents said it show it in their status (job.rendezvous)."""
-    r = host_drill("--fault", "store-host")
+    """A single c10d store has no replica: the job cannot take a new membership, and must say so
+    in one line, not hang, and the daemons of the nodes whose agents said it show it in their
+    status (job.rendezvous). A job that needs none before its end (the agents learn of the store's
+    loss only when they call it) finishes, bitwise; which of the two happens is the store's timing."""
+    r = host_drill("--fault", "store-host", "--verify")
     assert r["ok"] and r["rc"] == 0, why(r)
-    assert r["failed_node"] == "store" and not r["finished"]
+    assert r["failed_node"] == "store"
     lost = r["store_lost"]
-    assert "cannot be reached" in lost["line"] and "this job cannot continue" in lost["line"], why(r)
-    assert lost["seconds_after_fault"] is not None and lost["seconds_after_fault"] <= 30, why(r)
-    assert lost["agents_saying_so"] >= 1 and lost["daemons_saying_so"], why(r)
+    if r["finished"]:
+        assert r["recomputed_steps"] == [] and r["verify"]["bitwise_equal"], why(r)
+    else:
+        assert "cannot be reached" in lost["line"] and "this job cannot continue" in lost["line"], why(r)
+        assert lost["seconds_after_fault"] is not None and lost["seconds_after_fault"] <= 30, why(r)
+        assert lost["agents_saying_so"] >= 1 and lost["daemons_saying_so"], why(r)
 
 
 def test_partition_goes_on_without_the_cut_off_host_and_it_never_steps_again(host_drill):
