@@ -276,8 +276,8 @@ def test_migration_bench_smoke_puts_host_rows_beside_loopback_ones(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())
     figures = doc["figures"]
-    assert [run["path"] for run in doc["runs"]] == ["warm", "hosts-xid79"]
-    assert figures["migration_ok_fraction"] == 1.0 and figures["hosts_xid79_ok_fraction"] == 1.0, r.stdout[-3000:]
+    assert doc["bench"] == "migration_hosts" and [run["path"] for run in doc["runs"]] == ["loopback-xid79", "hosts-xid79"]
+    assert figures["loopback_xid79_ok_fraction"] == 1.0 and figures["hosts_xid79_ok_fraction"] == 1.0, r.stdout[-3000:]
     assert figures["hosts_xid79_lost_steps"] == 0 and figures["hosts_xid79_bytes_into_spare_hosts"] > 0
     assert figures["hosts_over_loopback_xid79_ratio"] > 0 and len(doc["host"]["loadavg"]) == 3
     assert "Xid 79: namespaced hosts / loopback (fault -> first step)" in r.stdout
