@@ -12,6 +12,12 @@ the real handler code against a real c10d TCPStore served by a process of its ow
   is admitted while the N-1 survivors re-rendezvous (their workers failed);
 * ``replace_two``: two nodes leave at once, two spares.
 
+``--store etcd`` adds a third column: the same slot handler with its membership in a 3-member
+etcd (Debian's etcd-server on loopback, TLS with the job's CA and client certificates, as
+``--rdzv-backend sentinel-etcd`` runs it). Its "ops" are the HTTP requests each participant sent
+to etcd (what the server serves; a ``wait`` is a range plus a watch, an ``add`` two requests),
+and its store CPU is the three members' together. ``--smoke`` runs both stores.
+
 Per round: wall time (release of all participants -> the last one returned), store operations
 per survivor (median, max) and in total, bytes on the wire (keys + values), CPU seconds of the
 participants (this process) and of the store server (its /proc stat), so that waits (torch's 1 s
@@ -53,7 +59,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _report  # noqa: E402
 
 SCENARIOS = ("first_join", "replace_one", "replace_two")
-HANDLERS = ("sentinel", "torch")
+HANDLERS = ("sentinel", "torch", "etcd")  # etcd: the sentinel handler on a 3-member etcd (--store etcd)
+STORES = {"tcp": ("sentinel", "torch"), "etcd": ("etcd",)}
 DEFAULT_NODES = [8, 16, 32, 64, 128, 256, 512, 1024]
 SMOKE_NODES = [3, 4]  # the smallest job with two victims and a survivor, and one more: a growth exponent
 SMOKE_FIGURES = ("replacement_protocol_n3_seconds", "replacement_protocol_n4_seconds")
@@ -135,20 +142,43 @@ class StoreServer:
             self.proc.wait(10)
 
 
+class EtcdServer:
+    """Three etcd members on loopback with the job's TLS (their CPU summed)."""
+
+    def __init__(self, work: Path) -> None:
+        from sentinel.etcd_pki import make_job_pki
+        from sentinel_tools.etcd_cluster import EtcdCluster
+
+        names = ["m0", "m1", "m2"]
+        self.cluster = EtcdCluster(work, names, pki=make_job_pki(work / "pki", "bench", {n: [] for n in names}))
+        self.cluster.start()
+
+    def cpu(self) -> float:
+        return sum(proc_cpu_seconds(m.proc.pid) for m in self.cluster.members.values() if m.proc is not None)
+
+    def client(self) -> Any:
+        return self.cluster.store(failover_seconds=60.0, request_seconds=30.0)
+
+    def stop(self) -> None:
+        self.cluster.stop()
+
+
 # -- participants -----------------------------------------------------------------------------------
 class Participant:
     """One node's rendezvous handler and the counter of its store operations."""
 
-    def __init__(self, kind: str, server: StoreServer, run_id: str, nodes: int, timeout: float) -> None:
+    def __init__(self, kind: str, server: "StoreServer | EtcdServer", run_id: str, nodes: int, timeout: float) -> None:
         from trainer.slot_rendezvous import CountingStore, SlotRendezvousHandler
 
         self.kind = kind
         client = server.client()
-        if kind == "sentinel":
+        self.requests = getattr(client, "requests", None)
+        if kind in ("sentinel", "etcd"):
             # heartbeats every 60 s: none inside a round (they are counted apart anyway)
             self.handler = SlotRendezvousHandler(client, run_id, nodes, local_addr="127.0.0.1", join_timeout=timeout,
                                                  keep_alive_interval=60.0, admission_timeout=max(5.0, timeout / 4))
             self.stats = self.handler.stats
+            self.client = client
         else:
             from torch.distributed.elastic.rendezvous import RendezvousParameters
             from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
@@ -164,13 +194,16 @@ class Participant:
         self.rank: int | None = None
 
     def ops(self) -> tuple[int, int, int]:
-        return self.stats.snapshot()
+        total, out, got = self.stats.snapshot()
+        if self.kind == "etcd":  # the requests etcd served, not the protocol's calls
+            total = self.client.requests
+        return total, out, got
 
     def next_rendezvous(self) -> None:
         self.rank = self.handler.next_rendezvous().rank
 
     def leave(self) -> None:
-        if self.kind == "sentinel":
+        if self.kind in ("sentinel", "etcd"):
             self.handler.leave()
             return
         from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
@@ -245,7 +278,7 @@ class Recorder:
             os.replace(tmp, self.path)
 
 
-def measure_handler(kind: str, n: int, repeats: int, timeout: float, server: StoreServer, rec: Recorder,
+def measure_handler(kind: str, n: int, repeats: int, timeout: float, server: "StoreServer | EtcdServer", rec: Recorder,
                     scenarios: tuple[str, ...]) -> str | None:
     """All scenarios of one handler at one N. Returns an error if a round did not finish."""
     run_id = f"{kind}-{n}-{os.getpid()}-{time.monotonic_ns()}"
@@ -340,24 +373,25 @@ def summarise(rows: list[dict], failed: dict[str, tuple[int, str]], nodes: list[
                     med[kind, scen, n] = {f: statistics.median(r[f] for r in rs) for f in ROUND_FIELDS}
     print(f"\n{os.cpu_count()} CPUs, load average now {os.getloadavg()[0]:.2f}; medians per round; "
           f"ops = store operations (wait/get/set/add/compare_set/check)")
-    head = (f"{'scenario':<11} {'N':>5} | {'sentinel wall s':>15} {'surv ops':>8} {'total ops':>9} {'cpu s':>7} | "
-            f"{'torch wall s':>12} {'surv ops':>8} {'total ops':>9} {'cpu s':>7}")
+    kinds = [k for k in HANDLERS if any(r["handler"] == k for r in rows)]
+    width = {"sentinel": 15, "torch": 12, "etcd": 11}
+    head = f"{'scenario':<11} {'N':>5} | " + " | ".join(
+        f"{k + ' wall s':>{width[k]}} {'surv ops':>8} {'total ops':>9} {'cpu s':>7}" for k in kinds)
     print(head)
     print("-" * len(head))
     for scen in SCENARIOS:
         for n in nodes:
             cells = []
-            for kind in HANDLERS:
-                m = med.get((kind, scen, n))
+            for kind in kinds:
+                m, w = med.get((kind, scen, n)), width[kind]
                 if m:
-                    cells.append(f"{m['wall_seconds']:>{15 if kind == 'sentinel' else 12}.3f} {m['survivor_ops_median']:>8g} "
+                    cells.append(f"{m['wall_seconds']:>{w}.3f} {m['survivor_ops_median']:>8g} "
                                  f"{m['ops_total']:>9g} {m['participant_cpu_seconds'] + m['store_cpu_seconds']:>7.2f}")
                 elif kind in failed and n >= failed[kind][0]:
-                    cells.append(f"{'not finished' if n == failed[kind][0] else 'not run':>{15 if kind == 'sentinel' else 12}} "
-                                 f"{'-':>8} {'-':>9} {'-':>7}")
+                    cells.append(f"{'not finished' if n == failed[kind][0] else 'not run':>{w}} {'-':>8} {'-':>9} {'-':>7}")
                 else:
-                    cells.append(f"{'-':>{15 if kind == 'sentinel' else 12}} {'-':>8} {'-':>9} {'-':>7}")
-            print(f"{scen:<11} {n:>5} | {cells[0]} | {cells[1]}")
+                    cells.append(f"{'-':>{w}} {'-':>8} {'-':>9} {'-':>7}")
+            print(f"{scen:<11} {n:>5} | " + " | ".join(cells))
     for kind, (n, err) in failed.items():
         print(f"{kind}: stopped at N={n}: {err}")
     print("\ngrowth exponents b of y = a * N^b (log-log least squares over the N measured):")
@@ -387,6 +421,11 @@ def summarise(rows: list[dict], failed: dict[str, tuple[int, str]], nodes: list[
     if a and b:
         print(f"\nsentinel replace_one: N={hi} costs each survivor {b['survivor_ops_median']:g} store ops "
               f"(max {b['survivor_ops_max']:g}); wall {b['wall_seconds']:.3f} s = {b['wall_seconds'] / a['wall_seconds']:.2f}x N={lo}")
+    e, e_lo = med.get(("etcd", "replace_one", hi)), med.get(("etcd", "replace_one", lo))
+    if e and e_lo:
+        print(f"etcd     replace_one: N={hi} costs each survivor {e['survivor_ops_median']:g} etcd requests (max "
+              f"{e['survivor_ops_max']:g}); wall {e['wall_seconds']:.3f} s = {e['wall_seconds'] / e_lo['wall_seconds']:.2f}x "
+              f"N={lo}; etcd members' CPU {e['store_cpu_seconds']:.2f} s per round")
     t = med.get(("torch", "replace_one", hi))
     if b and t:
         print(f"torch    replace_one at N={hi}: {t['wall_seconds']:.3f} s, {t['survivor_ops_median']:g} ops per survivor "
@@ -398,7 +437,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, nargs="+", help=f"job sizes (default {DEFAULT_NODES})")
-    ap.add_argument("--handlers", nargs="+", choices=HANDLERS, default=list(HANDLERS))
+    ap.add_argument("--handlers", nargs="+", choices=HANDLERS[:2], default=list(HANDLERS[:2]),
+                    help="on the TCPStore: sentinel's slot handler, torch's dynamic handler")
+    ap.add_argument("--store", nargs="+", choices=sorted(STORES), default=None,
+                    help="tcp: the handlers on one TCPStore (default); etcd: the slot handler on a 3-member etcd "
+                         "with TLS, a column of its own (--smoke: both)")
     ap.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
     ap.add_argument("--repeats", type=int, default=3, help="replacement rounds per scenario and N (default 3)")
     ap.add_argument("--torch-timeout", type=float, default=600.0,
@@ -423,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
         figures["load_average_ratio"] = statistics.median(r["load_average"] for r in rounds)
         _report.write(args.json, "replacement_scale", figures)
         return 0
+    stores = args.store or (sorted(STORES) if args.smoke else ["tcp"])
+    handlers = [k for k in args.handlers if "tcp" in stores] + (["etcd"] if "etcd" in stores else [])
     if args.smoke:
         args.nodes = args.nodes or SMOKE_NODES
         args.repeats, args.torch_timeout = 1, min(args.torch_timeout, 60.0)
@@ -444,24 +489,27 @@ def main(argv: list[str] | None = None) -> int:
     rec = Recorder(args.out, [str(Path(__file__).relative_to(REPO)) if Path(__file__).is_relative_to(REPO) else __file__,
                               *argv])
     failed: dict[str, tuple[int, str]] = {}
+    import tempfile
+
     for n in nodes:
-        server = StoreServer()
-        try:
-            for kind in args.handlers:
-                if kind in failed:
-                    continue
-                err = measure_handler(kind, n, args.repeats, args.torch_timeout, server, rec, tuple(args.scenarios))
-                if err:
-                    failed[kind] = (n, err)
-                    print(f"  {kind:<8} N={n:<5} {err}", flush=True)
-        finally:
-            server.stop()
+        for kind in handlers:
+            if kind in failed:
+                continue
+            with tempfile.TemporaryDirectory(prefix="replacement-scale-") as work:
+                server = EtcdServer(Path(work)) if kind == "etcd" else StoreServer()
+                try:
+                    err = measure_handler(kind, n, args.repeats, args.torch_timeout, server, rec, tuple(args.scenarios))
+                finally:
+                    server.stop()
+            if err:
+                failed[kind] = (n, err)
+                print(f"  {kind:<8} N={n:<5} {err}", flush=True)
     figures = summarise(rec.doc["rounds"], failed, nodes)
     for kind, (n, _) in failed.items():
         figures[f"{kind}_not_finished_nodes_count"] = n
     figures["load_average_ratio"] = round(os.getloadavg()[0], 2)
     _report.write(args.json, "replacement_scale", figures)
-    ok = [r for r in rec.doc["rounds"] if "error" not in r and r["handler"] == "sentinel"]
+    ok = [r for r in rec.doc["rounds"] if "error" not in r and r["handler"] in ("sentinel", "etcd")]
     return 0 if ok and all(r["ranks_complete"] for r in ok) else 1
 
 

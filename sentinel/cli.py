@@ -350,9 +350,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"{g['index']:>3}  {health:<18} {g['pci_bus_id']:<13} {num('temperature_celsius'):>5} "
                   f"{num('ecc_corrected_volatile', 'ecc_uncorrected_volatile'):>12} "
                   f"{num('retired_pages_sbe', 'retired_pages_dbe'):>8} {num('remapped_rows_uncorrectable'):>6} {xids:<10} {fc}")
-        from sentinel.jobhealth import status_lines
+        from sentinel import jobhealth, rdzv_store
 
-        for line in status_lines(status.get("job") or {}):
+        for line in jobhealth.status_lines(status.get("job") or {}) + rdzv_store.status_lines(status.get("rendezvous_store")):
             print(line)
     unhealthy = [g for g in status["gpus"] if g["health"] != "healthy" or g["lost"] or g["hung"]]
     if status.get("nvml_error"):  # blind to the GPUs is never healthy (--json: the "nvml_error" field)

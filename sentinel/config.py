@@ -277,11 +277,28 @@ class JobConfig:
     peers_file: str = ""
     # "address:port" this daemon's peer listener binds (UDP)
     peer_listen_address: str = ""
+    # The job's etcd rendezvous (--rdzv-backend sentinel-etcd), shown in `sentinel status` and on
+    # /metrics (sentinel.rdzv_store): its members' "host:port", the job's CA and a client
+    # certificate of it (read only; empty: not shown)
+    rendezvous_etcd_endpoints: tuple[str, ...] = ()
+    rendezvous_etcd_cacert: str = ""
+    rendezvous_etcd_cert: str = ""
+    rendezvous_etcd_key: str = ""
+    rendezvous_check_seconds: float = 10.0
 
     def validate(self, prefix: str) -> None:
         _number(prefix, "handover_seconds", self.handover_seconds, 0, DAY)
-        for key in ("peer_key_file", "peers_file", "peer_listen_address"):
+        for key in ("peer_key_file", "peers_file", "peer_listen_address", "rendezvous_etcd_cacert",
+                    "rendezvous_etcd_cert", "rendezvous_etcd_key"):
             _text(prefix, key, getattr(self, key))
+        _number(prefix, "rendezvous_check_seconds", self.rendezvous_check_seconds, 1, DAY)
+        for ep in self.rendezvous_etcd_endpoints:
+            try:
+                settings.parse_address(ep)
+            except ValueError as exc:
+                raise ConfigError(f"{prefix}.rendezvous_etcd_endpoints: {exc}") from None
+        if bool(self.rendezvous_etcd_cert) != bool(self.rendezvous_etcd_key):
+            raise ConfigError(f"{prefix}.rendezvous_etcd_cert and rendezvous_etcd_key go together")
         if self.peer_key_file:
             _path(prefix, "peers_file", self.peers_file, required=True)
             try:

@@ -22,6 +22,7 @@ from sentinel.config import Config
 from sentinel.families import Family, counter, gauge
 from sentinel.fsutil import UnsafePath, ensure_private_dir, probe_writable, write_json_atomic
 from sentinel.jobhealth import JobHealth
+from sentinel import rdzv_store
 from sentinel.peers import NullPeers, PeerError
 from sentinel.peers import from_config as peers_from_config
 from sentinel.log import event
@@ -140,6 +141,9 @@ class Daemon:
         self.jobhealth = JobHealth(self.node, handover_seconds=config.job.handover_seconds)
         # verdicts naming another node go to that node's daemon (sentinel.peers; off by default)
         self.peers: Any = NullPeers()
+        # the job's etcd rendezvous as this node sees it (sentinel.rdzv_store; off by default)
+        self.rdzv_store: Any = rdzv_store.NullRendezvousStore() if not config.job.rendezvous_etcd_endpoints else \
+            rdzv_store.RendezvousStoreWatch(list(config.job.rendezvous_etcd_endpoints))  # its families; start() loads TLS
 
     # -- start/stop ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -158,6 +162,11 @@ class Daemon:
             self.peers = peers_from_config(self.node, self.config.job)
         except (OSError, PeerError) as exc:
             raise StartupError(f"cannot start the peer listener ([job] peer_*): {exc}") from None
+        try:
+            self.rdzv_store = rdzv_store.from_config(self.config.job)
+        except OSError as exc:  # the job's CA or certificate cannot be read
+            raise StartupError(f"cannot watch the job's etcd rendezvous ([job] rendezvous_etcd_*): {exc}") from None
+        self.rdzv_store.start()
         self.start_nvml()
         for src in self.event_sources:
             src.wake = self._wake.set
@@ -203,7 +212,7 @@ class Daemon:
     def metric_families(self) -> list[Family]:
         """The families of the counters and gauges this daemon publishes: its own and those its
         components declare (``FAMILIES``); the collector renders those and no other name."""
-        components = [self.executor, *self.event_sources, self.endpoint, self.migrator, self.jobhealth]
+        components = [self.executor, *self.event_sources, self.endpoint, self.migrator, self.jobhealth, self.rdzv_store]
         return [ACTIONS, CONFIG_RELOADS, LOOP_ERRORS, NVML_INIT_FAILURES, LAST_POLL,
                 *(f for c in components if c is not None for f in getattr(c, "FAMILIES", ()))]
 
@@ -222,6 +231,7 @@ class Daemon:
         if self.migrator is not None:
             self.migrator.close()
         self.peers.close()
+        self.rdzv_store.close()
         self.nvml.close()
 
     # -- one iteration ------------------------------------------------------------------------
@@ -369,6 +379,7 @@ class Daemon:
         if self.migrator is not None:
             gauges.update(self._guard("metrics", self.migrator.gauges, default={}))
         gauges.update(self._guard("metrics", self.jobhealth.gauges, default={}))
+        gauges.update(self._guard("metrics", self.rdzv_store.gauges, default={}))
         self.view = View(readings, health, forecasts, dict(self.trips), rule_active, counters, gauges, self.node,
                          detail=self.config.metrics.detail)
         if self.httpd is not None:
@@ -403,6 +414,7 @@ class Daemon:
             "cordoned": bool(self.migrator and self.migrator.cordoned),
             "migration": self.migrator.record.__dict__ if self.migrator and self.migrator.record else None,
             "job": self.jobhealth.status(),
+            "rendezvous_store": self.rdzv_store.status(),
         }
         try:
             write_json_atomic(self.runtime_dir / "status.json", status, fsync=False)  # tmpfs; rewritten every poll

@@ -80,10 +80,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agent", choices=["warm", "torchrun"], default="warm",
                    help="warm: python -m trainer.elastic, preloaded forkserver, warm spares, graceful leave;"
                         " torchrun: plain torchrun and cold spares (the before)")
-    p.add_argument("--rdzv-backend", choices=["c10d", "etcd-v2", "sentinel"], default=None,
+    p.add_argument("--rdzv-backend", choices=["c10d", "etcd-v2", "sentinel", "sentinel-etcd"], default=None,
                    help="c10d: a standalone TCPStore; etcd-v2: a local etcd (Debian etcd-server) on loopback; "
-                        "sentinel: rank-preserving slots on the standalone TCPStore (--agent warm only). Default: "
-                        "c10d; sentinel for --fault partition (its generations fence the cut-off host)")
+                        "sentinel: rank-preserving slots on the standalone TCPStore (--agent warm only); "
+                        "sentinel-etcd: the same slots on a 3-member etcd with TLS client certificates (one member "
+                        "per node host with --hosts netns; the victim's member is made the leader before the fault). "
+                        "Default: c10d; sentinel for --fault partition (its generations fence the cut-off host)")
     p.add_argument("--start-method", choices=["spawn", "fork", "forkserver"], default="spawn",
                    help="torchrun worker start method (--agent torchrun; a -m module ignores it)")
     p.add_argument("--timeout", type=float, default=180.0)
@@ -128,7 +130,7 @@ def fault_defaults(args: argparse.Namespace) -> str:
         return f"--fault {args.fault} needs --nodes {fault.min_nodes} or more ({fault.min_nodes_why})"
     if args.rdzv_backend is None:
         args.rdzv_backend = fault.rdzv_backend or "c10d"
-    elif fault.rdzv_backend and args.rdzv_backend != fault.rdzv_backend:
+    elif fault.rdzv_backend and args.rdzv_backend.partition("-")[0] != fault.rdzv_backend:  # sentinel-etcd fences too
         return f"--fault {args.fault} needs --rdzv-backend {fault.rdzv_backend} ({fault.rdzv_why})"
     return ""
 
@@ -139,9 +141,9 @@ def run_drill(args: argparse.Namespace) -> int:
         print(f"sentinel drill: {why}", file=sys.stderr)
         return 2
     fault = faults.get(args.fault)
-    if args.rdzv_backend == "sentinel" and args.agent != "warm":
-        print("sentinel drill: --rdzv-backend sentinel needs --agent warm (plain torchrun does not register it)",
-              file=sys.stderr)
+    if args.rdzv_backend.startswith("sentinel") and args.agent != "warm":
+        print(f"sentinel drill: --rdzv-backend {args.rdzv_backend} needs --agent warm (plain torchrun does not "
+              "register it)", file=sys.stderr)
         return 2
     if args.slurm_conf is not None:
         print("sentinel drill: --slurm-conf needs --scheduler slurm", file=sys.stderr)

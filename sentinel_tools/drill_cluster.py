@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from sentinel.sources import simulated
-from sentinel_tools import drill_report, faults
+from sentinel_tools import drill_etcd, drill_report, faults
 from sentinel_tools.drill_report import Timeline
 from sentinel_tools.netns import HOST_RUNTIME
 from sentinel_tools.harness import DrillError, alive, descendants, progress, pythonpath, repo_root, wait
@@ -97,6 +97,7 @@ class Drill:
         self.peer_key = self.work / "peer.key"  # the daemons' shared key for forwarded hang verdicts
         self.peers_file = self.work / "peers.json"
         self.peer_ports: dict[str, int] = {}
+        self.etcd: drill_etcd.DrillEtcd | None = None  # --rdzv-backend sentinel-etcd
         self.job_dead_at: float | None = None  # when every agent of the job was seen gone (the job did not finish)
         # Each node's memory-tier holder: a tmpfs directory of its own ("node memory").
         self.memory_root = Path("/dev/shm") / f"sentinel-drill-{os.getpid()}-{os.urandom(3).hex()}"
@@ -122,6 +123,11 @@ class Drill:
         return p
 
     def start_store(self) -> None:
+        if self.args.rdzv_backend == drill_etcd.BACKEND:
+            self.etcd = drill_etcd.DrillEtcd(self.work, ["m0", "m1", "m2"])
+            self.etcd.start(max(30.0, self.args.timeout / 3))
+            self.procs += self.etcd.procs()
+            return
         if self.args.rdzv_backend == "etcd-v2":
             etcd = shutil.which("etcd")
             if etcd is None:
@@ -148,7 +154,8 @@ class Drill:
         # etcd-v2 is torch's dynamic rendezvous (as c10d) with its state in etcd: the same settings
         # read_timeout: a store call on a store whose host is gone fails after 10 s, not torch's 60 s
         # (the agent then says in one line that the job cannot go on: --fault store-host)
-        rdzv_conf = ("protocol=http," if a.rdzv_backend == "etcd-v2" else "is_host=false,read_timeout=10,") + (
+        rdzv_conf = {"etcd-v2": "protocol=http,", drill_etcd.BACKEND: self.etcd.rdzv_conf() if self.etcd else ""}.get(
+            a.rdzv_backend, "is_host=false,read_timeout=10,") + (
             f"keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2,join_timeout={int(a.timeout)}")
         py = self.python
         launch = [py, "-m", "sentinel", "launch", "--pidfile", str(node.local(node.pidfile)), "--state-dir",
@@ -173,7 +180,7 @@ class Drill:
 
     def store_endpoint(self) -> str:
         """Where the agents reach the rendezvous store."""
-        return f"127.0.0.1:{self.store_port}"
+        return self.etcd.endpoint() if self.etcd else f"127.0.0.1:{self.store_port}"
 
     def on_node(self, node: Node, argv: list[str]) -> list[str]:
         """``argv`` run on ``node`` (here: a process of this machine, as it is)."""
@@ -507,6 +514,8 @@ class Drill:
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+        if self.etcd is not None:
+            self.etcd.stop()
         if self.mounted:
             subprocess.run(["umount", "-l", str(self.snapshots)], capture_output=True)
         shutil.rmtree(self.memory_root, ignore_errors=True)

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sentinel_tools import netns
+from sentinel_tools import drill_etcd, netns
 from sentinel_tools.drill_cluster import Drill, Node
 from sentinel_tools.harness import DrillError, progress, repo_root, wait
 
@@ -43,6 +43,7 @@ class NetnsDrill(Drill):
         self.store_proc = None
         self.bytes_at_fault: dict[str, dict[str, int]] = {}
         self.fault_times: list[float] = []  # when each victim was hit
+        self.etcd_at_fault: dict[str, Any] = {}  # --rdzv-backend sentinel-etcd: members and leader before the fault
         self.healed_at: float | None = None  # --fault partition: when the link came back
         self.scheduler_port = 8080  # on the scheduler's own host: nothing else listens there
         self.scheduler_token = self.work / "scheduler.token"
@@ -105,9 +106,22 @@ class NetnsDrill(Drill):
         return f"{node.host.address}:{PEER_PORT}" if node.host is not None else super().peer_address(node)
 
     def store_endpoint(self) -> str:
+        if self.etcd is not None:
+            return self.etcd.endpoint()
         return f"{self.host(STORE_HOST).address}:{self.store_port}"
 
     def start_store(self) -> None:
+        if self.args.rdzv_backend == drill_etcd.BACKEND:
+            assert self.cluster is not None
+            names = drill_etcd.member_hosts(list(self.cluster.hosts))
+            self.etcd = drill_etcd.DrillEtcd(
+                self.work, names, addresses={n: self.host(n).address for n in names},
+                run_on=lambda name, argv: self.host(name).wrap(argv, cwd=repo_root()),
+                probe_on=lambda argv: self.host(SCHEDULER_HOST).wrap(argv, cwd=repo_root()))
+            progress(f"etcd members on {', '.join(names)}")
+            self.etcd.start(max(30.0, self.args.timeout / 3))
+            self.procs += self.etcd.procs()
+            return
         if self.args.rdzv_backend == "etcd-v2":
             raise DrillError("--hosts netns runs the job's own TCPStore (c10d or sentinel); etcd-v2 is not wired yet")
         store, log = self.host(STORE_HOST), self.work / "store.log"
@@ -139,6 +153,8 @@ class NetnsDrill(Drill):
     # -- host faults -------------------------------------------------------------------------
     def inject(self, victim: Node) -> float:
         assert self.cluster is not None
+        if self.etcd is not None and victim.name in self.etcd.cluster.members and not self.fault_times:
+            self.etcd_at_fault = self.etcd.lead_from(victim.name)  # the victim's host runs the leader
         self.bytes_at_fault = {name: h.link_bytes() for name, h in self.cluster.hosts.items()}
         t = super().inject(victim)
         self.fault_times.append(t)
@@ -178,6 +194,8 @@ class NetnsDrill(Drill):
         out: dict[str, Any] = {"netns_cluster": self.cluster.prefix,
                                "hosts": {name: h.address for name, h in self.cluster.hosts.items()},
                                "bridge_bytes_since_fault": self.bridge_bytes()}
+        if self.etcd is not None:
+            out["etcd"] = {"before_fault": self.etcd_at_fault, "at_end": self.etcd.probe()}
         if self.host(STORE_HOST).powered_off:
             out["failed_node"] = STORE_HOST  # the fault's victim is the store's host, not a node
             out["store_lost"] = self.store_lost()

@@ -54,7 +54,8 @@ def xdist_group_of(item) -> str | None:
 # sort: every worker computes the same order, as pytest-xdist requires.
 LONG_FILES = ("test_netns_hosts.py", "test_drill.py", "test_trainer.py", "test_memory_tier.py", "test_bench_smoke.py",
               "test_slurm_drill.py", "test_systemd_nspawn.py", "test_elastic.py", "test_replacement_scale.py",
-              "test_slot_rendezvous.py", "test_topology_drill.py", "test_progress.py", "test_hang_job.py")
+              "test_slot_rendezvous.py", "test_etcd_rendezvous.py", "test_topology_drill.py", "test_progress.py",
+              "test_hang_job.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (it appends them to the node ids)

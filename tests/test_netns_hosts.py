@@ -284,3 +284,33 @@ def test_migration_bench_smoke_puts_host_rows_beside_loopback_ones(tmp_path):
     for run in doc["runs"]:
         if run["drill"].get("netns_cluster"):
             assert_nothing_left(run["drill"]["netns_cluster"])
+
+
+# -- the rendezvous on a 3-member etcd, one member per node host (--rdzv-backend sentinel-etcd) ---
+def etcd_view(r: dict) -> tuple[str, dict]:
+    """The leader before the fault, and each member at the end (name -> member)."""
+    return r["etcd"]["before_fault"]["leader"], {m["name"]: m for m in r["etcd"]["at_end"]["members"]}
+
+
+def test_the_etcd_leaders_host_powering_off_loses_no_step_bitwise(host_drill):
+    """The victim's host runs the etcd leader (moved there before the fault): its member goes with
+    it, the other two elect a leader and the job takes the spare, as with one store that never dies."""
+    r = host_drill("--fault", "power-off", "--verify", "--rdzv-backend", "sentinel-etcd")
+    assert r["ok"] and r["rc"] == 0, why(r)
+    assert len(r["recomputed_steps"]) <= 1 and r["verify"]["bitwise_equal"], why(r)
+    leader, at_end = etcd_view(r)
+    assert leader == "node1" and not at_end["node1"]["reachable"], r["etcd"]
+    assert r["etcd"]["at_end"]["leader"] in ("node0", "node2") and at_end["node0"]["reachable"], r["etcd"]
+    assert "spare0" in r["final_nodes"] and "node1" not in r["final_nodes"]
+
+
+def test_the_etcd_leader_partitioned_away_with_its_host_never_splits_the_job(host_drill):
+    """The victim's host (and the etcd leader on it) cut off: the job goes on without it, the
+    cut-off ranks never step again, and no rank steps twice in one generation."""
+    r = host_drill("--fault", "partition", "--verify", "--rdzv-backend", "sentinel-etcd")
+    assert r["ok"] and r["rc"] == 0, why(r)
+    assert len(r["recomputed_steps"]) <= 1 and r["verify"]["bitwise_equal"], why(r)
+    p = r["partition"]
+    assert p["cut_off_host_steps_after_fault"] == [] and p["same_rank_twice"] == [], why(r)
+    leader, _ = etcd_view(r)
+    assert leader == "node1" and "node1" not in r["final_nodes"] and "spare0" in r["final_nodes"], r["etcd"]

@@ -48,7 +48,8 @@ rendezvous handler; what differs answers one measured slow path of a node replac
   registered in torch's ``rendezvous_handler_registry``): the job is N slots; a spare takes the
   departed node's slot and group rank, and a survivor's re-rendezvous is 6 store operations
   whatever N is. With ``--nnodes MIN:MAX`` (MIN < MAX) or ``--rdzv-conf slots=off`` it is torch's
-  dynamic rendezvous on the same store (docs/rendezvous.md).
+  dynamic rendezvous on the same store (docs/rendezvous.md). ``--rdzv-backend sentinel-etcd``:
+  the same handler on a replicated, TLS-authenticated etcd (:mod:`trainer.etcd_rendezvous`).
 
 The c10d/etcd-v2 parts reach into torch's private rendezvous internals (checked for torch 2.13); when they are
 missing the agent logs a warning and runs with torch's own (slower, still correct) behaviour.
@@ -453,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
 
     slot_rendezvous.register()  # --rdzv-backend sentinel
     targs = torchrun.parse_args(torchrun_argv)
+    if targs.rdzv_backend == "sentinel-etcd":  # needs etcd3gw (the etcd extra): only then
+        importlib.import_module("trainer.etcd_rendezvous").register()
     if targs.standalone or targs.rdzv_backend == "static":
         print("trainer.elastic: needs a shared rendezvous (--rdzv-backend sentinel, c10d or etcd-v2 with --rdzv-endpoint)",
               file=sys.stderr)

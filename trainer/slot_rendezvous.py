@@ -37,7 +37,10 @@ with ``--rdzv-conf slots=off``. The job's first join uses this module's own coun
 ``add`` for a slot number, then an arrival), not torch's.
 
 Store: torch's c10d TCPStore, through torch's own c10d backend factory (``is_host``,
-``store_type`` and timeouts as for ``--rdzv-backend c10d``). etcd is not supported by this handler.
+``store_type`` and timeouts as for ``--rdzv-backend c10d``), or with ``--rdzv-backend
+sentinel-etcd`` a replicated etcd v3 (:mod:`trainer.etcd_rendezvous`, :mod:`trainer.etcd_store`):
+the store interface used here is ``get set add compare_set check wait clone`` plus an optional
+``beat`` (a heartbeat; etcd attaches it to a lease, so a dead host's heartbeat key disappears).
 """
 
 from __future__ import annotations
@@ -50,7 +53,6 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -66,7 +68,7 @@ from torch.distributed.elastic.rendezvous.api import (
     rendezvous_handler_registry,
 )
 
-from trainer import fence
+from trainer.counting_store import CountingStore, OpStats  # noqa: F401 (re-exported: bench/replacement_scale.py)
 
 log = logging.getLogger("sentinel.rendezvous")
 
@@ -78,90 +80,6 @@ NO_BEAT_PASSES = 10
 class SlotTakenError(RendezvousGracefulExitError):
     """This node's slot belongs to another node in a newer generation (it was replaced or declared
     dead): it must not re-join. Its agent exits; the job goes on without it."""
-
-
-@dataclass
-class OpStats:
-    """Store operations one handler made (every protocol op goes through :class:`CountingStore`)."""
-
-    ops: dict[str, int] = field(default_factory=dict)
-    bytes_out: int = 0
-    bytes_in: int = 0
-    refused: int = 0  # fenced writes refused (not store operations)
-
-    @property
-    def total(self) -> int:
-        return sum(self.ops.values())
-
-    def snapshot(self) -> tuple[int, int, int]:
-        return self.total, self.bytes_out, self.bytes_in
-
-
-class CountingStore:
-    """A c10d store seen through the operations the protocol makes: counts ops and bytes.
-    Thread-safe counters (the heartbeat thread counts into the same stats)."""
-
-    def __init__(self, store: Any, stats: OpStats | None = None) -> None:
-        self.store = store
-        self.stats = stats or OpStats()
-        self._lock = threading.Lock()
-
-    def _count(self, op: str, out: int, got: int = 0) -> None:
-        with self._lock:
-            self.stats.ops[op] = self.stats.ops.get(op, 0) + 1
-            self.stats.bytes_out += out
-            self.stats.bytes_in += got
-
-    def get(self, key: str) -> bytes:
-        v = self.store.get(key)
-        self._count("get", len(key), len(v))
-        return v
-
-    def set(self, key: str, value: str | bytes) -> None:
-        self.store.set(key, value)
-        self._count("set", len(key) + len(value))
-
-    def add(self, key: str, n: int) -> int:
-        v = self.store.add(key, n)
-        self._count("add", len(key) + 8, 8)
-        return v
-
-    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        v = self.store.compare_set(key, expected, desired)
-        self._count("compare_set", len(key) + len(expected) + len(desired), len(v))
-        return v
-
-    def check(self, keys: list[str]) -> bool:
-        v = self.store.check(keys)
-        self._count("check", sum(map(len, keys)), 1)
-        return v
-
-    def wait(self, keys: list[str], timeout: timedelta) -> None:
-        try:
-            self.store.wait(keys, timeout)
-        finally:
-            self._count("wait", sum(map(len, keys)), 1)
-
-    def fenced_set(self, fence_key: str, token: str, key: str, value: str) -> bool:
-        """Write ``key`` only while ``fence_key`` holds ``token`` (:func:`trainer.fence.fenced_set`;
-        the store's own transaction where it has one, counted as one op)."""
-        if getattr(self.store, "fenced_set", None) is not None:
-            ok = fence.fenced_set(self.store, fence_key, token, key, value)
-            self._count("fenced_set", len(fence_key) + len(token) + len(key) + len(value))
-        else:  # our compare_set and set, counted as they are
-            ok = fence.compare_then_set(self, fence_key, token, key, value)
-        if not ok:
-            self.refuse()
-        return ok
-
-    def refuse(self) -> None:  # a write refused by the generation fence
-        with self._lock:
-            self.stats.refused += 1
-
-    def clone(self, stats: OpStats | None = None) -> "CountingStore":
-        """A second connection (its own socket: a heartbeat is never queued behind a wait)."""
-        clone = getattr(self.store, "clone", None)
-        return CountingStore(clone() if clone is not None else self.store, stats)
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -176,7 +94,7 @@ class SlotRendezvousHandler(RendezvousHandler):
     def __init__(self, store: Store, run_id: str, nodes: int, *, local_addr: str | None = None,
                  join_timeout: float = 600.0, keep_alive_interval: float = 5.0, keep_alive_max_attempt: int = 3,
                  admission_timeout: float | None = None, node_id: str | None = None,
-                 server_factory: Callable[[str], Any] | None = None) -> None:
+                 server_factory: Callable[[str], Any] | None = None, backend: str = BACKEND) -> None:
         if not run_id:
             raise ValueError("the run id must be a non-empty string")
         if nodes < 1:
@@ -184,6 +102,7 @@ class SlotRendezvousHandler(RendezvousHandler):
         if join_timeout <= 0 or keep_alive_interval <= 0 or keep_alive_max_attempt < 1:
             raise ValueError("join_timeout and keep_alive_interval must be > 0, keep_alive_max_attempt >= 1")
         self._raw = store
+        self.backend = backend
         self.stats = OpStats()  # the protocol's operations
         self.heartbeat_stats = OpStats()  # keep-alives, counted apart
         self._store = CountingStore(store, self.stats)
@@ -218,7 +137,7 @@ class SlotRendezvousHandler(RendezvousHandler):
 
     # -- RendezvousHandler -------------------------------------------------------------------------
     def get_backend(self) -> str:
-        return BACKEND
+        return self.backend
 
     @property
     def use_agent_store(self) -> bool:
@@ -277,9 +196,20 @@ class SlotRendezvousHandler(RendezvousHandler):
                            "ops": after[0] - before[0], "bytes": after[1] + after[2] - before[1] - before[2]}
         log.info("generation %d: slot %d of %d (%s, %d store ops, %.3f s)", f, self.slot, self.nodes, role,
                  self.last_round["ops"], self.last_round["seconds"])
-        store = PrefixStore(self._k(f"g{f}", "agents"), self._raw)
-        return RendezvousInfo(store, self.slot, self.nodes,
+        return RendezvousInfo(self._agent_store(f, record), self.slot, self.nodes,
                               RendezvousStoreInfo(record["master_addr"], int(record["master_port"])))
+
+    def _agent_store(self, f: int, record: dict) -> Store:
+        """The agents' store for this generation (torch's agent assigns worker ranks through it):
+        a prefix of the rendezvous store when that is a c10d store; else (etcd) the workers'
+        TCPStore that slot 0 hosts for this generation, under its own prefix."""
+        if isinstance(self._raw, Store):
+            return PrefixStore(self._k(f"g{f}", "agents"), self._raw)
+        server = self._servers.get(f)
+        if server is None:
+            server = TCPStore(record["master_addr"], int(record["master_port"]), is_master=False,
+                              timeout=timedelta(seconds=max(60.0, self.join_timeout)))
+        return PrefixStore("sentinel.agents", server)
 
     # -- arrivals ------------------------------------------------------------------------------------
     def _info(self, f: int) -> str:
@@ -454,8 +384,11 @@ class SlotRendezvousHandler(RendezvousHandler):
             # in the background) gets NO_BEAT_PASSES passes before it counts as dead
             if hb is None:
                 self._no_beat[s] = self._no_beat.get(s, 0) + 1
-            if s in seen and seen[s] == hb and (hb is not None or self._no_beat[s] >= NO_BEAT_PASSES):
-                mark = LEFT + (hb.decode().rsplit(":", 1)[0] if hb else "unknown")
+            # a heartbeat seen on the last pass and gone now, or whose lease ran out: dead (etcd)
+            last = hb or seen.get(s) or (self._lease_ran_out(f, s, hb_key) if hb is None else None)
+            expired = hb is None and last is not None
+            if expired or s in seen and seen[s] == hb and (hb is not None or self._no_beat[s] >= NO_BEAT_PASSES):
+                mark = LEFT + (last.decode().rsplit(":", 1)[0] if last else "unknown")
                 got = self._store.compare_set(key, "", mark).decode()
                 if got == mark:
                     log.warning("generation %d: slot %d neither arrived nor sent a heartbeat for %g s: vacant",
@@ -463,6 +396,18 @@ class SlotRendezvousHandler(RendezvousHandler):
                     self._post_vacancy(s, f, mark)
                     vacancies += 1
         return now
+
+    def _lease_ran_out(self, f: int, slot: int, hb_key: str) -> bytes | None:
+        """A store with leased heartbeats (etcd): when the slot's owner in generation ``f - 1``
+        beat on a lease that expired (its heartbeat key is gone: it died without a goodbye), its
+        last heartbeat's node part (``<id>:``); else None."""
+        owner_of = getattr(self._raw, "beat_owner", None)
+        if owner_of is None or f < 2 or not self._store.check([self._k(f"g{f - 1}", f"s{slot}")]):
+            return None
+        mark = self._store.get(self._k(f"g{f - 1}", f"s{slot}")).decode()
+        owner = owner_of(hb_key)
+        gone = owner is not None and not mark.startswith(LEFT) and json.loads(mark).get("id") == owner
+        return f"{owner}:".encode() if gone else None
 
     def _post_vacancy(self, slot: int, f: int, mark: str) -> None:
         v = self._store.add(self._k("vacancies"), 1)
@@ -527,7 +472,7 @@ class SlotRendezvousHandler(RendezvousHandler):
         if self._hb_store is None:
             self._hb_store = self._store.clone(self.heartbeat_stats)
         beat = f"{self.node_id}:{self._hb_count}"
-        return self._hb_store.fenced_set(self._k("latest"), str(self.gen), self._k("hb", self.slot), beat)
+        return self._hb_store.fenced_beat(self._k("latest"), str(self.gen), self._k("hb", self.slot), beat)
 
     def _stop_heartbeats(self) -> None:
         if self._hb_stop is not None:
