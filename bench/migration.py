@@ -15,9 +15,10 @@ runs warm and lightning):
   torchtitan  warm's path for torchtitan's CheckpointManager and state objects (examples/torchtitan_job.py)
 
 With ``--hosts netns`` (root) the host faults on namespaced hosts, each beside its loopback
-counterpart in the same run, interleaved: ``hosts-xid79`` beside ``warm`` (the same fault),
-``hosts-power-off`` beside ``kill`` (kill -9 of a node's agent and workers, Sentinel's memory
-tier: the nearest loopback has to losing a host), ``hosts-partition`` (no loopback counterpart);
+counterpart in the same run, interleaved: ``hosts-xid79`` beside ``loopback-xid79`` (the same
+fault), ``hosts-power-off`` beside ``loopback-kill`` (kill -9 of a node's agent and workers,
+Sentinel's memory tier: the nearest loopback has to losing a host), ``hosts-partition`` (no
+loopback counterpart); its report is bench ``migration_hosts``;
 the extra column is the bytes that crossed the bridge into the spare's host after the fault
 (the state restored into it plus its training traffic to the end), and
 ``hosts_over_loopback_xid79_ratio`` / ``hosts_over_loopback_power_off_ratio`` divide the
@@ -76,16 +77,19 @@ PATHS = {
     # torchtitan's CheckpointManager and state objects (examples/torchtitan_job.py); no memory tier
     "torchtitan": ("Sentinel + TorchTitan, warm spare", ["--fault", "xid79", "--trainer", "torchtitan"]),
     # --hosts netns: host faults on namespaced hosts, each beside its loopback counterpart (root)
-    "kill": ("loopback: kill -9, Sentinel, memory tier", ["--fault", "kill"]),
+    # (a report of its own, bench "migration_hosts": its loopback figures never stand in for the above)
+    "loopback-xid79": ("loopback: Xid 79, warm spare", ["--fault", "xid79"]),
     "hosts-xid79": ("hosts: Xid 79, warm spare", ["--hosts", "netns", "--fault", "xid79"]),
+    "loopback-kill": ("loopback: kill -9, memory tier", ["--fault", "kill"]),
     "hosts-power-off": ("hosts: power-off, memory tier", ["--hosts", "netns", "--fault", "power-off"]),
     "hosts-partition": ("hosts: partition, fenced", ["--hosts", "netns", "--fault", "partition"]),
 }
-HOST_PATHS = ("warm", "hosts-xid79", "kill", "hosts-power-off", "hosts-partition")
+HOST_PATHS = ("loopback-xid79", "hosts-xid79", "loopback-kill", "hosts-power-off", "hosts-partition")
 FIGURE_PREFIX = {"warm": "migration_", "warm-etcd": "etcd_migration_", "one3": "one_of_three_", "two": "two_victims_",
                  "two-memory": "two_adjacent_memory_ack_",
                  "lightning": "lightning_migration_", "torchtitan": "torchtitan_migration_",
-                 "cold": "cold_spare_torchrun_", "crash": "crash_", "kill": "sentinel_kill_",
+                 "cold": "cold_spare_torchrun_", "crash": "crash_", "loopback-xid79": "loopback_xid79_",
+                 "loopback-kill": "loopback_kill_",
                  "hosts-xid79": "hosts_xid79_", "hosts-power-off": "hosts_power_off_",
                  "hosts-partition": "hosts_partition_"}
 
@@ -139,9 +143,9 @@ RATIOS = (
     ("torchtitan_over_reference_ratio", "torchtitan_migration_fault_to_first_step_seconds",
      "migration_fault_to_first_step_seconds", "TorchTitan job / our own loop, warm spare (fault -> first step)"),
     ("hosts_over_loopback_xid79_ratio", "hosts_xid79_fault_to_first_step_seconds",
-     "migration_fault_to_first_step_seconds", "Xid 79: namespaced hosts / loopback (fault -> first step)"),
+     "loopback_xid79_fault_to_first_step_seconds", "Xid 79: namespaced hosts / loopback (fault -> first step)"),
     ("hosts_over_loopback_power_off_ratio", "hosts_power_off_fault_to_first_step_seconds",
-     "sentinel_kill_fault_to_first_step_seconds", "power-off on hosts / kill -9 on loopback (fault -> first step)"),
+     "loopback_kill_fault_to_first_step_seconds", "power-off on hosts / kill -9 on loopback (fault -> first step)"),
 )
 
 
@@ -214,18 +218,18 @@ def main() -> None:
     args, extra = ap.parse_known_args()
     if args.smoke:
         args.runs = args.runs or 1
-        args.only = args.only or ("warm,hosts-xid79" if args.hosts == "netns" else "warm,crash")
+        args.only = args.only or ("loopback-xid79,hosts-xid79" if args.hosts == "netns" else "warm,crash")
         extra = SMOKE_ARGS + extra
     args.runs = 5 if args.runs is None else args.runs
     if args.trainer and not args.only:
         args.only = f"warm,{args.trainer}"
-    default = HOST_PATHS if args.hosts == "netns" else [n for n in PATHS if n not in HOST_PATHS[1:]
+    default = HOST_PATHS if args.hosts == "netns" else [n for n in PATHS if n not in HOST_PATHS
                                                         and n not in ("lightning", "torchtitan")]
     names = args.only.split(",") if args.only else [n for n in default if n != "warm-etcd" or args.etcd]
     unknown = set(names) - set(PATHS)
     if unknown:
         ap.error(f"unknown path(s) {sorted(unknown)}; choose from {sorted(PATHS)}")
-    results = _report.Results(args.json, "migration", summarise)
+    results = _report.Results(args.json, "migration_hosts" if args.hosts == "netns" else "migration", summarise)
     for _ in range(args.runs):  # interleaved, so every path sees the same machine noise
         for n in names:
             results.add({"path": n, "drill": drill(args.interval_steps, PATHS[n][1] + extra)})

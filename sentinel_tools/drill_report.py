@@ -276,4 +276,7 @@ def print_timeline(result: dict[str, Any]) -> None:
         print(f"note: {note}")
     if "verify" in result:
         print(f"verify: final parameters bitwise equal to an uninterrupted run: {result['verify']['bitwise_equal']}")
+    why_not = (result.get("job_health") or {}).get("not_handed_over")
+    if why_not:
+        print(f"not handed over: {why_not}")
     print("drill: OK" if result["ok"] else "drill: FAILED")

@@ -199,16 +199,20 @@ def test_power_off_resumes_from_peer_replicas_pulled_over_the_bridge(host_drill)
 
 
 def test_store_host_power_off_is_said_in_one_line_within_30_s_and_in_the_daemons_status(host_drill):
-    """A single c10d store has no replica: once the store's host is gone and a rank crashes, the
-    job cannot take a new membership, and must say so in one line, not hang; the daemons of the
-    nodes whose agents said it show it in their status (job.rendezvous)."""
-    r = host_drill("--fault", "store-host")
+    """A single c10d store has no replica: the job cannot take a new membership, and must say so
+    in one line, not hang, and the daemons of the nodes whose agents said it show it in their
+    status (job.rendezvous). A job that needs none before its end (the agents learn of the store's
+    loss only when they call it) finishes, bitwise; which of the two happens is the store's timing."""
+    r = host_drill("--fault", "store-host", "--verify")
     assert r["ok"] and r["rc"] == 0, why(r)
-    assert r["failed_node"] == "store" and not r["finished"]
+    assert r["failed_node"] == "store"
     lost = r["store_lost"]
-    assert "cannot be reached" in lost["line"] and "this job cannot continue" in lost["line"], why(r)
-    assert lost["seconds_after_fault"] is not None and lost["seconds_after_fault"] <= 30, why(r)
-    assert lost["agents_saying_so"] >= 1 and lost["daemons_saying_so"], why(r)
+    if r["finished"]:
+        assert r["recomputed_steps"] == [] and r["verify"]["bitwise_equal"], why(r)
+    else:
+        assert "cannot be reached" in lost["line"] and "this job cannot continue" in lost["line"], why(r)
+        assert lost["seconds_after_fault"] is not None and lost["seconds_after_fault"] <= 30, why(r)
+        assert lost["agents_saying_so"] >= 1 and lost["daemons_saying_so"], why(r)
 
 
 def test_partition_goes_on_without_the_cut_off_host_and_it_never_steps_again(host_drill):
@@ -272,8 +276,8 @@ def test_migration_bench_smoke_puts_host_rows_beside_loopback_ones(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())
     figures = doc["figures"]
-    assert [run["path"] for run in doc["runs"]] == ["warm", "hosts-xid79"]
-    assert figures["migration_ok_fraction"] == 1.0 and figures["hosts_xid79_ok_fraction"] == 1.0, r.stdout[-3000:]
+    assert doc["bench"] == "migration_hosts" and [run["path"] for run in doc["runs"]] == ["loopback-xid79", "hosts-xid79"]
+    assert figures["loopback_xid79_ok_fraction"] == 1.0 and figures["hosts_xid79_ok_fraction"] == 1.0, r.stdout[-3000:]
     assert figures["hosts_xid79_lost_steps"] == 0 and figures["hosts_xid79_bytes_into_spare_hosts"] > 0
     assert figures["hosts_over_loopback_xid79_ratio"] > 0 and len(doc["host"]["loadavg"]) == 3
     assert "Xid 79: namespaced hosts / loopback (fault -> first step)" in r.stdout

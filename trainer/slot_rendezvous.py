@@ -307,10 +307,20 @@ class SlotRendezvousHandler(RendezvousHandler):
     def _spare(self, deadline: float) -> str:
         """Wait for a vacancy (the one matching this spare's ticket) and claim its slot."""
         self._prepare_server()  # in case the slot is 0
+        seen: dict[int, bytes | None] = {}
+
+        def watch() -> None:
+            # An admitted spare watches the committed generation while it waits: a node that is cut
+            # off (or died) with its survivors still blocked in their collectives has nobody else
+            # to declare it; its vacancy, then this spare's arrival, is what makes them restart.
+            nonlocal seen
+            if self._store.check([self._k("latest")]):
+                seen = self._recover(int(self._store.get(self._k("latest"))) + 1, seen)
+
         while True:
             t = self._store.add(self._k("spares"), 1)
             vkey = self._k("vacancy", t)
-            self._wait_key(vkey, deadline, f"a vacancy for spare ticket {t}")
+            self._wait_key(vkey, deadline, f"a vacancy for spare ticket {t}", between=watch)
             vac = json.loads(self._store.get(vkey))
             self.slot = vac["slot"]
             f = vac["gen"]
@@ -323,7 +333,7 @@ class SlotRendezvousHandler(RendezvousHandler):
             self.slot = None
 
     # -- waiting, recovery ------------------------------------------------------------------------------
-    def _wait_key(self, key: str, deadline: float, what: str) -> None:
+    def _wait_key(self, key: str, deadline: float, what: str, between: Callable[[], None] | None = None) -> None:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -336,6 +346,8 @@ class SlotRendezvousHandler(RendezvousHandler):
                     raise
             if self.is_closed():
                 raise RendezvousClosedError(f"rendezvous {self.run_id} is closed")
+            if between is not None:
+                between()
 
     def _await(self, f: int, deadline: float) -> dict:
         key = self._k(f"g{f}")

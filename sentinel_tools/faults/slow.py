@@ -17,10 +17,21 @@ def inject(drill, victim) -> None:
 
 
 def verdict(drill, result, outcome) -> bool:
+    """Handed over: as job_health judges it. Not handed over: right only when the job named the node
+    within DETECT_BOUND_STEPS with its hardware cause and the daemon decided it would not pay (the
+    drill's defaults, 60 steps at 0.1 s, leave a few seconds to win against a 5 s hand-over)."""
     mig = outcome.migration
-    result["job_health"] = job_health("slow", outcome.events, mig.get("times", {}), mig, outcome.t_fault,
-                                      outcome.t_first, failed=outcome.victim.name, replacement=result["replacement"])
-    return outcome.base_ok and len(outcome.lost) <= 1 and result["job_health"]["ok"]
+    health = result["job_health"] = job_health("slow", outcome.events, mig.get("times", {}), mig, outcome.t_fault,
+                                               outcome.t_first, failed=outcome.victim.name,
+                                               replacement=result["replacement"])
+    if outcome.base_ok:
+        return len(outcome.lost) <= 1 and health["ok"]
+    seen = drill.straggler_seen(outcome.victim) or {}
+    would_not_pay = seen.get("action") == "alert" and "less than the hand-over" in str(seen.get("why", ""))
+    health["not_handed_over"] = f"it would not pay: {seen.get('why')}" if would_not_pay else None
+    detected = health["steps_to_detect"] is not None and health["steps_to_detect"] <= DETECT_BOUND_STEPS
+    cause = any("hw_slowdown" in str(c) for c in seen.get("causes") or [])
+    return result["finished"] and not outcome.lost and would_not_pay and detected and cause
 
 
 FAULT = Fault("slow", "a straggler: the node's ranks compute --slow-factor times slower, its GPU 0 reports a hardware "
