@@ -24,15 +24,18 @@ within ``DEADLINE_SECONDS`` in all (a member that drips its answer is cut off).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import ssl
+import stat
 import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from sentinel.families import LabelKey, gauge
 
@@ -44,6 +47,21 @@ MEMBER_UP = gauge("sentinel_rendezvous_store_member_up",
                   "1 when this node reached the etcd member of the job's rendezvous at the last check", "member")
 MEMBER_LEADER = gauge("sentinel_rendezvous_store_member_leader",
                       "1 for the member the reachable members name as the Raft leader", "member")
+
+
+@contextlib.contextmanager
+def _regular(path: str) -> Iterator[str]:
+    """``path`` opened as a regular file (no FIFO, device or final symlink: the job's directory is
+    its user's, and a FIFO there would hang the root daemon's start), as a ``/proc/self/fd`` path
+    for ssl, which takes file names only."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_ANSWER:
+            raise OSError(f"{path}: not a regular file of at most {MAX_ANSWER} bytes")
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
@@ -86,9 +104,11 @@ class RendezvousStoreWatch:
         self._clock = clock
         self._context: ssl.SSLContext | None = None
         if cacert:
-            self._context = ssl.create_default_context(cafile=cacert)
+            with _regular(cacert) as ca:
+                self._context = ssl.create_default_context(cafile=ca)
             if cert and key:
-                self._context.load_cert_chain(cert, key)
+                with _regular(cert) as c, _regular(key) as k:
+                    self._context.load_cert_chain(c, k)
         self._post = post or self._http_post
         self._last: dict[str, Any] = {"members": [], "leader": None, "checked_at": None, "error": "not checked yet"}
         self._lock = threading.Lock()

@@ -70,3 +70,36 @@ def test_a_lying_member_list_makes_the_daemon_read_no_file_and_never_hang(attack
     finally:
         fake.kill()
         fake.wait()
+
+
+def test_the_job_user_cannot_hang_the_daemon_start_with_a_fifo_for_its_key(attacker, shared_tmp):
+    """The job's certificates live in the job user's directory (docs/security.md); the daemon (root)
+    loads them at start. A FIFO there made that start wait for ever; a symlink made root read any
+    file. Both are now refused at once (OSError: the daemon's StartupError)."""
+    import subprocess
+    from sentinel.etcd_pki import make_job_pki
+
+    job = shared_tmp / "job"
+    pki = make_job_pki(job, "j", {"m0": []}, uid=attacker.uid, gid=attacker.gid)
+    assert attacker.run(["mv", str(pki.client_key), str(job / "real.key")]).returncode == 0
+    for plant in (["mkfifo", str(pki.client_key)], ["ln", "-s", str(job / "real.key"), str(pki.client_key)]):
+        attacker.run(["rm", "-f", str(pki.client_key)])
+        assert attacker.run(plant).returncode == 0
+        got: list = []
+
+        def load():
+            try:
+                got.append(RendezvousStoreWatch(["127.0.0.1:1"], cacert=str(pki.cacert), cert=str(pki.client_cert),
+                                                key=str(pki.client_key)))
+            except OSError as exc:
+                got.append(exc)
+
+        t = threading.Thread(target=load, daemon=True)
+        t.start()
+        t.join(timeout=30)
+        if t.is_alive():  # unblock the open before failing, so no thread is left behind
+            subprocess.run(["timeout", "5", "sh", "-c", f"echo > {pki.client_key}"])
+        assert not t.is_alive() and isinstance(got[0], OSError), f"{plant[0]}: {got}"
+    attacker.run(["rm", "-f", str(pki.client_key)])
+    assert attacker.run(["mv", str(job / "real.key"), str(pki.client_key)]).returncode == 0
+    RendezvousStoreWatch(["127.0.0.1:1"], cacert=str(pki.cacert), cert=str(pki.client_cert), key=str(pki.client_key))
