@@ -137,7 +137,8 @@ def make_job_pki(directory: Path, job: str, members: dict[str, list[str]], *, ui
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sentinel.etcd_pki", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dir", type=Path, required=True, help="where the files go (created 0700)")
+    ap.add_argument("--dir", type=Path, required=True, help="where the files go (created 0700; an existing one is taken back for the run; "
+                    "its parent root's, not writable by others unless sticky)")
     ap.add_argument("--job", required=True, help="the job's name (in the certificates' subjects)")
     ap.add_argument("--user", default="", help="hand every file to this user (the job's)")
     ap.add_argument("--member", action="append", default=[], metavar="NAME=ADDR[,ADDR]",
