@@ -18,6 +18,7 @@ import argparse
 import ipaddress
 import os
 import pwd
+import stat
 import subprocess
 import sys
 import tempfile
@@ -70,13 +71,36 @@ def _sign(d: Path, name: str, subject: str, ext: str) -> None:
     (d / f"{name}.ext").unlink()
 
 
+def _claim(directory: Path) -> int:
+    """Make ``directory`` (0700) ours for the run, and return an fd on it. A directory that exists
+    may be the job's user's (a requeued job: the prolog runs again): while it is theirs they could
+    swap our work directory inside it for a symlink and have us chmod/chown what they planted
+    there. So: no symlink, taken back (owner us, 0700) before anything is written, and a parent
+    nobody else can rename it in (root's or ours; else not writable by others, or sticky)."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    parent = os.stat(directory.parent)
+    if parent.st_uid not in (0, os.geteuid()) or (parent.st_mode & 0o022 and not parent.st_mode & stat.S_ISVTX):
+        raise RuntimeError(f"{directory.parent}: another user can rename entries in it; not used for a job's keys")
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fchown(fd, os.geteuid(), os.getegid())
+        os.fchmod(fd, 0o700)
+        here, held = os.lstat(directory), os.fstat(fd)
+        if (here.st_dev, here.st_ino) != (held.st_dev, held.st_ino):
+            raise RuntimeError(f"{directory} was replaced while being taken over")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def make_job_pki(directory: Path, job: str, members: dict[str, list[str]], *, uid: int | None = None,
                  gid: int | None = None) -> JobPKI:
     """Create the job's CA, one certificate per member (``members``: name -> its IPs/hostnames)
-    and the client certificate, in ``directory`` (created 0700). Keys 0600; with ``uid``/``gid``
-    every file and the directory are handed to the job's user. The CA key is removed at the end."""
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(directory, 0o700)
+    and the client certificate, in ``directory`` (created 0700; an existing one is taken back
+    first, :func:`_claim`). Keys 0600; with ``uid``/``gid`` every file and the directory are handed
+    to the job's user once all is written. The CA key is removed at the end."""
+    dfd = _claim(directory)
     old = os.umask(0o077)
     try:
         with tempfile.TemporaryDirectory(dir=directory) as tmp:
@@ -94,6 +118,8 @@ def make_job_pki(directory: Path, job: str, members: dict[str, list[str]], *, ui
                   "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature\nextendedKeyUsage=clientAuth\n")
             (d / "ca.key").unlink()  # nobody can mint another certificate for this job
             for f in d.iterdir():
+                if not stat.S_ISREG(f.lstat().st_mode):
+                    raise RuntimeError(f"{f}: not a regular file (something else wrote in {d})")
                 if f.suffix in (".pem", ".key"):
                     os.chmod(f, 0o644 if f.name == "ca.pem" else 0o600)
                     if uid is not None:
@@ -101,16 +127,18 @@ def make_job_pki(directory: Path, job: str, members: dict[str, list[str]], *, ui
                     os.replace(f, directory / f.name)
                 else:
                     f.unlink()
+        if uid is not None:
+            os.fchown(dfd, uid, gid if gid is not None else -1)
     finally:
         os.umask(old)
-    if uid is not None:
-        os.chown(directory, uid, gid if gid is not None else -1)
+        os.close(dfd)
     return JobPKI(directory, directory / "ca.pem", directory / "client.pem", directory / "client.key")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sentinel.etcd_pki", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dir", type=Path, required=True, help="where the files go (created 0700)")
+    ap.add_argument("--dir", type=Path, required=True, help="where the files go (created 0700; an existing one is taken back for the run; "
+                    "its parent root's, not writable by others unless sticky)")
     ap.add_argument("--job", required=True, help="the job's name (in the certificates' subjects)")
     ap.add_argument("--user", default="", help="hand every file to this user (the job's)")
     ap.add_argument("--member", action="append", default=[], metavar="NAME=ADDR[,ADDR]",

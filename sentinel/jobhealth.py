@@ -22,6 +22,7 @@ from typing import Any, Iterable, Mapping
 from sentinel.families import counter, gauge
 from sentinel.policy import NODE, Trip
 from sentinel.readings import GpuReading
+from sentinel.settings import printable
 from sentinel.straggler import GpuEvidence, StragglerSettings, causes, decide
 
 # The measured hand-over: trip to the first step on a warm spare (bench/migration.py,
@@ -139,7 +140,9 @@ class JobHealth:
         if not isinstance(store, str) or not isinstance(error, str) or not isinstance(d.get("reachable"), bool):
             self.counts["rendezvous_malformed"] = self.counts.get("rendezvous_malformed", 0) + 1
             return
-        self.rendezvous = {"time": now, "store": store[:200], "reachable": d["reachable"], "error": error[:300],
+        # the job's own words, shown on an operator's terminal by `sentinel status`: no escape sequences
+        self.rendezvous = {"time": now, "store": printable(store[:200]), "reachable": d["reachable"],
+                           "error": printable(error[:300]),
                            "reported_by_pid": rep.pid}
 
     def _straggler(self, rep: Any, now: float) -> Trip | None:

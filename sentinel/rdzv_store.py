@@ -13,25 +13,62 @@ that hangs never holds a poll. Shown in ``sentinel status`` (one line per member
 ``/metrics`` (``sentinel_rendezvous_store_member_up{member}``,
 ``sentinel_rendezvous_store_member_leader{member}``; members' names are few and fixed per job).
 Read only: the daemon never writes the rendezvous. Standard library only (no torch, no etcd client).
+
+The member list comes from the job's etcd, which the job's user runs (and holds its members' keys):
+it is untrusted. A member's client URL is asked only when it is ``http(s)://host:port`` in this
+watch's scheme, with no path, query, fragment or user part (else, e.g. ``file:///root/x.json#``,
+root would read a local file, or hang on a FIFO, for the user), redirects are not followed, at most
+``MAX_MEMBERS`` members are kept, names are cut to printable characters, and each answer is read
+within ``DEADLINE_SECONDS`` in all (a member that drips its answer is cut off).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
 import ssl
+import stat
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from sentinel.families import LabelKey, gauge
 
 DEADLINE_SECONDS = 2.0
+MAX_MEMBERS = 16  # etcd advises at most 7; a longer list is the job's store lying
+MAX_ANSWER = 1 << 20
+_NAME = re.compile(r"[^A-Za-z0-9_.:-]")
 MEMBER_UP = gauge("sentinel_rendezvous_store_member_up",
                   "1 when this node reached the etcd member of the job's rendezvous at the last check", "member")
 MEMBER_LEADER = gauge("sentinel_rendezvous_store_member_leader",
                       "1 for the member the reachable members name as the Raft leader", "member")
+
+
+@contextlib.contextmanager
+def _regular(path: str) -> Iterator[str]:
+    """``path`` opened as a regular file (no FIFO, device or final symlink: the job's directory is
+    its user's, and a FIFO there would hang the root daemon's start), as a ``/proc/self/fd`` path
+    for ssl, which takes file names only."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_ANSWER:
+            raise OSError(f"{path}: not a regular file of at most {MAX_ANSWER} bytes")
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A member answers itself: a redirect (to another host, or ftp://) is not followed."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001 - urllib's signature
+        return None
 
 
 class NullRendezvousStore:
@@ -67,9 +104,11 @@ class RendezvousStoreWatch:
         self._clock = clock
         self._context: ssl.SSLContext | None = None
         if cacert:
-            self._context = ssl.create_default_context(cafile=cacert)
+            with _regular(cacert) as ca:
+                self._context = ssl.create_default_context(cafile=ca)
             if cert and key:
-                self._context.load_cert_chain(cert, key)
+                with _regular(cert) as c, _regular(key) as k:
+                    self._context.load_cert_chain(c, k)
         self._post = post or self._http_post
         self._last: dict[str, Any] = {"members": [], "leader": None, "checked_at": None, "error": "not checked yet"}
         self._lock = threading.Lock()
@@ -79,8 +118,33 @@ class RendezvousStoreWatch:
     def _http_post(self, url: str, body: dict) -> dict:
         req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                      headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=DEADLINE_SECONDS, context=self._context) as resp:
-            return json.loads(resp.read(1 << 20))
+        opener = urllib.request.build_opener(_NoRedirect, urllib.request.ProxyHandler({}),
+                                             urllib.request.HTTPSHandler(context=self._context))
+        end = time.monotonic() + DEADLINE_SECONDS
+        with opener.open(req, timeout=DEADLINE_SECONDS) as resp:
+            data = b""
+            while len(data) <= MAX_ANSWER:
+                if time.monotonic() > end:
+                    raise ValueError(f"{url}: no whole answer within {DEADLINE_SECONDS} s")
+                chunk = resp.read1(65536)
+                if not chunk:
+                    return json.loads(data)
+                data += chunk
+            raise ValueError(f"{url}: answer over {MAX_ANSWER} bytes")
+
+    def member_url(self, url: Any) -> str:
+        """``url`` when it is ``<scheme>://host:port`` of this watch's scheme, else "" (not asked)."""
+        if not isinstance(url, str) or len(url) > 256:
+            return ""
+        try:
+            u = urllib.parse.urlsplit(url)
+            port = u.port
+        except ValueError:
+            return ""
+        if u.scheme != self.scheme or not u.hostname or port is None or u.username is not None \
+                or u.path not in ("", "/") or u.query or u.fragment or "#" in url or "?" in url:
+            return ""
+        return url
 
     def _ask(self, url: str, path: str) -> dict | None:
         try:
@@ -100,13 +164,17 @@ class RendezvousStoreWatch:
                                 for ep in self.endpoints],
                     "leader": None, "checked_at": self._clock(), "error": "no member answered"}
         members, leader_id = [], None
-        for m in listed.get("members", []):
-            url = (m.get("clientURLs") or [""])[0]
+        listed_members = listed.get("members") if isinstance(listed, dict) else None
+        for m in (listed_members if isinstance(listed_members, list) else [])[:MAX_MEMBERS]:
+            if not isinstance(m, dict):
+                continue
+            urls = m.get("clientURLs")
+            url = self.member_url(urls[0] if isinstance(urls, list) and urls else "")
             st = self._ask(url, "/v3/maintenance/status") if url else None
-            if st is not None and st.get("leader"):
-                leader_id = str(st["leader"])
-            members.append({"id": str(m.get("ID", "")), "name": str(m.get("name", "")), "client_url": url,
-                            "reachable": st is not None, "leader": False})
+            if isinstance(st, dict) and st.get("leader"):
+                leader_id = str(st["leader"])[:32]
+            members.append({"id": str(m.get("ID", ""))[:32], "name": _NAME.sub("?", str(m.get("name", ""))[:64]),
+                            "client_url": url, "reachable": isinstance(st, dict), "leader": False})
         for m in members:
             m["leader"] = m["id"] == leader_id
         leader = next((m["name"] for m in members if m["leader"]), None)

@@ -90,3 +90,36 @@ def test_a_fence_file_that_is_not_a_fence_refuses_rather_than_guesses(tmp_path):
     os.symlink("/etc/hostname", tmp_path / "GENERATION")
     with pytest.raises(FencedWriteRefused):
         DirectoryFence(tmp_path, ("e", 1)).raise_to()
+
+
+def test_another_user_cannot_stall_the_fence_by_holding_its_lock_file(attacker, shared_tmp):
+    """A snapshot directory on shared scratch (1777): another user makes the lock file first and
+    holds its flock for good. Before: rank 0's raise_to waited for ever (no snapshot, no resume).
+    Now the lock file (or a GENERATION) that is not the job user's is refused at once, loudly."""
+    import subprocess
+    import threading
+
+    os.chmod(shared_tmp, 0o1777)
+    hold = attacker.popen(["python3", "-c", "import fcntl, os, sys, time\n"
+                           f"fd = os.open({str(shared_tmp / '.GENERATION.lock')!r}, os.O_RDWR | os.O_CREAT, 0o666)\n"
+                           "fcntl.flock(fd, fcntl.LOCK_SH); print('held', flush=True); time.sleep(300)"],
+                          stdout=subprocess.PIPE, text=True)
+    try:
+        assert hold.stdout.readline().strip() == "held"
+        got: list = []
+
+        def raise_fence():
+            try:
+                got.append(DirectoryFence(shared_tmp, ("e1", 2)).raise_to())
+            except FencedWriteRefused as exc:
+                got.append(exc)
+
+        t = threading.Thread(target=raise_fence, daemon=True)
+        t.start()
+        t.join(timeout=30)
+        assert not t.is_alive(), "rank 0 waits for ever on another user's flock"
+        assert isinstance(got[0], FencedWriteRefused) and "not trusted" in str(got[0])
+        assert not (shared_tmp / "GENERATION").exists()
+    finally:
+        hold.kill()
+        hold.wait()

@@ -168,3 +168,15 @@ def test_a_slow_link_straggler_says_the_link_and_weighs_the_jobs_slowdown():
     near_end = Report("straggler", 2, 58, {"relative": 7.8, "step_seconds": 1.1, "steps_left": 1, "link_relative": 392.0})
     (trip,) = jh.observe([near_end], 2.0)
     assert trip.action == "alert" and "less than the hand-over's" in trip.message  # it would not pay
+
+
+def test_a_rendezvous_report_cannot_write_escape_sequences_to_the_operators_terminal():
+    """The report is the job's (its agent's) word; `sentinel status` prints it to root's terminal."""
+    from sentinel import jobhealth
+
+    jh = JobHealth("node-a")
+    rep = decode(Report("rendezvous", 0, -1, {"store": "h:1\x1b]0;pwned\x07\x1b[2J", "reachable": False,
+                                              "error": "x\r\nsentinel: all healthy\x1b[8m"}, pid=4242).encode())
+    assert jh.observe([rep], 1.0) == []
+    lines = jobhealth.status_lines(jh.status())
+    assert lines and not any(c in "".join(lines) for c in "\x1b\x07\r\n"), lines

@@ -36,6 +36,7 @@ import fcntl
 import json
 import logging
 import os
+import stat
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -88,6 +89,14 @@ def token_env(epoch: str, generation: int) -> str:
     return f"{epoch}/{generation}"
 
 
+def _ours(path: Path, st: os.stat_result) -> None:
+    """The fence's files are this job's user's: in a directory others can write (shared scratch,
+    sticky), a lock file or fence another user made first is refused, not waited on or believed."""
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        raise FencedWriteRefused(f"{path} is not a regular file of uid {os.geteuid()} (uid {st.st_uid} made it): "
+                                 "not trusted as a fence; the snapshot directory must be writable by the job's user only")
+
+
 class DirectoryFence:
     """The generation fence of one snapshot directory (module docstring). ``token`` is the writer's
     ``(epoch, generation)``; None: no fencing (every method does nothing). The fence file holds the
@@ -105,8 +114,10 @@ class DirectoryFence:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        fd = os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        path = self.directory / LOCK_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
+            _ours(path, os.fstat(fd))  # another user's lock file could be held by them for ever
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
@@ -124,6 +135,7 @@ class DirectoryFence:
                 raise FencedWriteRefused(f"{path} is a symlink: not trusted as a fence") from None
             raise
         with os.fdopen(fd) as f:
+            _ours(path, os.fstat(fd))
             try:
                 doc = json.loads(f.read(512))
                 epoch, gen = doc["epoch"], doc["generation"]
