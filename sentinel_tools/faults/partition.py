@@ -19,6 +19,9 @@ from sentinel_tools.faults.base import Fault
 HEAL_POLL_SECONDS = 0.1
 LEAVE_BOUND_SECONDS = 30.0  # the cut-off agent leaves by itself within this after the heal (not at teardown)
 LEFT_LINE = "trainer.elastic: left the job:"
+# a cut-off agent that asked the store while the partition lasted longer than the store's own
+# failover (etcd: failover_timeout, 20 s) stops on its one line instead: it left, nothing stepped
+UNREACHABLE_LINE = "trainer.elastic: the rendezvous store "
 
 
 def inject(drill, victim) -> None:
@@ -54,7 +57,7 @@ def cut_off_agent_left(drill, victim) -> dict:
         log = (victim.root / "agent.log").read_text(errors="replace")
     except OSError:
         log = ""
-    lines = [line for line in log.splitlines() if line.startswith(LEFT_LINE)]
+    lines = [line for line in log.splitlines() if line.startswith((LEFT_LINE, UNREACHABLE_LINE))]
     return {"exited": agent is not None and agent.poll() is not None,
             "exit_status": agent.poll() if agent is not None else None, "line": lines[-1] if lines else ""}
 
@@ -93,8 +96,10 @@ def verdict(drill, result, outcome) -> bool:
                            "cut_off_host_steps_after_fault": cut_off_steps, "same_rank_twice": twins,
                            "cut_off_agent": left, **fenced}
     fence_moved = bool(fenced["fence"]) and fenced["fence"].get("generation", 0) > 1
+    left_cleanly = (left["exit_status"] == 0 and "another node" in left["line"]
+                    or left["exit_status"] == 1 and left["line"].startswith(UNREACHABLE_LINE))
     return (ok and healed is not None and not cut_off_steps and not twins and left["exited"]
-            and left["exit_status"] == 0 and "another node" in left["line"] and fence_moved)
+            and left_cleanly and fence_moved)
 
 
 FAULT = Fault("partition", "one host's link goes down while its processes live on (--hosts netns); healed once the "
