@@ -20,7 +20,7 @@ from oci_image import missing as image_missing
 from prom_server import Prometheus
 
 pytestmark = [pytest.mark.needs_root, pytest.mark.needs_kube, pytest.mark.slow]
-DEPLOY = REPO / "deploy" / "kubernetes"
+DEPLOY = REPO / "deploy" / "kubernetes" / "base"
 SHIPPED = ("namespace.yaml", "serviceaccount.yaml", "rbac.yaml", "configmap.yaml", "daemonset.yaml", "service.yaml")
 
 
