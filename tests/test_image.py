@@ -42,7 +42,7 @@ def podman(archive):
 def test_the_manifests_name_the_image_the_build_makes(archive):
     made = image_config(archive)
     assert made["ref"] == REF == f"ghcr.io/sentinel-gpu/sentinel:{VERSION}"
-    docs = [d for d in yaml.safe_load_all((REPO / "deploy" / "kubernetes" / "daemonset.yaml").read_text()) if d]
+    docs = [d for d in yaml.safe_load_all((REPO / "deploy" / "kubernetes" / "base" / "daemonset.yaml").read_text()) if d]
     (container,) = docs[0]["spec"]["template"]["spec"]["containers"]
     assert container["image"] == REF
     config = made["config"]["config"]
@@ -51,7 +51,8 @@ def test_the_manifests_name_the_image_the_build_makes(archive):
     assert len(made["layers"]) == 3  # Debian, the pinned Python dependencies, the wheel
     # the training job names the trainer image (scripts/build-image --trainer), and no image name
     # in the repository is one the build does not make
-    jobs = [d for d in yaml.safe_load_all((REPO / "deploy" / "kubernetes" / "training-job.yaml").read_text()) if d]
+    job = REPO / "deploy" / "kubernetes" / "overlays" / "job-agents" / "training" / "training-job.yaml"
+    jobs = [d for d in yaml.safe_load_all(job.read_text()) if d]
     images = {c["image"] for d in jobs if d["kind"] in ("Job", "Deployment")
               for c in d["spec"]["template"]["spec"]["containers"]}
     assert images == {f"ghcr.io/sentinel-gpu/sentinel-trainer:{VERSION}"}

@@ -1,27 +1,25 @@
 """The shipped DaemonSet as a pod on a real kubelet (tests/kubelet_node.py: Debian's containerd and
 runc, the kubelet, controller-manager and scheduler built from Debian's `kubernetes` source): the
-image scripts/build-image makes, imported into containerd; the shipped ServiceAccount, RBAC,
-ConfigMap, DaemonSet and Service applied through the API; the pod Running with its liveness probe
+image scripts/build-image makes, imported into containerd; the shipped simulated overlay (its
+ServiceAccount, RBAC, ConfigMap, DaemonSet and Service, rendered by `kubectl kustomize`) applied; the pod Running with its liveness probe
 passing; an Xid 79 injected through the simulated state cordons the Node through the pod's own
 ServiceAccount token (the apiserver's audit log names the user); Prometheus scrapes the pod."""
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 
 import pytest
-import yaml
 
 from conftest import REPO, wait_for
+from kube_cluster import kustomize
 from oci_image import REF, build_image
 from oci_image import missing as image_missing
 from prom_server import Prometheus
 
 pytestmark = [pytest.mark.needs_root, pytest.mark.needs_kube, pytest.mark.slow]
-DEPLOY = REPO / "deploy" / "kubernetes"
-SHIPPED = ("namespace.yaml", "serviceaccount.yaml", "rbac.yaml", "configmap.yaml", "daemonset.yaml", "service.yaml")
+SIMULATED = REPO / "deploy" / "kubernetes" / "overlays" / "simulated"
 
 
 @pytest.fixture(scope="module")
@@ -39,15 +37,14 @@ def node():
 
 
 def ci_overlay(node, sim_dir, host_dir) -> list[dict]:
-    """The shipped manifests with what this machine needs, and nothing else: simulated GPUs (a
-    hostPath with the state file; no eBPF and no kernel log, which other tests write to), the
-    runtime and state directories under the test's directory instead of the host's, the in-cluster
-    config pointed at the apiserver's bridge address (no kube-proxy here), and a breaker that lets
-    the only node of the cluster be cordoned."""
-    docs = [d for name in SHIPPED for d in yaml.safe_load_all((DEPLOY / name).read_text()) if d]
+    """The shipped simulated overlay (deploy/kubernetes/overlays/simulated, rendered by `kubectl
+    kustomize`: simulated GPUs, no eBPF and no kernel log, which other tests write to) with what
+    this machine needs, and nothing else: the simulated state, runtime and state directories under
+    the test's directory instead of the host's, the in-cluster config pointed at the apiserver's
+    bridge address (no kube-proxy here), and a breaker that lets the only node of the cluster be
+    cordoned."""
     out = []
-    for doc in docs:
-        doc = copy.deepcopy(doc)
+    for doc in kustomize(SIMULATED):
         if doc["kind"] == "ConfigMap":
             toml = doc["data"]["sentinel.toml"]
             doc["data"]["sentinel.toml"] = toml.replace('backend = "kubernetes"\n',
@@ -55,14 +52,14 @@ def ci_overlay(node, sim_dir, host_dir) -> list[dict]:
         if doc["kind"] == "DaemonSet":
             spec = doc["spec"]["template"]["spec"]
             (c,) = spec["containers"]
-            c["args"] += ["--simulate", "/sim/gpus.json", "--no-ebpf", "--no-kernel-log"]
+            assert c["args"][-4:] == ["--simulate", "/sim/gpus.json", "--no-ebpf", "--no-kernel-log"], c["args"]
             c["env"] += [{"name": "KUBERNETES_SERVICE_HOST", "value": node.gateway},
                          {"name": "KUBERNETES_SERVICE_PORT", "value": str(node.cluster.port)}]
-            c["volumeMounts"].append({"name": "sim", "mountPath": "/sim"})
+            paths = {"run": host_dir / "run", "state": host_dir / "state", "sim": sim_dir}
             for v in spec["volumes"]:
-                if v["name"] in ("run", "state"):
-                    v["hostPath"]["path"] = str(host_dir / v["name"])
-            spec["volumes"].append({"name": "sim", "hostPath": {"path": str(sim_dir), "type": "Directory"}})
+                if v["name"] in paths:
+                    v["hostPath"]["path"] = str(paths.pop(v["name"]))
+            assert not paths, f"the overlay lost the volumes {sorted(paths)}"
         out.append(doc)
     return out
 

@@ -105,7 +105,7 @@ def test_the_daemonset_probes_the_liveness_endpoints():
 
     from conftest import REPO
 
-    ds = yaml.safe_load((REPO / "deploy" / "kubernetes" / "daemonset.yaml").read_text())
+    ds = yaml.safe_load((REPO / "deploy" / "kubernetes" / "base" / "daemonset.yaml").read_text())
     (container,) = ds["spec"]["template"]["spec"]["containers"]
     assert container["livenessProbe"]["httpGet"]["path"] == "/livez"
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"

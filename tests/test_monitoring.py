@@ -64,9 +64,9 @@ def test_the_issue_s_alerts_exist_and_daemon_down_matches_the_podmonitor_job():
     by_name = {r["alert"]: r for r in alert_rules()}
     assert {"SentinelAgentMissing", "SentinelFailureWhileMigrating", "SentinelConfigReloadRejected",
             "SentinelLoopErrors"} <= set(by_name)
-    podmonitor = yaml.safe_load((REPO / "deploy" / "kubernetes" / "podmonitor.yaml").read_text())
+    podmonitor = yaml.safe_load((REPO / "deploy" / "kubernetes" / "components" / "podmonitor" / "podmonitor.yaml").read_text())
     assert podmonitor["spec"]["jobLabel"] == "app.kubernetes.io/name"
-    daemonset = yaml.safe_load_all((REPO / "deploy" / "kubernetes" / "daemonset.yaml").read_text())
+    daemonset = yaml.safe_load_all((REPO / "deploy" / "kubernetes" / "base" / "daemonset.yaml").read_text())
     pod_labels = next(d for d in daemonset if d and d.get("kind") == "DaemonSet")["spec"]["template"]["metadata"]["labels"]
     job = pod_labels[podmonitor["spec"]["jobLabel"]]
     expr = by_name["SentinelDaemonDown"]["expr"]

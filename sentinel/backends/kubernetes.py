@@ -31,7 +31,7 @@ Every write is a JSON patch that first tests ``metadata.resourceVersion`` (or th
 index): a concurrent change by the node controller or an admin is a conflict that is retried,
 never a lost update. Each request has the backend's timeout; the client's own retries are off
 (Sentinel retries with backoff itself). The ServiceAccount needs exactly: ``get``, ``list`` and
-``patch`` on ``nodes``, ``patch`` on ``nodes/status`` (deploy/kubernetes/rbac.yaml); a 403 names
+``patch`` on ``nodes``, ``patch`` on ``nodes/status`` (deploy/kubernetes/base/rbac.yaml); a 403 names
 the verb that is missing.
 """
 
@@ -199,7 +199,7 @@ class KubernetesBackend(Backend):
             if status == 403:
                 raise PermissionDenied(
                     f"Kubernetes refused `{verb} {resource}` for node {self.node!r} (403 Forbidden): the ServiceAccount "
-                    f"needs the RBAC verb '{verb}' on '{resource}' (deploy/kubernetes/rbac.yaml)") from None
+                    f"needs the RBAC verb '{verb}' on '{resource}' (deploy/kubernetes/base/rbac.yaml)") from None
             if status == 401:
                 raise PermissionDenied(f"Kubernetes did not accept the credentials for `{verb} {resource}` "
                                        f"(401 Unauthorized): check the ServiceAccount token or kubeconfig") from None
@@ -278,7 +278,7 @@ class KubernetesBackend(Backend):
                 missing.append(f"'{verb}' on '{resource}'{where}")
         if missing:
             raise PermissionDenied(f"the ServiceAccount lacks the RBAC verb(s) {', '.join(missing)} that the "
-                                   f"kubernetes backend needs for node {self.node!r} (deploy/kubernetes/rbac.yaml)")
+                                   f"kubernetes backend needs for node {self.node!r} (deploy/kubernetes/base/rbac.yaml)")
 
     def cordon_scheduler(self, reason: CordonReason) -> None:
         rv, annotations, unschedulable, taints = self._meta_spec(self._node())
