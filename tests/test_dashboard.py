@@ -54,8 +54,10 @@ def test_every_panel_query_returns_series_from_a_drill(tmp_path):
                 targets.write_text(json.dumps([{"targets": ports}]))
                 scraped = ports
             # an application Xid on the node that is not failing (the fault is node1's; an alert, no
-            # migration): the Xid panel's data
-            if not xid_sent and (work / "node0" / "gpus.json").exists() and ports:
+            # migration): the Xid panel's data. Only once node0's own daemon publishes: an Xid already
+            # in the simulated state when the daemon first reads it is its baseline, not a new event
+            status0 = work / "node0" / "run" / "status.json"
+            if not xid_sent and status0.exists() and status0.stat().st_size:
                 simulated.inject(work / "node0" / "gpus.json", 1, ["xid=13"])
                 xid_sent = True
             for q in queries:
