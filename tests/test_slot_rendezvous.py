@@ -270,7 +270,9 @@ def test_a_cut_off_node_back_after_its_replacement_has_every_write_refused_by_th
         assert said["heartbeat"] == "False" and said["shutdown"] == "False", said
         assert said["leave"].startswith("fenced: slot") and "nothing written" in said["leave"], said
         assert int(said["refused"]) >= 3 and said["rejoin"] == "refused", said
-        assert server.get(key).decode().startswith(spare.node_id)
+        # a TCPStore fences a heartbeat by a compare, then the write: a beat stopped (SIGSTOP) between
+        # the two lands once after SIGCONT (docs/known-limits.md); the slot's new holder overwrites it
+        wait_for(lambda: server.get(key).decode().startswith(spare.node_id), 10, what="the spare's heartbeat back")
         assert server.add("sentinel.rdzv.job/vacancies", 0) == vacancies
         assert not server.check(["sentinel.rdzv.job/closed"]) and not server.check([f"sentinel.rdzv.job/g3/s{slot}"])
         assert node.wait(30) == 0

@@ -85,7 +85,11 @@ def verdict(drill, result, outcome) -> bool:
     victim = outcome.victim.name
     healed = getattr(drill, "healed_at", None)
     steps = [e for e in outcome.events if e["event"] == "step" and e["time"] >= outcome.t_fault]
-    cut_off_steps = [e["step"] for e in steps if e["node"] == victim]
+    # the step in flight when the link went down may still be logged by the cut-off host (its
+    # collective finished first); any later step would be the job split in two
+    before = [e["step"] for e in outcome.events if e["event"] == "step" and e["time"] < outcome.t_fault]
+    in_flight = (max(before) + 1) if before else 0
+    cut_off_steps = [e["step"] for e in steps if e["node"] == victim and e["step"] > in_flight]
     by_rank_step: dict[tuple[int, int], set[int]] = {}
     for e in steps:
         by_rank_step.setdefault((e["rank"], e["step"]), set()).add(e["pid"])
