@@ -3,6 +3,8 @@
 * :mod:`trainer.integrations.lightning`: ``SentinelCallback`` for Lightning (``lightning`` or
   ``pytorch_lightning`` 2.x; NeMo's trainer is Lightning's), the whole Lightning checkpoint in a
   DCP snapshot.
+* :mod:`trainer.integrations.guarded`: the guard step every integration makes (snapshot lines, leaving
+  when drained).
 * :mod:`trainer.integrations.progress`: the job's progress record (the JSON lines a drill reads),
   shared by the integrations.
 

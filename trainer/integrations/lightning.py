@@ -53,7 +53,8 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from trainer.guard import NodeDrained, SnapshotGuard
+from trainer.guard import SnapshotGuard
+from trainer.integrations.guarded import report_snapshots, step_or_leave
 from trainer.integrations.progress import ProgressRecord, write_final
 
 try:
@@ -63,7 +64,6 @@ except ImportError:  # the pytorch-lightning distribution alone
 
 log = logging.getLogger("sentinel.trainer")
 
-DRAINED_EXIT = 75  # what trainer.train exits with when drained; torchrun restarts the group
 _LOADER_KEYS = ("loops", "fit_loop", "state_dict", "combined_loader")
 
 
@@ -295,28 +295,13 @@ class _SentinelHooks:
             self.record("step", step=step, loss=_loss(outputs))
         if _epoch_ends_here(trainer):
             return  # the guard steps at the next batch: see _epoch_ends_here
-        try:
-            self.guard.step(step)
-        except NodeDrained as exc:
-            self._report()
-            self.record("drained", step=step, reason=str(exc)[:200])
-            if not self.exit_on_drain:
-                raise
-            # leave at once: torchrun restarts the group with the spare (as trainer/train.py does)
-            sys.stderr.write(f"sentinel: {exc}\n")
-            sys.stderr.flush()
-            os._exit(DRAINED_EXIT)
-        self._report()
+        step_or_leave(self.guard, step, self.record, self._report, self.exit_on_drain)
         if self._pad:  # drills only: a step as long as the drill's --step-seconds
             time.sleep(max(0.0, self._pad - (time.perf_counter() - self._step_t0)))
         self._step_t0 = time.perf_counter()
 
     def _report(self) -> None:
-        records = self.guard.records if self.guard is not None else []
-        for rec in records[self._reported:]:
-            if self.record.rank == 0:
-                self.record("snapshot", step=rec.step, ok=rec.ok, kind=rec.kind, path=rec.path, error=rec.error[:200])
-        self._reported = len(records)
+        self._reported = report_snapshots(self.guard, self.record, self._reported)
 
     # -- the end --------------------------------------------------------------------------------
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:

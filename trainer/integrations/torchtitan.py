@@ -24,8 +24,6 @@ The guard decides when and which; torchtitan's manager does the writing and the 
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -35,12 +33,12 @@ from typing import Any, Callable
 from torchtitan.components.checkpoint import CheckpointManager
 
 from trainer.disk import DiskTier, DiskWrite
-from trainer.guard import DEFAULT_MIGRATE_HOLD_SECONDS, NodeDrained, SnapshotGuard
+from trainer.guard import DEFAULT_MIGRATE_HOLD_SECONDS, SnapshotGuard
+from trainer.integrations.guarded import report_snapshots, step_or_leave
 from trainer.integrations.progress import ProgressRecord
 
 log = logging.getLogger("sentinel.trainer")
 
-DRAINED_EXIT = 75
 
 
 def _done() -> Future:
@@ -161,26 +159,12 @@ class SentinelCheckpointManager(CheckpointManager):
         saved = super()._save(curr_step, last_step)
         self.saved_by_policy = curr_step if saved and not last_step else None
         if self.guard is not None:
-            try:
-                self.guard.step(curr_step)
-            except NodeDrained as exc:
-                self._report()
-                self.record("drained", step=curr_step, reason=str(exc)[:200])
-                if not self.exit_on_drain:
-                    raise
-                sys.stderr.write(f"sentinel: {exc}\n")
-                sys.stderr.flush()
-                os._exit(DRAINED_EXIT)
-            self._report()
+            step_or_leave(self.guard, curr_step, self.record, self._report, self.exit_on_drain)
         return saved
 
     def _report(self) -> None:
         """Rank 0: one progress line per checkpoint the guard finished (where the job has a progress file)."""
-        records = self.guard.records if self.guard is not None else []
-        for rec in records[self._reported:]:
-            if self.record.rank == 0:
-                self.record("snapshot", step=rec.step, ok=rec.ok, kind=rec.kind, path=rec.path, error=rec.error[:200])
-        self._reported = len(records)
+        self._reported = report_snapshots(self.guard, self.record, self._reported)
 
     def _close(self) -> None:
         if self.guard is not None:
