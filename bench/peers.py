@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(REPO))
 import _report  # noqa: E402
 from peer_jobs import systems  # noqa: E402
-from peer_jobs.account import account, slug, summarise  # noqa: E402
+from peer_jobs.account import account, loss_deviation, losses, slug, summarise  # noqa: E402
 
 ALL_SYSTEMS = ("sentinel", "elastic_dcp", "torchft", "nvrx", "dlrover")
 LABELS = {"sentinel": "Sentinel (warm spare, memory tier)", **{n: p.label for n, p in systems.PEERS.items()}}
@@ -62,7 +62,7 @@ SMOKE_FIGURES = ("peers_sentinel_kill_fault_to_first_step_seconds", "peers_senti
                  "peers_elastic_dcp_over_sentinel_kill_fault_to_first_step_ratio")
 
 
-def sentinel_cell(fault: str, args: argparse.Namespace, work: Path) -> dict:
+def sentinel_cell(fault: str, args: argparse.Namespace, work: Path, reference: dict | None = None) -> dict:
     """One `sentinel drill` of the same world, steps and fault; its progress log read like the peers'."""
     wd = work / "drill"
     argv = [sys.executable, "-m", "sentinel", "drill", "--json", "--nodes", "2", "--procs-per-node", "2",
@@ -78,12 +78,13 @@ def sentinel_cell(fault: str, args: argparse.Namespace, work: Path) -> dict:
     t_fault = next(e["time"] for e in d["timeline"] if e["stage"] == "fault injected")
     cell = account(events, t_fault, full=4)
     cell.update(ok=bool(d["ok"]), injected=fault, bitwise=bool((d.get("verify") or {}).get("bitwise_equal")),
+                loss_deviation=loss_deviation(events, (reference or {}).get("losses"), t_fault),
                 drill={"fault_to_first_step_seconds": d.get("fault_to_first_step_seconds"),
                        "recomputed_steps": d.get("recomputed_steps")})
     return cell
 
 
-def peer_cell(peer: systems.Peer, fault: str, args: argparse.Namespace, work: Path, reference: str | None) -> dict:
+def peer_cell(peer: systems.Peer, fault: str, args: argparse.Namespace, work: Path, reference: dict | None) -> dict:
     why = peer.available()
     if why:
         return {"ok": False, "error": why}
@@ -110,8 +111,11 @@ def peer_cell(peer: systems.Peer, fault: str, args: argparse.Namespace, work: Pa
             return {"ok": False, "error": "the rank never raised: " + systems.first_error_line(run), "injected": injected}
         cell = account(events, t_fault, full=4)
         final = json.loads(run.final.read_text()) if run.final.exists() else None
+        reference = reference or {}
         cell.update(injected=injected, ok=final is not None,
-                    bitwise=final is not None and reference is not None and final["params"] == reference)
+                    bitwise=final is not None and reference.get("digest") is not None
+                    and final["params"] == reference["digest"],
+                    loss_deviation=loss_deviation(events, reference.get("losses"), t_fault))
         if final is None:
             cell["error"] = systems.first_error_line(run)
         return cell
@@ -141,7 +145,7 @@ def steady(system: str, args: argparse.Namespace, work: Path) -> dict:
         gaps = [b[1] - a[1] for a, b in zip(first, first[1:]) if a[0] >= 5 and b[0] == a[0] + 1]
         final = json.loads(run.final.read_text()) if run.final.exists() else None
         out = {"ok": bool(gaps), "step_seconds": statistics.median(gaps) if gaps else None, "peak_rss_bytes": peak,
-               "digest": final["params"] if final else None}
+               "digest": final["params"] if final else None, "losses": losses(events)}
         if not gaps:
             out["error"] = systems.first_error_line(run)
         return out
@@ -149,13 +153,15 @@ def steady(system: str, args: argparse.Namespace, work: Path) -> dict:
         run.cleanup()
 
 
-def one_round(args: argparse.Namespace, results: _report.Results, refs: dict[str, str | None]) -> None:
+def one_round(args: argparse.Namespace, results: _report.Results, refs: dict[str, dict]) -> None:
     for system in ["none", "none_fsdp", *args.systems] if args.steady else []:
         if system not in systems.STEADY:
             continue
         with tempfile.TemporaryDirectory(prefix=f"peers-{system}-", dir=args.cache) as d:
             r = steady(system, args, Path(d))
-        refs.setdefault(system, r.get("digest"))
+        if r.get("digest"):
+            refs.setdefault(system, {"digest": r["digest"], "losses": r.pop("losses")})
+        r.pop("losses", None)  # kept once per system (the reference), not in every round's record
         results.add({"kind": "steady", "system": system, **r})
         print(f"  steady {system}: {r.get('step_seconds')} s/step, peak {r.get('peak_rss_bytes')} B {r.get('error', '')}",
               flush=True)
@@ -164,7 +170,7 @@ def one_round(args: argparse.Namespace, results: _report.Results, refs: dict[str
             d = Path(tempfile.mkdtemp(prefix=f"peers-{system}-{fault}-", dir=args.cache))
             try:
                 if system == "sentinel":
-                    cell = sentinel_cell(fault, args, d)
+                    cell = sentinel_cell(fault, args, d, refs.get("sentinel"))
                 else:
                     cell = peer_cell(systems.PEERS[system], fault, args, d, refs.get(system))
             finally:
@@ -193,7 +199,9 @@ def print_table(runs: list[dict], figures: dict) -> None:
                 as_kill = " (as kill)" if f == "xid79" and system != "sentinel" else ""
                 cols.append(f"{figures[p + 'fault_to_first_step_seconds']:.2f} / {figures[p + 'recomputed_steps']:g} / "
                             f"{figures.get(p + 'degraded_steps', 0):g} / "
-                            f"{sum(bool(c.get('bitwise')) for c in cells if c.get('ok'))}/{len(cells)}{as_kill}")
+                            f"{sum(bool(c.get('bitwise')) for c in cells if c.get('ok'))}/{len(cells)}"
+                            + (f" (loss dev {figures[p + 'max_loss_deviation']:.1e})" if p + "max_loss_deviation" in figures
+                               else "") + as_kill)
             else:
                 err = next((c.get("error", "") for c in cells if not c.get("ok")), "not run")
                 cols.append(f"not measured: {err[-80:]}")
@@ -236,7 +244,7 @@ def main() -> None:
         args.cache = args.cache or Path(tmp)
         args.cache.mkdir(parents=True, exist_ok=True)
         results = _report.Results(args.json, "peers", summarise)
-        refs: dict[str, str | None] = {}
+        refs: dict[str, dict] = {}
         for i in range(args.runs):  # interleaved: every system sees the same machine noise
             print(f"round {i + 1}/{args.runs}", flush=True)
             one_round(args, results, refs)

@@ -14,7 +14,7 @@ import pytest
 from bench_smoke import REPO, run_smoke
 
 sys.path.insert(0, str(REPO / "bench"))
-from peer_jobs.account import account, summarise  # noqa: E402
+from peer_jobs.account import account, loss_deviation, losses, summarise  # noqa: E402
 
 
 def step(s: int, t: float, writer: str = "rank0", pid: int = 1, participants: int = 4) -> dict:
@@ -74,6 +74,23 @@ def test_a_survivor_that_restarts_in_its_own_process_makes_progress_after_the_fa
     assert got["recomputed_steps"] == 0 and got["resumed_from"] == 8
 
 
+def test_loss_deviation_reads_the_curve_the_job_went_on_with_after_the_fault():
+    """After a restart the recomputed steps' last logged losses are the ones compared; steps before
+    the fault and other writers' lines are not; no reference gives no figure."""
+    ref = {s: 2.0 - 0.1 * s for s in range(8)}
+    events = [{"event": "step", "step": s, "time": float(s), "writer": "rank0", "loss": ref[s]} for s in range(5)]
+    events += [{"event": "step", "step": s, "time": 10.0 + s, "writer": "rank0", "loss": ref[s] + 1e-5} for s in (3, 4)]
+    events += [{"event": "step", "step": s, "time": 20.0 + s, "writer": "rank0", "loss": ref[s] - 3e-5} for s in (5, 6, 7)]
+    events += [{"event": "step", "step": 6, "time": 30.0, "writer": "rank1", "loss": 9.9}]  # another writer
+    assert losses(events)[3] == ref[3] + 1e-5
+    assert loss_deviation(events, ref, t_fault=4.5) == pytest.approx(3e-5)
+    assert loss_deviation(events, None, t_fault=4.5) is None
+    fig = summarise([{"kind": "cell", "system": "nvrx", "fault": "kill", "ok": True, "fault_to_first_step_seconds": 1.0,
+                      "fault_to_full_world_seconds": 1.0, "recomputed_steps": 0, "degraded_steps": 0, "bitwise": False,
+                      "loss_deviation": d} for d in (1e-6, 4e-6)])
+    assert fig["peers_nvrx_kill_max_loss_deviation"] == 4e-6
+
+
 def test_summary_takes_medians_of_finished_cells_and_ratios_of_the_same_run():
     def cell(system, first, recomputed, ok=True):
         return {"kind": "cell", "system": system, "fault": "kill", "ok": ok, "fault_to_first_step_seconds": first,
@@ -123,4 +140,5 @@ def test_smoke_kills_node1_at_the_same_step_for_sentinel_and_torch_elastic(tmp_p
     e = cells["elastic_dcp"]
     assert e["resumed_from"] % 5 == 0 and e["fault_step"] - 10 < e["resumed_from"] <= e["fault_step"] + 1
     assert e["recomputed"] == list(range(e["resumed_from"], e["fault_step"] + 1))
+    assert isinstance(e["loss_deviation"], float), e  # the curve after the restart against its steady run's
     assert "Sentinel" in out and "torch elastic + DCP" in out

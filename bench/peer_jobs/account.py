@@ -68,6 +68,27 @@ def account(events: list[dict], t_fault: float, full: int) -> dict:
             "last_step": max((e["step"] for e in steps), default=None)}
 
 
+def losses(events: list[dict]) -> dict[int, float]:
+    """Step -> loss as the job's reporting writer (rank 0 / group 0) logged it last: after a
+    recomputation, the value the job went on from."""
+    out: dict[int, float] = {}
+    for e in sorted((e for e in events if e.get("event") == "step" and "loss" in e), key=lambda e: e["time"]):
+        if _writer(e) in ("rank0", "group0"):
+            out[e["step"]] = float(e["loss"])
+    return out
+
+
+def loss_deviation(events: list[dict], reference: dict[int, float] | None, t_fault: float) -> float | None:
+    """The loss curve's largest deviation from the uninterrupted run's after the fault: max over the
+    steps logged after it of |loss - reference loss| (the logs keep 6 decimals: 0 means equal to
+    that resolution). None without a reference or a common step."""
+    if not reference:
+        return None
+    after = losses([e for e in events if e.get("time", 0) > t_fault])
+    common = [s for s in after if s in reference]
+    return max((abs(after[s] - reference[s]) for s in common), default=None)
+
+
 def _median(vals: list[float]) -> float | None:
     return statistics.median(vals) if vals else None
 
@@ -100,6 +121,9 @@ def summarise(runs: list[dict]) -> dict[str, float | None]:
         fig[p + "max_recomputed_steps"] = max(r["recomputed_steps"] for r in ok)
         fig[p + "degraded_steps"] = _median([r["degraded_steps"] for r in ok])
         fig[p + "bitwise_equal_fraction"] = sum(bool(r.get("bitwise")) for r in ok) / len(ok)
+        devs = [r["loss_deviation"] for r in ok if r.get("loss_deviation") is not None]
+        if devs:
+            fig[p + "max_loss_deviation"] = max(devs)
     steady: dict[str, list[dict]] = {}
     for r in runs:
         if r.get("kind") == "steady" and r.get("ok"):
