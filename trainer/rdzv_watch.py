@@ -217,7 +217,7 @@ def describe_dynamic(state: Any, settings: Any, me: Any, sanitizer: Sanitizer | 
         parts.append(f"this node {me!r} is in neither list")
     if sanitizer is not None and sanitizer.evicted:
         parts.append("evicted by this node (keep-alive lapsed, counter still): "
-                     + ", ".join(f"{n} x{k}" for n, k in sanitizer.evicted.items()))
+                     + ", ".join(f"{n} x{k}" for n, k in list(sanitizer.evicted.items())))  # list(): atomic copy
     if sanitizer is not None and sanitizer.spared:
         parts.append("kept though their keep-alive lapsed (counter moving): " + ", ".join(sorted(sanitizer.spared)))
     return "; ".join(parts)
@@ -261,7 +261,8 @@ def describe_slots(store: Any, prefix: str, nodes: int, forming: int, waited: fl
 
 @contextlib.contextmanager
 def stall_reports(describe: Callable[[float], str], every: float) -> Iterator[None]:
-    """While the block runs, ``describe(waited)`` is logged every ``every`` seconds (a thread)."""
+    """While the block runs, ``describe(waited)`` is logged every ``every`` seconds (a thread; an
+    empty line, nothing to report, is not logged)."""
     done = threading.Event()
     t0 = time.monotonic()
 
@@ -272,7 +273,8 @@ def stall_reports(describe: Callable[[float], str], every: float) -> Iterator[No
             except Exception as exc:  # noqa: BLE001 - a report that cannot be read still says so
                 line = f"rendezvous stalled: {time.monotonic() - t0:.0f} s of this node's join; state unreadable " \
                        f"({type(exc).__name__}: {exc})"
-            log.warning("%s", line)
+            if line:
+                log.warning("%s", line)
 
     thread = threading.Thread(target=watch, name="sentinel-rdzv-stall", daemon=True)
     thread.start()
@@ -297,6 +299,8 @@ class DynamicWatch:
         holder = self.handler._state_holder
         got = holder._backend.get_state()
         state = pickle.loads(got[0]) if got is not None else holder.state
+        if state.complete and self.handler._this_node in state.participants:
+            return ""  # done: this node's join returns at its next pass
         counters = {repr(n): self.liveness.counter(repr(n)) for n in state.last_heartbeats}
         return describe_dynamic(state, self.handler._settings, self.handler._this_node, self.sanitizer, waited, counters)
 
