@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -98,6 +99,7 @@ def main() -> None:
     results = _report.Results(args.json, "loaded_rendezvous", summarise)
     if args.append and args.json is not None and args.json.exists():
         results.runs = json.loads(args.json.read_text()).get("runs", [])
+    signal.signal(signal.SIGTERM, lambda signum, _f: sys.exit(128 + signum))  # the busy processes go too
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     try:
         with tempfile.TemporaryDirectory(prefix="loaded-rdzv-refs-") as refs:
