@@ -193,3 +193,30 @@ def test_a_late_node_is_evicted_only_when_its_counter_stood_still_over_this_node
     line = describe_dynamic(state, settings, "me", sanitize, 42.0, {"'slow'": 3})
     assert line.startswith("rendezvous stalled: job round 4 not complete after 42 s"), line
     assert "in the round 2 of 3 needed" in line and "lapsed, counter 3" in line and "'dead' x1" in line, line
+
+
+def test_a_stalled_slot_generation_names_the_slots_it_waits_for_and_how_long_their_heartbeats_stood_still():
+    from trainer.rdzv_watch import describe_slots
+
+    class Store:  # the calls describe_slots makes, on the slot protocol's keys
+        def __init__(self, keys: dict[str, bytes]) -> None:
+            self.keys = keys
+
+        def check(self, keys: list[str]) -> bool:
+            return all(k in self.keys for k in keys)
+
+        def get(self, key: str) -> bytes:
+            return self.keys[key]
+
+        def add(self, key: str, n: int) -> int:
+            return int(self.keys.get(key, b"0"))
+
+    p = "sentinel.rdzv.job"
+    store = Store({f"{p}/latest": b"3", f"{p}/g4/s1": b'{"id": "spare0:1"}', f"{p}/g4/s2": b"LEFT:node2:7",
+                   f"{p}/hb/0": b"node0:41", f"{p}/spares": b"2", f"{p}/vacancies": b"1"})
+    seen: dict = {}
+    describe_slots(store, p, 3, 0, 5.0, seen, now=100.0)
+    line = describe_slots(store, p, 3, 0, 17.0, seen, now=112.5)
+    assert line.startswith("rendezvous stalled: generation 4 (committed: 3) not committed after 17 s"), line
+    assert "arrived 1 of 3: slot 1 (spare0:1)" in line and "vacant, for a spare: slot 2" in line, line
+    assert "waiting for: slot 0 (heartbeat unchanged for 12.5 s)" in line and "spare tickets 2, vacancies posted 1" in line
