@@ -14,7 +14,7 @@ Figures (per backend ``<b>``: ``c10d``, ``sentinel``): ``loaded_two_victims_<b>_
 (drills that passed: the job finished on node0 and both spares, no step lost, bitwise equal to an
 uninterrupted run), ``_drills_count``, ``_trip_to_first_step_seconds`` (median over the drills
 that passed) and ``_max_trip_to_first_step_seconds``, ``_fault_to_first_step_seconds``,
-``_max_lost_steps``; ``busy_processes_count``; ``load_average_ratio`` (not a ratio: the median
+``_max_lost_steps``; ``busy_processes_count``; ``loaded_two_victims_load_average_ratio`` (not a ratio: the median
 1-minute load average at the end of each drill). Each drill's ``rendezvous stalled:`` lines (an
 agent's round that made no progress for 10 s, the job's first start included) are kept in its
 run and printed.
@@ -42,7 +42,7 @@ DRILL = ["--nodes", "3", "--spares", "2", "--victims", "2", "--fault", "dbe", "-
 BACKENDS = ("c10d", "sentinel")
 SMOKE_ARGS = ["--steps", "12", "--at-step", "4"]
 SMOKE_FIGURES = ("loaded_two_victims_c10d_ok_fraction", "loaded_two_victims_c10d_drills_count",
-                 "busy_processes_count", "load_average_ratio")
+                 "busy_processes_count", "loaded_two_victims_load_average_ratio")
 STALL = "rendezvous stalled: "
 
 
@@ -78,7 +78,7 @@ def summarise(runs: list[dict]) -> dict[str, float | None]:
         figures[p + "max_lost_steps"] = max((len(d["recomputed_steps"]) for d in ok), default=None)
     figures["busy_processes_count"] = max((r.get("busy", 0) for r in runs), default=0)
     loads = [r["loadavg"][0] for r in runs if r.get("loadavg")]
-    figures["load_average_ratio"] = statistics.median(loads) if loads else None
+    figures["loaded_two_victims_load_average_ratio"] = statistics.median(loads) if loads else None
     return figures
 
 
@@ -116,7 +116,7 @@ def main() -> None:
             p.wait()
     figures = summarise(results.runs)
     print(f"\nhost: {os.cpu_count()} CPUs, {args.busy} busy process(es); load average (median at each drill's end) "
-          f"{figures.get('load_average_ratio') or float('nan'):.1f}")
+          f"{figures.get('loaded_two_victims_load_average_ratio') or float('nan'):.1f}")
     print(f"{'backend':<9} {'passed':>8} {'trip->first step s (median / max)':>34}")
     for b in backends:
         p = f"loaded_two_victims_{b}_"
