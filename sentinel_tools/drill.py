@@ -185,9 +185,9 @@ def run_drill(args: argparse.Namespace) -> int:
     try:
         result = drill.run()
     except DrillError as exc:
-        print(f"sentinel drill: {exc}; logs in {drill.work}", file=sys.stderr)
         for line in drill_report.rendezvous_stalls(drill):  # who the stuck round waits for, per agent
             print(f"sentinel drill: {line}", file=sys.stderr)
+        print(f"sentinel drill: {exc}; logs in {drill.work}", file=sys.stderr)  # the last line says why
         args.keep = True
         return 1
     finally:
