@@ -83,13 +83,13 @@ def test_starved_agents_converge_in_one_round_and_a_stalled_round_names_who_it_w
 
     try:
         # 1. Two of three join, the third is not there: each says, in one line, that the round of
-        #    3 has 2 (both named, their keep-alives fresh) instead of waiting silently
+        #    3 has 2 (both named, with their keep-alives) instead of waiting silently
         start(0)
         start(1)
         line = wait_for(lambda: next((x for x in text(0).splitlines() if "rendezvous stalled:" in x), None), 120,
                         what="agent 0's stall report")
         assert "round" in line and "in the round 2 of 3 needed" in line, line
-        assert line.count("keep-alive") >= 2 and "lapsed" not in line, line
+        assert line.count("keep-alive") == 2 and "(this node)" in line, line  # both named, with their keep-alives
         # 2. The third joins, and from then on each agent runs 1 s in turn, stopped otherwise (a
         #    host so loaded that every agent's keep-alive is older than the window when the next
         #    one looks): all three are alive, so the round must complete with the three of them
@@ -120,7 +120,6 @@ def test_starved_agents_converge_in_one_round_and_a_stalled_round_names_who_it_w
         assert sorted(r["rank"] for r in results) == [0, 1, 2] and {r["world"] for r in results} == {3}, results
         assert len({r["round"] for r in results}) == 1, results  # one round, the same for all
         assert not any("evicting" in text(i) for i in range(3)), [text(i)[-1500:] for i in range(3)]
-        print(*(f"agent {i}: {text(i)}" for i in range(3)), sep="\n")
     finally:
         for p in procs:
             if p.poll() is None:
