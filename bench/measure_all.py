@@ -301,7 +301,7 @@ def meaning(name: str) -> str:
         return RATIO_MEANING[name]
     if name.endswith("_exponent_ratio"):
         return "not a ratio: the exponent b of a fit of the measure to N^b"
-    if name == "load_average_ratio":
+    if name == "load_average_ratio" or name.endswith("_load_average_ratio"):
         return "not a ratio: the 1-minute load average during the run"
     if name.endswith("_ratio") and "_over_" in name:
         num, den = name[: -len("_ratio")].split("_over_", 1)

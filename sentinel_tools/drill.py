@@ -31,7 +31,7 @@ import signal
 import sys
 from pathlib import Path
 
-from sentinel_tools import faults
+from sentinel_tools import drill_report, faults
 from sentinel_tools.drill_cluster import NO_NODE_WAIT_SECONDS, SPARE_CALL_WAIT_SECONDS, Drill, Node, claim_spare
 from sentinel_tools.drill_report import Timeline, cached_reference, print_timeline
 from sentinel_tools.harness import PROGRESS_EVERY, DrillError, alive, descendants, progress, repo_root, wait
@@ -185,7 +185,9 @@ def run_drill(args: argparse.Namespace) -> int:
     try:
         result = drill.run()
     except DrillError as exc:
-        print(f"sentinel drill: {exc}; logs in {drill.work}", file=sys.stderr)
+        for line in drill_report.rendezvous_stalls(drill):  # who the stuck round waits for, per agent
+            print(f"sentinel drill: {line}", file=sys.stderr)
+        print(f"sentinel drill: {exc}; logs in {drill.work}", file=sys.stderr)  # the last line says why
         args.keep = True
         return 1
     finally:

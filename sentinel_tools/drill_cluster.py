@@ -37,7 +37,9 @@ from sentinel_tools.ports import free_port, port_open
 SPARE_CALL_WAIT_SECONDS = 30.0
 
 # A job left without a spare and not allowed fewer nodes waits for a node that a drill never brings:
-# it is reported after this long past the fault, not at the end of --timeout
+# it is reported after this long past the fault, not at the end of --timeout (once an agent said
+# whom its rendezvous round waits for: trainer/rdzv_watch.py's line, 10 s into its join; at most
+# twice this long more)
 NO_NODE_WAIT_SECONDS = 20.0
 
 
@@ -411,10 +413,13 @@ class Drill:
                 return True
             return False
 
-        end = deadline
-        if "waiting for a node" in what:  # nothing will come: say so after a bounded look, not at the deadline
-            end = min(deadline, time.time() + NO_NODE_WAIT_SECONDS)
-        wait(done, max(1.0, end - time.time()), what)
+        if "waiting for a node" in what:  # nothing will come: say so after a bounded look, not at the deadline,
+            look = time.time() + NO_NODE_WAIT_SECONDS  # once an agent said whom its round waits for (or 40 s on)
+            wait(lambda: done() or time.time() >= look and bool(drill_report.rendezvous_stalls(self)),
+                 max(1.0, min(deadline, look + 2 * NO_NODE_WAIT_SECONDS) - time.time()), what)
+            if not (self.job_dead_at or any(e["event"] == "finished" for e in self.events())):
+                raise DrillError(f"timed out after {time.time() - t_fault:.0f} s waiting for {what}")
+        wait(done, max(1.0, deadline - time.time()), what)
         self._wait_spare_calls(victims, deadline)
         result = self.report(tl, victim, t_fault)
         if self.spare_notes:

@@ -131,6 +131,7 @@ def report(drill: "Drill", tl: Timeline, victim: "Node", t_fault: float) -> dict
         "restore": restore_report(drill, events, t_fault),
     }
     result.update(drill.host_report())
+    result["rendezvous_stalls"] = rendezvous_stalls(drill)  # rounds that made no progress for a while, if any
     if result["restore"].get("fallback"):
         result.setdefault("notes", []).append(result["restore"]["fallback"])
     if drill.args.verify and s.finished:
@@ -280,3 +281,21 @@ def print_timeline(result: dict[str, Any]) -> None:
     if why_not:
         print(f"not handed over: {why_not}")
     print("drill: OK" if result["ok"] else "drill: FAILED")
+
+
+STALL_MARK = "rendezvous stalled: "
+
+
+def rendezvous_stalls(drill: "Drill") -> list[str]:
+    """Each agent's last ``rendezvous stalled:`` line (trainer/rdzv_watch.py: who the round it is
+    stuck in waits for), for a drill whose job did not finish."""
+    lines = []
+    for node in drill.nodes:
+        try:
+            text = (node.root / "agent.log").read_text(errors="replace")
+        except OSError:
+            continue
+        last = next((x for x in reversed(text.splitlines()) if STALL_MARK in x), None)
+        if last is not None:
+            lines.append(f"{node.name}'s agent: {STALL_MARK}{last.split(STALL_MARK, 1)[1]}")
+    return lines

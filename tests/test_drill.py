@@ -185,13 +185,17 @@ def test_no_spare_continues_on_fewer_nodes_when_nnodes_allows():
 
 def test_no_spare_and_no_room_to_shrink_is_reported_not_hung():
     # --timeout bounds the whole drill (start-up under load included); the wait for a node that
-    # never comes is reported NO_NODE_WAIT_SECONDS after the fault (a 60 s budget once ran out
-    # before step 25 on a host running two suites)
+    # never comes is reported NO_NODE_WAIT_SECONDS after the fault, once the survivor's agent said
+    # whom its round waits for (a 60 s budget once ran out before step 25 on a host running two suites)
     r = subprocess.run([sys.executable, "-m", "sentinel", "drill", "--spares", "0", "--timeout", "300"],
                        capture_output=True, text=True, timeout=420, cwd=REPO)
     assert r.returncode == 1
     assert "no spare left" in r.stderr and "waiting for a node" in r.stderr
     assert "waiting for the job to finish" in r.stderr.splitlines()[-1], r.stderr[-1000:]
+    # #47: not a silent timeout: the survivor's agent said whom its round waits for, and the drill printed it
+    stall = next((x for x in r.stderr.splitlines() if x.startswith("sentinel drill: node0's agent: rendezvous stalled:")),
+                 "")
+    assert "in the round 1 of 2 needed" in stall and "(this node)" in stall, r.stderr[-2000:]
 
 
 def test_spare_dying_during_the_migration_is_replaced_by_the_next():

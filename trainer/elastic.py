@@ -33,16 +33,19 @@ rendezvous handler; what differs answers one measured slow path of a node replac
   workers, leaves the rendezvous and exits 0 instead of restarting them: several nodes drained at
   once make one membership change, not one per node.
 * **The workers' store, from the agent, every round.** torch caches the first round's worker-store
-  address for good (why plain torchrun needs ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, with which
-  the rank-0 *worker* hosts the store and the others' connects are refused and retried with
-  backoff: 0.4-0.7 s). This agent forgets it at every ``next_rendezvous``: the new rank 0's agent
-  starts the store before any worker exists.
-* **Rendezvous polling.** torch's dynamic rendezvous polls its backend once a second while it
-  waits (a hard-coded ``_delay(seconds=1)``) and serves reads from a 1 s cache; a re-rendezvous
-  costs up to 2 s of pure waiting. During ``next_rendezvous`` this agent polls every
-  ``--rdzv-poll-seconds`` without the cache (steady-state ``num_nodes_waiting`` keeps the cache).
-  The random 0-0.3 s skew torch adds to a first join stays for the job's first start (it spreads
-  thousands of agents) and is dropped for restarts and warm admissions.
+  address for good (plain torchrun needs ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: the rank-0
+  *worker* hosts it, the others' connects are retried with backoff, 0.4-0.7 s). This agent
+  forgets it every round: the new rank 0's agent starts the store before any worker exists.
+* **Rendezvous polling.** torch polls its backend once a second while it waits (``_delay(seconds=1)``)
+  from a 1 s cache: up to 2 s of pure waiting. During ``next_rendezvous`` this agent polls every
+  ``--rdzv-poll-seconds`` without the cache. torch's 0-0.3 s first-join skew stays for the job's
+  first start only.
+* **A round that converges under load** (:mod:`trainer.rdzv_watch`): torch evicts a node whose
+  keep-alive (a compare-and-set of the whole state) is 3 windows late, which on a starved host
+  evicted live nodes round after round. Each agent also beats a counter of its own (one ``add``
+  per interval, its own thread and connection) and evicts a late node only when that counter
+  stood still at the evaluator's own pace; a round stalled for 10 s logs ``rendezvous stalled:``
+  with who is in it, who waits, whose keep-alive lapsed.
 
 * **--rdzv-backend sentinel: rank-preserving replacement** (:mod:`trainer.slot_rendezvous`,
   registered in torch's ``rendezvous_handler_registry``): the job is N slots; a spare takes the
@@ -58,6 +61,7 @@ missing the agent logs a warning and runs with torch's own (slower, still correc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.util
 import logging
@@ -68,6 +72,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+from trainer import rdzv_watch
 
 log = logging.getLogger("sentinel.elastic")
 
@@ -122,8 +128,10 @@ class Rendezvous:
         self.problems: list[str] = []
         from trainer.slot_rendezvous import SlotRendezvousHandler
 
+        self.watch: Any = None  # c10d/etcd-v2: trainer.rdzv_watch's keep-alive counter and sanitizer
         if isinstance(handler, SlotRendezvousHandler):
-            self.kind = "slot"  # rank-preserving: its own leave(), no polling to tune
+            self.kind = "slot"  # rank-preserving: its own leave(), no polling to tune; a stalled round says so
+            handler.next_rendezvous = rdzv_watch.slot_round(handler, handler.next_rendezvous)
             return
         try:
             from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
@@ -146,9 +154,12 @@ class Rendezvous:
             self.problems.append("torch's DynamicRendezvousHandler internals changed: default polling, no graceful leave")
             return
         self.kind = "dynamic"
+        self.watch = rdzv_watch.install_dynamic(self.handler, dr)
+        if self.watch is None:
+            self.problems.append("torch's rendezvous state holder changed: torch's keep-alive eviction, no stall reports")
         original_delay = getattr(dr, "_sentinel_original_delay", dr._delay)
         dr._sentinel_original_delay = original_delay
-        dr._delay = functools.partial(_polling_delay, self, original_delay)
+        dr._delay = functools.partial(rdzv_watch.polling_delay, self, original_delay)
         original_next = self.handler.next_rendezvous
         # torch keeps the first round's worker-store address (``_bootstrap_store_info``) for every
         # later round unless the node is rank 0 without a store: after a membership change a spare
@@ -169,7 +180,8 @@ class Rendezvous:
                 self.handler._bootstrap_store_info = None
                 self.handler._shared_tcp_store_server = None  # rank 0 of the new round starts a new one
             try:
-                return original_next()
+                with self.watch.round() if self.watch is not None else contextlib.nullcontext():
+                    return original_next()
             finally:
                 holder._cache_duration = saved
                 self.skew = False
@@ -232,6 +244,8 @@ class Rendezvous:
 
         handler = self.handler
         handler._stop_heartbeats()
+        if self.watch is not None:
+            self.watch.stop()
         where: list[str] = []
 
         def leave_op(ctx, deadline):
@@ -265,19 +279,6 @@ class Rendezvous:
             return f"keep-alive key already gone ({type(exc).__name__})"
         path, self.lease_path = self.lease_path, None
         return f"deleted keep-alive key {path}"
-
-
-def _polling_delay(rdzv: Rendezvous, original: Callable[..., None], seconds: Any) -> None:
-    """torch's dynamic rendezvous ``_delay``: the 1 s SYNC poll becomes ``poll_seconds``; the
-    first-join skew is kept only for the job's first start."""
-    if isinstance(seconds, tuple):
-        if rdzv.skew:
-            original(seconds)
-        return
-    if seconds == 1:
-        seconds = rdzv.poll_seconds
-    if seconds > 0:
-        time.sleep(seconds)
 
 
 # -- the agent ---------------------------------------------------------------------------------------

@@ -1,0 +1,221 @@
+"""#47 item 4: torch's dynamic rendezvous (c10d) converges when its participants are alive however
+slowly they run, and a stalled round says who it waits for (trainer/rdzv_watch.py). Real agents'
+rendezvous handlers (trainer.elastic's wiring) on a real c10d store; starvation is SIGSTOP."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, wait_for
+from sentinel_tools.drill import free_port
+
+pytestmark = [pytest.mark.needs_torch]
+pytest.importorskip("torch")
+
+# One agent's rendezvous: trainer.elastic's handler wiring, then one next_rendezvous.
+JOIN = r"""
+import json, logging, os, sys
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import registry
+from trainer.elastic import Rendezvous
+port, run_id = sys.argv[1], sys.argv[2]
+params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{port}", run_id=run_id, min_nodes=3, max_nodes=3,
+                              is_host="false", read_timeout="60", keep_alive_interval="1", keep_alive_max_attempt="3",
+                              join_timeout="600")
+rdzv = Rendezvous(registry.get_rendezvous_handler(params), 0.1)
+print("joining", flush=True)
+info = rdzv.handler.next_rendezvous()
+print(json.dumps({"rank": info.rank, "world": info.world_size, "round": rdzv.handler._state_holder.state.round}),
+      flush=True)
+os._exit(0)  # as trainer.elastic.exit_now: no interpreter teardown under the keep-alive threads' store calls
+"""
+
+# Each agent runs WINDOW_S in turn, all stopped otherwise: one cycle is 3 x PERIOD_S, so when an
+# agent runs, the one before it last ran PERIOD_S - WINDOW_S ago and the one before that
+# 2 x PERIOD_S - WINDOW_S ago: older than torch's eviction window (keep_alive 1 s x 3 attempts).
+WINDOW_S = 1.0
+PERIOD_S = 3.0
+CONVERGE_S = 90.0  # 10 cycles; on 0cd5d80 no round completes in them (each join evicts a live node)
+
+
+@pytest.fixture
+def store():
+    port = free_port()
+    p = subprocess.Popen([sys.executable, "-m", "trainer.store", "--port", str(port)], cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        import socket
+
+        def up() -> bool:
+            with socket.socket() as s:
+                s.settimeout(0.2)
+                return s.connect_ex(("127.0.0.1", port)) == 0
+        wait_for(up, 60, what="the rendezvous store")
+        yield port
+    finally:
+        p.kill()
+        p.wait(timeout=60)
+
+
+def test_starved_agents_converge_in_one_round_and_a_stalled_round_names_who_it_waits_for(tmp_path, store):
+    script = tmp_path / "join.py"
+    script.write_text(JOIN)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    logs = [tmp_path / f"agent{i}.log" for i in range(3)]
+    procs: list[subprocess.Popen] = []
+
+    def start(i: int) -> None:
+        with open(logs[i], "w") as out:
+            procs.append(subprocess.Popen([sys.executable, str(script), str(store), "job47"], cwd=REPO, env=env,
+                                          stdout=out, stderr=subprocess.STDOUT))
+
+    def text(i: int) -> str:
+        return logs[i].read_text()
+
+    try:
+        # 1. Two of three join, the third is not there: each says, in one line, that the round of
+        #    3 has 2 (both named, with their keep-alives) instead of waiting silently
+        start(0)
+        start(1)
+        line = wait_for(lambda: next((x for x in text(0).splitlines() if "rendezvous stalled:" in x), None), 120,
+                        what="agent 0's stall report")
+        assert "round" in line and "in the round 2 of 3 needed" in line, line
+        assert line.count("keep-alive") == 2 and "(this node)" in line, line  # both named, with their keep-alives
+        # 2. The third joins, and from then on each agent runs 1 s in turn, stopped otherwise (a
+        #    host so loaded that every agent's keep-alive is older than the window when the next
+        #    one looks): all three are alive, so the round must complete with the three of them
+        for p in procs:
+            if p.poll() is None:  # (a started agent never ends before the round completes)
+                os.kill(p.pid, signal.SIGSTOP)
+        start(2)  # it joins while the other two are stopped (their keep-alives lapse meanwhile)
+        wait_for(lambda: "joining" in text(2), 120, what="agent 2 to start joining")
+        if procs[2].poll() is None:
+            os.kill(procs[2].pid, signal.SIGSTOP)
+        end = time.monotonic() + CONVERGE_S
+        turn = 0
+        while time.monotonic() < end and any(p.poll() is None for p in procs):
+            p = procs[turn % 3]
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                time.sleep(WINDOW_S)
+                os.kill(p.pid, signal.SIGSTOP)
+            time.sleep(PERIOD_S - WINDOW_S)
+            turn += 1
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+        done = [p.poll() is not None for p in procs]
+        assert all(done), (f"no round completed in {CONVERGE_S:.0f} s of starved but live agents:\n"
+                           + "\n".join(text(i)[-1500:] for i in range(3)))
+        results = [json.loads(next(x for x in text(i).splitlines() if x.startswith("{"))) for i in range(3)]
+        assert sorted(r["rank"] for r in results) == [0, 1, 2] and {r["world"] for r in results} == {3}, results
+        assert len({r["round"] for r in results}) == 1, results  # one round, the same for all
+        assert not any("evicting" in text(i) for i in range(3)), [text(i)[-1500:] for i in range(3)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+            p.wait(timeout=60)
+
+
+def test_a_drill_that_does_not_finish_prints_each_agent_s_last_stall_line(tmp_path):
+    from types import SimpleNamespace
+
+    from sentinel_tools.drill_report import rendezvous_stalls
+
+    nodes = []
+    for name, lines in (("node0", ["[sentinel.elastic] x WARNING rendezvous stalled: job round 3 first",
+                                   "other", "[sentinel.elastic] y WARNING rendezvous stalled: job round 4 second"]),
+                        ("spare0", ["nothing stalled here"]), ("spare1", None)):
+        root = tmp_path / name
+        root.mkdir()
+        if lines is not None:
+            (root / "agent.log").write_text("\n".join(lines) + "\n")
+        nodes.append(SimpleNamespace(name=name, root=root))
+    assert rendezvous_stalls(SimpleNamespace(nodes=nodes)) == ["node0's agent: rendezvous stalled: job round 4 second"]
+
+
+class _Counters:
+    """The others' keep-alive counters as the store holds them, and this node's own beats."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, int] = {}
+        self.beats = 0
+
+    def counter(self, node: str) -> int:
+        return self.values.get(node, 0)
+
+
+def test_a_late_node_is_evicted_only_when_its_counter_stood_still_over_this_node_s_own_beats():
+    """The sanitizer's rule (no store, no torch): keep-alives in the state lapsed for both nodes;
+    the live one's counter moves, the dead one's does not; nothing is evicted while this node's own
+    counter thread is starved too (its beats do not advance), the dead one once it beat twice."""
+    from datetime import datetime, timedelta, timezone
+    from types import SimpleNamespace
+
+    from trainer.rdzv_watch import Sanitizer, describe_dynamic
+
+    old = datetime.now(timezone.utc) - timedelta(seconds=10)
+    state = SimpleNamespace(round=4, complete=False, closed=False, participants={"me": 0, "slow": 0, "dead": 0},
+                            wait_list=set(), redundancy_list=set(),
+                            last_heartbeats={"me": datetime.now(timezone.utc), "slow": old, "dead": old})
+    settings = SimpleNamespace(keep_alive_interval=timedelta(seconds=1), keep_alive_max_attempt=3, run_id="job",
+                               min_nodes=3, max_nodes=3)
+    holder = SimpleNamespace(_state=state, _dead_nodes=[])
+    live = _Counters()
+    epilogues = []
+    sanitize = Sanitizer(holder, settings, live, lambda st, se: epilogues.append(st.round))
+
+    def sync(slow_beats: int, own_beats: int) -> None:
+        live.values["'slow'"] = live.values.get("'slow'", 0) + slow_beats
+        live.beats += own_beats
+        sanitize()
+
+    sync(1, 0)  # first seen late: watched from here
+    for _ in range(5):
+        sync(0, 0)  # this node starved as well: no judgement
+    assert set(state.participants) == {"me", "slow", "dead"}
+    sync(1, 1)
+    sync(0, 1)  # the dead one: still over 2 of our beats; the slow one moved 1 beat ago
+    assert set(state.participants) == {"me", "slow"} and holder._dead_nodes == ["dead"] and epilogues == [4]
+    assert "dead" not in state.last_heartbeats and sanitize.evicted == {"'dead'": 1}
+    line = describe_dynamic(state, settings, "me", sanitize, 42.0, {"'slow'": 3})
+    assert line.startswith("rendezvous stalled: job round 4 not complete after 42 s"), line
+    assert "in the round 2 of 3 needed" in line and "lapsed, counter 3" in line and "'dead' x1" in line, line
+
+
+def test_a_stalled_slot_generation_names_the_slots_it_waits_for_and_how_long_their_heartbeats_stood_still():
+    from trainer.rdzv_watch import describe_slots
+
+    class Store:  # the calls describe_slots makes, on the slot protocol's keys
+        def __init__(self, keys: dict[str, bytes]) -> None:
+            self.keys = keys
+
+        def check(self, keys: list[str]) -> bool:
+            return all(k in self.keys for k in keys)
+
+        def get(self, key: str) -> bytes:
+            return self.keys[key]
+
+        def add(self, key: str, n: int) -> int:
+            return int(self.keys.get(key, b"0"))
+
+    p = "sentinel.rdzv.job"
+    store = Store({f"{p}/latest": b"3", f"{p}/g4/s1": b'{"id": "spare0:1"}', f"{p}/g4/s2": b"LEFT:node2:7",
+                   f"{p}/hb/0": b"node0:41", f"{p}/spares": b"2", f"{p}/vacancies": b"1"})
+    seen: dict = {}
+    describe_slots(store, p, 3, 0, 5.0, seen, now=100.0)
+    line = describe_slots(store, p, 3, 0, 17.0, seen, now=112.5)
+    assert line.startswith("rendezvous stalled: generation 4 (committed: 3) not committed after 17 s"), line
+    assert "arrived 1 of 3: slot 1 (spare0:1)" in line and "vacant, for a spare: slot 2" in line, line
+    assert "waiting for: slot 0 (heartbeat unchanged for 12.5 s)" in line and "spare tickets 2, vacancies posted 1" in line
