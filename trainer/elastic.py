@@ -286,7 +286,7 @@ def _make_agent_class():
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.rendezvous.api import RendezvousGracefulExitError
 
-    from trainer import fence
+    from trainer import fence, suspects
 
     class FastAgent(LocalElasticAgent):
         """torch's LocalElasticAgent that leaves the rendezvous before stopping its workers and
@@ -354,6 +354,7 @@ def _make_agent_class():
             result = super()._monitor_workers(worker_group)
             if result.state != WorkerState.HEALTHY:
                 log.info("worker group %s", result.state.name)
+                suspects.report(self._sentinel_rdzv.handler, result.failures)  # a peer's process gone? (#48)
             return result
 
     return FastAgent
