@@ -120,10 +120,13 @@ def median(vals: list[float]) -> float | None:
 
 
 def stage_durations(rows: list[dict]) -> dict[str, list[float]]:
-    """Each stage's time since the trip (its own clock start), per run."""
+    """Each stage's time since the trip (its own clock start; a sudden loss has none: since the
+    fault), per run."""
     out: dict[str, list[float]] = {}
     for r in rows:
         trip = next((e["time"] for e in r["timeline"] if e["stage"] == "detected"), None)
+        if trip is None and r.get("fault_to_declared_seconds") is not None:
+            trip = next((e["time"] for e in r["timeline"] if e["stage"] == "fault injected"), None)
         for e in r["timeline"]:
             if trip is not None and e["stage"] not in ("fault injected", "job finished"):
                 out.setdefault(e["stage"], []).append(e["time"] - trip)
@@ -272,7 +275,8 @@ def main() -> None:
     print(f"host: {os.cpu_count()} CPUs, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min) at the end")
     for n in names:
         ok = [r for r in rows[n] if r.get("ok")]
-        print(f"\n{PATHS[n][0]}: {len(ok)}/{len(rows[n])} drills ok; seconds after the trip (median / max)")
+        since = "fault" if n in SUDDEN else "trip"
+        print(f"\n{PATHS[n][0]}: {len(ok)}/{len(rows[n])} drills ok; seconds after the {since} (median / max)")
         for r in rows[n]:
             if not r.get("ok") and r.get("error"):
                 print(f"  failed: {r['error'][-200:]}")
