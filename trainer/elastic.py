@@ -46,10 +46,10 @@ rendezvous handler; what differs answers one measured slow path of a node replac
 
 * **--rdzv-backend sentinel: rank-preserving replacement** (:mod:`trainer.slot_rendezvous`,
   registered in torch's ``rendezvous_handler_registry``): the job is N slots; a spare takes the
-  departed node's slot and group rank, and a survivor's re-rendezvous is 6 store operations
-  whatever N is. With ``--nnodes MIN:MAX`` (MIN < MAX) or ``--rdzv-conf slots=off`` it is torch's
-  dynamic rendezvous on the same store (docs/rendezvous.md). ``--rdzv-backend sentinel-etcd``:
-  the same handler on a replicated, TLS-authenticated etcd (:mod:`trainer.etcd_rendezvous`).
+  departed node's slot and group rank, a survivor's re-rendezvous is 6 store operations whatever N
+  is, and workers that died of a lost connection are its evidence of a dead peer (#48). With
+  ``--nnodes MIN:MAX`` (MIN < MAX) or ``--rdzv-conf slots=off``: torch's dynamic rendezvous on the
+  same store (docs/rendezvous.md); ``sentinel-etcd``: the same handler on etcd (:mod:`trainer.etcd_rendezvous`).
 
 The c10d/etcd-v2 parts reach into torch's private rendezvous internals (checked for torch 2.13); when they are
 missing the agent logs a warning and runs with torch's own (slower, still correct) behaviour.
