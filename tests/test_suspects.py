@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from conftest import REPO, wait_for
 from trainer import suspects
-from trainer.slot_rendezvous import SlotRendezvousHandler
+from trainer.slot_rendezvous import SlotRendezvousHandler, SlotTakenError
 
 pytestmark = [pytest.mark.needs_torch]
 
@@ -91,7 +91,7 @@ def test_a_probe_is_accepted_by_a_stopped_process_and_refused_once_it_is_gone():
 NODE = """
 import sys, torch.distributed as dist
 from datetime import timedelta
-from trainer.slot_rendezvous import SlotRendezvousHandler
+from trainer.slot_rendezvous import SlotRendezvousHandler, SlotTakenError
 store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=120))
 h = SlotRendezvousHandler(store, "job", 3, local_addr="127.0.0.1", keep_alive_interval=1.0, admission_timeout=30.0,
                           join_timeout=120.0)
@@ -195,5 +195,36 @@ def test_a_slow_node_under_load_is_never_evicted_by_the_survivors_evidence_and_a
             node.send_signal(signal.SIGCONT)
             node.kill()
         node.wait(10)
+        for h in [*hs, spare]:
+            h.shutdown()
+
+
+def test_a_node_declared_by_the_probe_is_fenced_like_any_declared_node():
+    """The probe declares a node whose liveness socket refuses (here: closed while the handler
+    object lives on, as a process that lost its socket would): its slot goes to the spare in the
+    same generation, and its arrival and heartbeat of that generation are refused (#41's fence)."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    conf = {"keep_alive_interval": 1.0, "admission_timeout": 30.0, "join_timeout": 60.0, "local_addr": "127.0.0.1"}
+
+    def client() -> SlotRendezvousHandler:
+        return SlotRendezvousHandler(dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                                                   timeout=timedelta(seconds=60)), "job", 3, **conf)
+
+    hs = [client() for _ in range(3)]
+    spare = client()
+    try:
+        joined(*rounds_in_threads(hs))
+        gone, live = hs[0], hs[1:]
+        gone.liveness.close()
+        for h in live:
+            h.suspect("rank 0: broken pipe")
+        infos = joined(*rounds_in_threads([*live, spare]))
+        assert infos[2].rank == gone.slot and spare.slot == gone.slot and {h.gen for h in [*live, spare]} == {2}
+        declared = [e for h in [*live, spare] for e in h.recovery.declared]
+        assert [(e["slot"], e["how"], e["left"]) for e in declared] == [(gone.slot, "probe", gone.node_id)]
+        assert gone.heartbeat() is False  # its generation (1) is not the job's any more
+        with pytest.raises(SlotTakenError):
+            gone.next_rendezvous()
+    finally:
         for h in [*hs, spare]:
             h.shutdown()

@@ -13,8 +13,9 @@ that has not committed:
   whose agent's liveness socket **refuses** a connect is vacant at once. An agent that accepts
   (alive, however slow) or does not answer (decides nothing) is left to the keep-alive pass.
 
-Both write the same thing: ``g<f>/s<slot>`` from absent to ``LEFT:<node id>`` (one
-``compare_set``: an arrival and a declaration cannot both win), then a vacancy for the spares.
+Both write the same thing: ``g<f>/s<slot>`` from absent to ``LEFT:<node id>#<nonce>`` (one
+``compare_set``: an arrival and a declaration, or two declarations, cannot both win), then a
+vacancy for the spares.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from collections import deque
 from typing import Any, Callable
 
@@ -57,10 +59,14 @@ class Recovery:
         self.answers: deque[tuple[int, int, str]] = deque(maxlen=1000)  # (generation, slot, answer), newest last
 
     def _declare(self, f: int, slot: int, mark: str, how: str, evidence: str = "") -> bool:
-        got = self._store.compare_set(self._k(f"g{f}", f"s{slot}"), "", mark).decode()
-        if got != mark:
+        """``g<f>/s<slot>`` from absent to ``mark`` plus this declaration's own nonce: two watchers
+        declaring the same node write different values, so only the one whose value is there
+        posts the vacancy (with the same mark, both would see "theirs" and post two)."""
+        mine = f"{mark}#{uuid.uuid4().hex[:8]}"
+        got = self._store.compare_set(self._k(f"g{f}", f"s{slot}"), "", mine).decode()
+        if got != mine:
             return False  # it arrived (or another watcher declared it) meanwhile
-        self._post_vacancy(slot, f, mark)
+        self._post_vacancy(slot, f, mine)
         event = {"generation": f, "slot": slot, "left": mark[len(LEFT):], "how": how, "evidence": evidence,
                  "time": time.time()}
         self.declared.append(event)

@@ -100,7 +100,8 @@ class SlotRendezvousHandler(RendezvousHandler):
     def __init__(self, store: Store, run_id: str, nodes: int, *, local_addr: str | None = None,
                  join_timeout: float = 600.0, keep_alive_interval: float = 5.0, keep_alive_max_attempt: int = 3,
                  admission_timeout: float | None = None, node_id: str | None = None,
-                 server_factory: Callable[[str], Any] | None = None, backend: str = BACKEND) -> None:
+                 server_factory: Callable[[str], Any] | None = None, backend: str = BACKEND,
+                 liveness: bool = True) -> None:
         if not run_id:
             raise ValueError("the run id must be a non-empty string")
         if nodes < 1:
@@ -135,7 +136,8 @@ class SlotRendezvousHandler(RendezvousHandler):
         self.last_round: dict[str, Any] = {}
         self.fenced: list[str] = []  # this node's writes refused by the generation fence
         self.epoch = ""  # the job instance (generation 1's commit): fence tokens are (epoch, generation)
-        self.liveness = suspects.Liveness(self.addr)  # refuses connects once this process is gone (#48)
+        # refuses connects once this process is gone (#48); liveness=False: no socket, keep-alive only
+        self.liveness = suspects.Liveness(self.addr if liveness else None)
         self._evidence = ""  # why this node's workers failed, when a peer's process looked gone
         self._probe_every = max(suspects.PROBE_SECONDS, nodes * 0.0005)  # a probe pass is O(N) checks
         self.recovery = Recovery(self._store, store, self._k, nodes, self.admission_timeout, self._post_vacancy,

@@ -132,10 +132,10 @@ class Liveness:
     Opened on first use; ``address`` is "" when no socket could be opened (then nobody can tell
     this node dead early: keep-alive expiry still does)."""
 
-    def __init__(self, addr: str) -> None:
-        self.addr = addr
+    def __init__(self, addr: str | None) -> None:
+        self.addr = addr or ""
         self._sock: socket.socket | None = None
-        self._tried = False
+        self._tried = addr is None  # None: no socket (this node is told dead by keep-alive expiry only)
 
     @property
     def address(self) -> str:
