@@ -5,6 +5,7 @@ beside it."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +19,8 @@ import torch.distributed as dist
 
 from conftest import REPO, wait_for
 from trainer import suspects
+from trainer.counting_store import CountingStore
+from trainer.slot_recovery import Recovery
 from trainer.slot_rendezvous import SlotRendezvousHandler, SlotTakenError
 
 pytestmark = [pytest.mark.needs_torch]
@@ -72,6 +75,13 @@ def test_a_probe_is_accepted_by_a_stopped_process_and_refused_once_it_is_gone():
     assert suspects.probe(address) == suspects.GONE
     for bad in ("", "no-port", "127.0.0.1:0", "127.0.0.1:70000", "a b:1", None, 7):
         assert suspects.probe(bad) == suspects.UNKNOWN
+    # a loopback address is this host's own: probed only for a node that said it is on this host
+    # (same boot and network namespace), else a refusal from the wrong host would declare it dead
+    me = suspects.here()
+    assert me and suspects.reachable_from_here(address, me, me)
+    for loopback in (address, f"localhost:{address.rsplit(':', 1)[1]}", "[::1]:5"):
+        assert not suspects.reachable_from_here(loopback, "another-host/1", me)
+    assert suspects.reachable_from_here("198.18.0.12:5", "another-host/1", me)
     # a stopped process: its socket lives, the kernel accepts for it (slow is not gone)
     code = ("import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(8); "
             "print(s.getsockname()[1], flush=True); time.sleep(600)")
@@ -228,3 +238,21 @@ def test_a_node_declared_by_the_probe_is_fenced_like_any_declared_node():
     finally:
         for h in [*hs, spare]:
             h.shutdown()
+
+
+def test_a_refusal_from_a_loopback_address_of_another_host_declares_nothing():
+    """A node on another host that advertises a loopback address (a hostname mapped to 127.0.1.1)
+    is never probed from here: its slot is left to keep-alive expiry."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    closed = suspects.Liveness("127.0.0.1")
+    address = closed.address
+    closed.close()  # refuses connects here
+    posted: list = []
+    store = CountingStore(server)
+    store.set("r/g1/s0", json.dumps({"id": "far", "probe": address, "where": "another-host/1"}))
+    store.set("r/g1/s1", json.dumps({"id": "near", "probe": address, "where": suspects.here()}))
+    recovery = Recovery(store, server, lambda *p: "/".join(["r", *map(str, p)]), 2, 30.0,
+                        lambda slot, f, mark: posted.append((slot, f, mark)), here=suspects.here())
+    assert recovery.probe_pass(2, "rank 0: broken pipe") == 1
+    assert [(slot, f, mark.split("#")[0]) for slot, f, mark in posted] == [(1, 2, "LEFT:near")]
+    assert (2, 0, suspects.UNKNOWN) in recovery.answers and (2, 1, suspects.GONE) in recovery.answers

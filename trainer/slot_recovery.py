@@ -43,7 +43,7 @@ class Recovery:
 
     def __init__(self, store: CountingStore, raw: Any, key: Callable[..., str], nodes: int, admission_timeout: float,
                  post_vacancy: Callable[[int, int, str], None],
-                 on_vacant: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 on_vacant: Callable[[dict[str, Any]], None] | None = None, here: str = "") -> None:
         self._store = store
         self._raw = raw
         self._k = key
@@ -51,6 +51,7 @@ class Recovery:
         self.admission_timeout = admission_timeout
         self._post_vacancy = post_vacancy
         self.on_vacant = on_vacant or (lambda event: None)
+        self.here = here  # this host's suspects.here(): a loopback address is probed only from its own host
         self._no_beat: dict[int, int] = {}
         self._probed_at: dict[tuple[int, int], float] = {}  # (generation, slot) -> its last probe that did not refuse
         self._holders: dict[tuple[int, int], dict[str, Any]] = {}  # (generation, slot) -> its arrival record
@@ -148,6 +149,9 @@ class Recovery:
         declared = 0
         if f < 2:
             return 0
+        if any(g < f for g, _ in self._holders):  # a generation committed since: forget the older ones
+            self._holders = {k: v for k, v in self._holders.items() if k[0] >= f}
+            self._probed_at = {k: v for k, v in self._probed_at.items() if k[0] >= f}
         now = time.monotonic()
         for s in range(self.nodes):
             if now - self._probed_at.get((f, s), -1e9) < suspects.ALIVE_RECHECK:
@@ -155,7 +159,10 @@ class Recovery:
             if self._store.check([self._k(f"g{f}", f"s{s}")]):
                 continue  # arrived, or already vacant
             holder = self._holder(f, s)
-            answer = probe(holder.get("probe")) if holder.get("probe") else suspects.UNKNOWN
+            if "asked" not in holder:  # resolved once per generation and slot
+                holder["asked"] = bool(holder.get("probe")) and suspects.reachable_from_here(
+                    holder["probe"], holder.get("where"), self.here)
+            answer = probe(holder["probe"]) if holder["asked"] else suspects.UNKNOWN
             self.probes[answer] = self.probes.get(answer, 0) + 1
             self.answers.append((f, s, answer))
             if answer != suspects.GONE:

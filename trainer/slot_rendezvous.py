@@ -139,9 +139,10 @@ class SlotRendezvousHandler(RendezvousHandler):
         # refuses connects once this process is gone (#48); liveness=False: no socket, keep-alive only
         self.liveness = suspects.Liveness(self.addr if liveness else None)
         self._evidence = ""  # why this node's workers failed, when a peer's process looked gone
+        self._here = suspects.here()  # which loopback this node shares (a probe of one must not cross hosts)
         self._probe_every = max(suspects.PROBE_SECONDS, nodes * 0.0005)  # a probe pass is O(N) checks
         self.recovery = Recovery(self._store, store, self._k, nodes, self.admission_timeout, self._post_vacancy,
-                                 on_vacant=suspects.record_vacancy)
+                                 on_vacant=suspects.record_vacancy, here=self._here)
 
     # -- keys ------------------------------------------------------------------------------------------
     def _k(self, *parts: object) -> str:
@@ -230,7 +231,7 @@ class SlotRendezvousHandler(RendezvousHandler):
         arrives with (if any); slot 0 adds the workers' store it hosts for generation ``f``."""
         info: dict[str, Any] = {"id": self.node_id}
         if self.liveness.address:
-            info["probe"] = self.liveness.address
+            info.update(probe=self.liveness.address, where=self._here)
         if self._evidence:
             info["evidence"] = self._evidence
         if self.slot == 0:

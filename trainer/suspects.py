@@ -28,9 +28,12 @@ first to report, probes for one ``admission_timeout``), the probe decides. No to
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
+import os
 import re
 import socket
+from pathlib import Path
 from typing import Any, Mapping
 
 log = logging.getLogger("sentinel.rendezvous")
@@ -125,6 +128,32 @@ def probe(address: Any, timeout: float = PROBE_TIMEOUT) -> str:
         return UNKNOWN
 
 
+def here() -> str:
+    """This host's network identity: the kernel's boot id and this network namespace. Two
+    processes share a loopback only when both are equal."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/net').st_ino}"
+    except OSError:
+        return ""
+
+
+def reachable_from_here(address: Any, there: Any, mine: str) -> bool:
+    """Whether a probe of ``address`` from here asks the right host: an address that is (or
+    resolves here to) a loopback one reaches this host's own loopback, so it is probed only when
+    the node said it is on this host (``there``, its :func:`here`, equal to ``mine``); a refusal
+    from the wrong host would declare a live node dead. Any other address: yes."""
+    where = parse_address(address)
+    if where is None:
+        return False
+    try:
+        infos = socket.getaddrinfo(where[0], where[1], type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    loopback = any(ipaddress.ip_address(info[4][0].split("%", 1)[0]).is_loopback for info in infos)
+    return not loopback or (bool(mine) and there == mine)
+
+
 class Liveness:
     """This agent's listening socket: its existence is the answer (a connect is accepted by the
     kernel even while the process is stopped; refused once the process is gone). Nothing is ever
@@ -139,23 +168,28 @@ class Liveness:
 
     @property
     def address(self) -> str:
+        """``<this node's address>:<port>``: the name or address the node advertises (as for the
+        workers' store it hosts), resolved by each prober as it resolves that one."""
         if not self._tried:
             self._tried = True
             self._sock = self._open()
-        if self._sock is None:
+        if self._sock is None or not self.addr:
             return ""
-        host, port = self._sock.getsockname()[:2]
-        host = self.addr if host in ("0.0.0.0", "::") else host
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        port = self._sock.getsockname()[1]
+        return f"[{self.addr}]:{port}" if ":" in self.addr else f"{self.addr}:{port}"
 
-    def _open(self) -> socket.socket | None:
-        for host in (self.addr, ""):
+    @staticmethod
+    def _open() -> socket.socket | None:
+        """On every interface (dual-stack where the host has IPv6): the advertised name may
+        resolve to any of them, as the workers' store's does."""
+        for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
             try:
-                family = socket.getaddrinfo(host or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
                 sock = socket.socket(family, socket.SOCK_STREAM)
             except OSError:
                 continue
             try:
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
                 sock.bind((host, 0))
                 sock.listen(BACKLOG)
                 sock.setblocking(False)
