@@ -1,9 +1,10 @@
 """A dead node told from the job's own errors, not from keep-alive expiry (issue #48).
 
-When a node dies suddenly (kill -9, a kernel panic, a GPU that takes the host down), every survivor's
-collective fails within milliseconds: the dead process's kernel closed its sockets, and gloo says
+When a node's processes die suddenly (kill -9, the OOM killer, a crash), every survivor's
+collective fails within milliseconds: the dead processes' kernel closed their sockets, and gloo says
 ``Read error [ADDR]:PORT: Connection reset by peer``. Waiting for the dead node's keep-alive to
-expire (``admission_timeout``, seconds) throws that knowledge away. Here:
+expire (``admission_timeout``, seconds) throws that knowledge away. (A host that powers off or
+panics closes nothing and answers nothing: keep-alive expiry still tells that one.) Here:
 
 * **The evidence** (:func:`evidence_of`): the agent reads its failed workers' own error records
   (torch's elastic error files: the exception each worker died with) and keeps a connection-loss
@@ -22,7 +23,8 @@ expire (``admission_timeout``, seconds) throws that knowledge away. Here:
 Why both (docs/rendezvous.md, "Sudden loss"): the evidence alone would evict the node of a rank
 that crashed before its agent re-arrives (its connections reset too); the probe alone would need
 every survivor to probe every node on every round. Evidence starts the probing (one survivor, the
-first to report, probes for one ``admission_timeout``), the probe decides. No torch import here.
+first to report, probes for one ``admission_timeout``; so does an admitted spare), the probe
+decides. No torch import here.
 """
 
 from __future__ import annotations
