@@ -93,8 +93,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "sentinel-etcd: the same slots on a 3-member etcd with TLS client certificates (one member "
                         "per node host with --hosts netns; the victim's member is made the leader before the fault). "
                         "Default: c10d; sentinel for --fault partition (its generations fence the cut-off host) and "
-                        "for --fault kill with --agent warm (the survivors' own connection errors tell the dead node "
-                        "within a second: docs/rendezvous.md)")
+                        "for --fault kill and rank-crash with --agent warm (the survivors' own connection errors "
+                        "tell a dead node within a second, and a crashed rank's live node is never declared: "
+                        "docs/rendezvous.md)")
     p.add_argument("--start-method", choices=["spawn", "fork", "forkserver"], default="spawn",
                    help="torchrun worker start method (--agent torchrun; a -m module ignores it)")
     p.add_argument("--timeout", type=float, default=180.0)
