@@ -11,6 +11,11 @@ runs warm and lightning):
               each other's replica (the ring), so their acks must wait for the disk copy (#47)
   cold        the before: the same predicted migration with plain torchrun and a cold spare
   crash       plain torchrun crash failover: kill -9, no warning, cold spare, periodic snapshot
+  kill        Sentinel's sudden loss: kill -9 of a node's agent and workers, no warning, warm spare, memory
+              tier, slot rendezvous (the dead node told from the survivors' errors, #48)
+  kill-two    two nodes of 3 killed at once (2 warm spares): one membership change
+  kill-snap   the kill right after a disk snapshot's step (--at-step 29; snapshots of steps 9, 19, 29, ...):
+              its write in flight or just done; the row says in how many drills it was still in flight
   lightning   warm's path for a stock Lightning script with SentinelCallback (examples/lightning_job.py)
   torchtitan  warm's path for torchtitan's CheckpointManager and state objects (examples/torchtitan_job.py)
 
@@ -37,7 +42,10 @@ that succeeded. ``migration_*`` is the warm-spare path (``migration_trip_to_firs
 ``migration_fault_to_first_step_seconds``, ``migration_lost_steps``, ``migration_ok_fraction``,
 ``migration_stage_<stage>_seconds`` = each stage's own duration), ``crash_*`` the plain torchrun
 crash failover, and ``one_of_three_*``, ``two_victims_*``, ``two_adjacent_memory_ack_*``, ``etcd_migration_*``,
-``cold_spare_torchrun_*`` the other paths, plus ``*_ratio`` figures, each dividing two medians of this run taken with the same measure:
+``cold_spare_torchrun_*`` the other paths, ``sudden_kill_*``, ``sudden_kill_two_*``, ``sudden_kill_snapshot_*`` the
+sudden losses (with ``*_fault_to_declared_seconds``: until the rendezvous declared the dead node, and
+``*_fault_to_spare_workers_seconds``: until the spare's workers started; ``--only kill,kill-two,kill-snap``
+alone makes its own report, bench ``migration_sudden``), plus ``*_ratio`` figures, each dividing two medians of this run taken with the same measure:
 ``plain_failover_over_warm_ratio`` = crash fault -> first step / warm spare fault -> first step;
 ``cold_torchrun_over_warm_ratio`` = cold spare trip -> first step / warm spare trip -> first step;
 ``two_victims_over_one_ratio`` = two victims of 3 nodes / one victim of 2 nodes (trip -> first step);
@@ -72,6 +80,10 @@ PATHS = {
     # the baselines are plain torchrun as it was before Sentinel: no memory tier (disk snapshots only)
     "cold": ("before: torchrun, cold spare", ["--fault", "xid79", "--agent", "torchrun", "--memory-interval-steps", "0"]),
     "crash": ("plain torchrun crash failover", ["--fault", "kill", "--agent", "torchrun", "--memory-interval-steps", "0"]),
+    # sudden losses on Sentinel's path (#48): detection split out (fault -> dead node declared -> spare workers)
+    "kill": ("Sentinel, sudden kill -9", ["--fault", "kill"]),
+    "kill-two": ("Sentinel, 2 of 3 nodes killed", ["--fault", "kill", "--nodes", "3", "--spares", "2", "--victims", "2"]),
+    "kill-snap": ("Sentinel, kill at a disk snapshot", ["--fault", "kill", "--at-step", "29"]),
     # a stock Lightning script with SentinelCallback (examples/lightning_job.py), the same warm-spare path
     "lightning": ("Sentinel + Lightning, warm spare", ["--fault", "xid79", "--trainer", "lightning"]),
     # torchtitan's CheckpointManager and state objects (examples/torchtitan_job.py); no memory tier
@@ -89,6 +101,7 @@ FIGURE_PREFIX = {"warm": "migration_", "warm-etcd": "etcd_migration_", "one3": "
                  "two-memory": "two_adjacent_memory_ack_",
                  "lightning": "lightning_migration_", "torchtitan": "torchtitan_migration_",
                  "cold": "cold_spare_torchrun_", "crash": "crash_", "loopback-xid79": "loopback_xid79_",
+                 "kill": "sudden_kill_", "kill-two": "sudden_kill_two_", "kill-snap": "sudden_kill_snapshot_",
                  "loopback-kill": "loopback_kill_",
                  "hosts-xid79": "hosts_xid79_", "hosts-power-off": "hosts_power_off_",
                  "hosts-partition": "hosts_partition_"}
@@ -107,10 +120,13 @@ def median(vals: list[float]) -> float | None:
 
 
 def stage_durations(rows: list[dict]) -> dict[str, list[float]]:
-    """Each stage's time since the trip (its own clock start), per run."""
+    """Each stage's time since the trip (its own clock start; a sudden loss has none: since the
+    fault), per run."""
     out: dict[str, list[float]] = {}
     for r in rows:
         trip = next((e["time"] for e in r["timeline"] if e["stage"] == "detected"), None)
+        if trip is None and r.get("fault_to_declared_seconds") is not None:
+            trip = next((e["time"] for e in r["timeline"] if e["stage"] == "fault injected"), None)
         for e in r["timeline"]:
             if trip is not None and e["stage"] not in ("fault injected", "job finished"):
                 out.setdefault(e["stage"], []).append(e["time"] - trip)
@@ -147,6 +163,18 @@ RATIOS = (
     ("hosts_over_loopback_power_off_ratio", "hosts_power_off_fault_to_first_step_seconds",
      "loopback_kill_fault_to_first_step_seconds", "power-off on hosts / kill -9 on loopback (fault -> first step)"),
 )
+
+
+SUDDEN = ("kill", "kill-two", "kill-snap", "loopback-kill", "hosts-power-off")
+KILL_SNAP_STEP = 29  # with --interval-steps 10 the disk snapshots are of steps 9, 19, 29, ...
+
+
+def snapshot_in_flight(r: dict) -> bool:
+    """The kill landed before the disk snapshot of the step it was aimed at (``KILL_SNAP_STEP``)
+    committed: that snapshot's commit is logged after the fault, or never (its writer died)."""
+    t_fault = next((e["time"] for e in r.get("timeline", []) if e["stage"] == "fault injected"), None)
+    return t_fault is not None and not any(x.get("step") == KILL_SNAP_STEP and x.get("time") and x["time"] <= t_fault
+                                           for x in r.get("snapshots", []))
 
 
 def bridge_bytes(r: dict) -> float | None:
@@ -197,6 +225,12 @@ def summarise(runs: list[dict]) -> dict[str, float | None]:
         moved = [b for b in map(bridge_bytes, ok) if b is not None]
         if moved:
             figures[f"{p}bytes_into_spare_hosts"] = median(moved)
+        if n in SUDDEN:  # the detection split out: fault -> dead node declared, fault -> spare's workers started
+            for what in ("declared", "spare_workers"):
+                vals = [r[f"fault_to_{what}_seconds"] for r in ok if r.get(f"fault_to_{what}_seconds") is not None]
+                figures[f"{p}fault_to_{what}_seconds"] = median(vals)
+        if n == "kill-snap" and drills:
+            figures[f"{p}in_flight_fraction"] = sum(map(snapshot_in_flight, drills)) / len(drills)
     for name, num, den, _ in RATIOS:
         if figures.get(num) and figures.get(den):
             figures[name] = figures[num] / figures[den]
@@ -229,7 +263,10 @@ def main() -> None:
     unknown = set(names) - set(PATHS)
     if unknown:
         ap.error(f"unknown path(s) {sorted(unknown)}; choose from {sorted(PATHS)}")
-    results = _report.Results(args.json, "migration_hosts" if args.hosts == "netns" else "migration", summarise)
+    # its own report when only sudden losses run (docs/measured.json keeps one report per bench and condition)
+    bench = ("migration_hosts" if args.hosts == "netns" else
+             "migration_sudden" if set(names) <= {"kill", "kill-two", "kill-snap"} else "migration")
+    results = _report.Results(args.json, bench, summarise)
     for _ in range(args.runs):  # interleaved, so every path sees the same machine noise
         for n in names:
             results.add({"path": n, "drill": drill(args.interval_steps, PATHS[n][1] + extra)})
@@ -238,7 +275,8 @@ def main() -> None:
     print(f"host: {os.cpu_count()} CPUs, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min) at the end")
     for n in names:
         ok = [r for r in rows[n] if r.get("ok")]
-        print(f"\n{PATHS[n][0]}: {len(ok)}/{len(rows[n])} drills ok; seconds after the trip (median / max)")
+        since = "fault" if n in SUDDEN else "trip"
+        print(f"\n{PATHS[n][0]}: {len(ok)}/{len(rows[n])} drills ok; seconds after the {since} (median / max)")
         for r in rows[n]:
             if not r.get("ok") and r.get("error"):
                 print(f"  failed: {r['error'][-200:]}")
@@ -267,6 +305,17 @@ def main() -> None:
         moved = [b / 1e6 for b in map(bridge_bytes, ok) if b is not None]
         print(f"{PATHS[n][0]:<38} {len(ok)}/{len(rows[n]):<3} {fmt(fault):>20} {fmt(trip) if n != 'crash' else '-':>19}"
               f" {fmt(lost):>11} {bitwise:>8} {fmt(moved):>14}")
+    sudden = [n for n in names if n in SUDDEN]
+    if sudden:
+        print(f"\n{'sudden loss: seconds after the fault':<38} {'dead node declared':>19} {'spare workers start':>20}"
+              f" {'first step':>11}")
+    for n in sudden:
+        ok = [r for r in rows[n] if r.get("ok")]
+        cols = [[r[k] for r in ok if r.get(k) is not None] for k in
+                ("fault_to_declared_seconds", "fault_to_spare_workers_seconds", "fault_to_first_step_seconds")]
+        note = (f"  (snapshot in flight at the kill: {sum(map(snapshot_in_flight, rows[n]))}/{len(rows[n])})"
+                if n == "kill-snap" else "")
+        print(f"{PATHS[n][0]:<38} {fmt(cols[0]):>19} {fmt(cols[1]):>20} {fmt(cols[2]):>11}{note}")
     figures = summarise(results.runs)
     shown = [(label, figures[name]) for name, _, _, label in RATIOS if figures.get(name)]
     if shown:

@@ -92,7 +92,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "sentinel: rank-preserving slots on the standalone TCPStore (--agent warm only); "
                         "sentinel-etcd: the same slots on a 3-member etcd with TLS client certificates (one member "
                         "per node host with --hosts netns; the victim's member is made the leader before the fault). "
-                        "Default: c10d; sentinel for --fault partition (its generations fence the cut-off host)")
+                        "Default: c10d; sentinel for --fault partition (its generations fence the cut-off host) and "
+                        "for --fault kill and rank-crash with --agent warm (the survivors' own connection errors "
+                        "tell a dead node within a second, and a crashed rank's live node is never declared: "
+                        "docs/rendezvous.md)")
     p.add_argument("--start-method", choices=["spawn", "fork", "forkserver"], default="spawn",
                    help="torchrun worker start method (--agent torchrun; a -m module ignores it)")
     p.add_argument("--timeout", type=float, default=180.0)
@@ -136,7 +139,7 @@ def fault_defaults(args: argparse.Namespace) -> str:
     elif args.nodes < fault.min_nodes:
         return f"--fault {args.fault} needs --nodes {fault.min_nodes} or more ({fault.min_nodes_why})"
     if args.rdzv_backend is None:
-        args.rdzv_backend = fault.rdzv_backend or "c10d"
+        args.rdzv_backend = fault.rdzv_backend or (fault.rdzv_default if args.agent == "warm" else "") or "c10d"
     elif fault.rdzv_backend and args.rdzv_backend.partition("-")[0] != fault.rdzv_backend:  # sentinel-etcd fences too
         return f"--fault {args.fault} needs --rdzv-backend {fault.rdzv_backend} ({fault.rdzv_why})"
     return ""

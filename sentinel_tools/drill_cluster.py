@@ -221,9 +221,10 @@ class Drill:
     def node_env(self, node: Node) -> dict[str, str]:
         env = {**self.env, "SENTINEL_RUNTIME_DIR": str(node.local(node.runtime)), "SENTINEL_NODE": node.name,
                "SENTINEL_DRILL_FAULT_FILE": str(node.local(node.runtime / "drill-fault")),
-               "SENTINEL_MEMORY_DIR": str(self.memory_dir(node))}
+               "SENTINEL_MEMORY_DIR": str(self.memory_dir(node)),
+               "SENTINEL_PROGRESS_FILE": str(self.progress)}  # the agents record slots declared vacant there too
         if self.trainer in TRAINER_JOBS:  # the integration's settings and the drill's progress record
-            env.update({"SENTINEL_PROGRESS_FILE": str(self.progress), "SENTINEL_FINAL_FILE": str(self.job_dir / "final.json"),
+            env.update({"SENTINEL_FINAL_FILE": str(self.job_dir / "final.json"),
                         "SENTINEL_INTERVAL_STEPS": str(self.args.interval_steps), "SENTINEL_MIGRATE_HOLD_SECONDS": "30",
                         "SENTINEL_MEMORY_INTERVAL_STEPS": str(self.args.memory_interval_steps),
                         "SENTINEL_DRILL_STEP_SECONDS": str(self.args.step_seconds)})

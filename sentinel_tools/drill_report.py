@@ -68,6 +68,11 @@ def _stages(drill: "Drill", tl: Timeline, events: list[dict[str, Any]], mig: dic
     tl.add("survivors left the hold", min((e["time"] for e in left), default=None))
     # each worker's own time.time() at its start (trainer.train stamps it before importing torch):
     # the same clock as every other event, never /proc's start time (whole-second boot time)
+    # the slot rendezvous's declaration of a node that died without leaving (its agent records it):
+    # the detection of a sudden loss, split out of the time to the spare's workers
+    vacant = min((e for e in events if e["event"] == "vacant" and e["time"] >= t_fault), key=lambda e: e["time"],
+                 default={})
+    tl.add("dead node declared", vacant.get("time"), how=vacant.get("how"), evidence=vacant.get("evidence") or None)
     started = [e.get("process_started") for e in admitted if e.get("process_started")]
     tl.add("spare workers started", min(started, default=None), warm=drill.args.agent == "warm")
     t_admit = min((e["time"] for e in admitted), default=None)
@@ -98,6 +103,11 @@ def _stages(drill: "Drill", tl: Timeline, events: list[dict[str, Any]], mig: dic
     return Stages(admitted, loaded, t_loaded, t_first, finished, lost, final_nodes)
 
 
+def _since(tl: Timeline, stage: str, t_fault: float) -> float | None:
+    at = next((e["time"] for e in tl.events if e["stage"] == stage), None)
+    return round(at - t_fault, 3) if at is not None else None
+
+
 def report(drill: "Drill", tl: Timeline, victim: "Node", t_fault: float) -> dict[str, Any]:
     events = drill.events()
     mig = drill._migration(victim)
@@ -118,6 +128,9 @@ def report(drill: "Drill", tl: Timeline, victim: "Node", t_fault: float) -> dict
                                   and e["time"] >= t_fault),
         "trip_to_first_step_seconds": round(t_first - times["tripped"], 3) if t_first and "tripped" in times else None,
         "fault_to_first_step_seconds": round(t_first - t_fault, 3) if t_first else None,
+        # a sudden loss split in two: until the dead node was declared, until the spare's workers started
+        "fault_to_declared_seconds": _since(tl, "dead node declared", t_fault),
+        "fault_to_spare_workers_seconds": _since(tl, "spare workers started", t_fault),
         "migration_notes": mig.get("notes", []),
         "spare_choice": mig.get("spare"),
         # the memory tier's replica placement as rank 0 printed it: at the start, and after the fault
@@ -260,6 +273,10 @@ def print_timeline(result: dict[str, Any]) -> None:
         print(f"{e['stage']:<26} {e['t']:>8.2f} {e['duration']:>8.2f}  {detail}")
     print(f"trip -> first step on the spare: {result['trip_to_first_step_seconds']} s;"
           f" fault -> first step: {result['fault_to_first_step_seconds']} s")
+    if result.get("fault_to_spare_workers_seconds") is not None and not result.get("trip_to_first_step_seconds"):
+        declared = result.get("fault_to_declared_seconds")
+        print(f"fault -> spare workers started: {result['fault_to_spare_workers_seconds']} s"
+              + (f" (dead node declared after {declared} s)" if declared is not None else ""))
     print(f"recomputed steps (work lost): {len(result['recomputed_steps'])} {result['recomputed_steps'] or ''}")
     rs = result.get("restore") or {}
     if rs.get("tier"):

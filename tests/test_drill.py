@@ -127,6 +127,12 @@ def test_sudden_kill_of_a_whole_node_loses_at_most_one_step_with_the_memory_tier
     assert restore["tier"] == "memory" and len(restore["peer"]) == 1 and sorted(restore["own"] + restore["peer"]) == [0, 1]
     loaded = next(e for e in r["timeline"] if e["stage"] == "snapshot loaded")
     assert loaded["tier"] == "memory" and loaded["source"].startswith("memory:step-")
+    # #48: the slot rendezvous (the kill's default) declared the dead node from a refused probe of
+    # its agent — started by a survivor's own connection error, or by the admitted spare, whichever
+    # came first — not from keep-alive expiry, before the spare's workers started
+    declared = next(e for e in r["timeline"] if e["stage"] == "dead node declared")
+    assert declared["how"] == "probe" and declared["evidence"], declared
+    assert r["fault_to_declared_seconds"] <= r["fault_to_spare_workers_seconds"] <= r["fault_to_first_step_seconds"]
 
 
 def test_two_nodes_holding_each_other_s_replicas_killed_fall_back_to_disk_and_say_so(references):

@@ -194,8 +194,9 @@ from trainer.etcd_store import EtcdStore, EtcdTLS
 from trainer.slot_rendezvous import SlotRendezvousHandler
 eps = [(h, int(p)) for h, p in (e.split(":") for e in sys.argv[1].split(","))]
 store = EtcdStore(eps, tls=EtcdTLS(*sys.argv[2:5]), lease_ttl=2)
+# no liveness socket: like a host that powered off, it answers no probe (#48), so its lease decides
 h = SlotRendezvousHandler(store, "job", 3, local_addr="127.0.0.1", keep_alive_interval=1.0, admission_timeout=2.0,
-                          join_timeout=90.0)
+                          join_timeout=90.0, liveness=False)
 print("joined", h.next_rendezvous().rank, h.node_id, flush=True)
 sys.stdin.readline()
 """
@@ -225,7 +226,9 @@ def test_a_node_that_dies_without_a_goodbye_expires_and_is_replaced(cluster):
         # declared vacant on the evidence of its expired lease (the vacancy names it), not after
         # the passes a slot that never beat gets ("LEFT:unknown")
         vacancy = json.loads(store.get("sentinel.rdzv.job/vacancy/1"))
-        assert vacancy == {"slot": rank, "gen": 2, "left": f"LEFT:{node_id}"}
+        left, _, nonce = vacancy.pop("left").partition("#")  # the declaration's own nonce after '#'
+        assert vacancy == {"slot": rank, "gen": 2} and left == f"LEFT:{node_id}" and len(nonce) == 8
+        assert [e["how"] for h in [*hs, spare] for e in h.recovery.declared] == ["keep-alive"]
     finally:
         node.kill()
         node.wait(10)

@@ -49,14 +49,13 @@ rendezvous handler; what differs answers one measured slow path of a node replac
 
 * **--rdzv-backend sentinel: rank-preserving replacement** (:mod:`trainer.slot_rendezvous`,
   registered in torch's ``rendezvous_handler_registry``): the job is N slots; a spare takes the
-  departed node's slot and group rank, and a survivor's re-rendezvous is 6 store operations
-  whatever N is. With ``--nnodes MIN:MAX`` (MIN < MAX) or ``--rdzv-conf slots=off`` it is torch's
-  dynamic rendezvous on the same store (docs/rendezvous.md). ``--rdzv-backend sentinel-etcd``:
-  the same handler on a replicated, TLS-authenticated etcd (:mod:`trainer.etcd_rendezvous`).
+  departed node's slot and group rank, a survivor's re-rendezvous is 6 store operations whatever N
+  is, and workers that died of a lost connection are its evidence of a dead peer (#48). With
+  ``--nnodes MIN:MAX`` (MIN < MAX) or ``--rdzv-conf slots=off``: torch's dynamic rendezvous on the
+  same store (docs/rendezvous.md); ``sentinel-etcd``: the same handler on etcd (:mod:`trainer.etcd_rendezvous`).
 
-The c10d/etcd-v2 parts reach into torch's private rendezvous internals (checked for torch 2.13); when they are
-missing the agent logs a warning and runs with torch's own (slower, still correct) behaviour.
-"""
+The c10d/etcd-v2 parts reach into torch's private rendezvous internals (checked for torch 2.13); when
+they are missing the agent logs a warning and runs with torch's own (slower, still correct) behaviour."""
 
 from __future__ import annotations
 
@@ -287,7 +286,7 @@ def _make_agent_class():
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.rendezvous.api import RendezvousGracefulExitError
 
-    from trainer import fence
+    from trainer import fence, suspects
 
     class FastAgent(LocalElasticAgent):
         """torch's LocalElasticAgent that leaves the rendezvous before stopping its workers and
@@ -355,6 +354,7 @@ def _make_agent_class():
             result = super()._monitor_workers(worker_group)
             if result.state != WorkerState.HEALTHY:
                 log.info("worker group %s", result.state.name)
+                suspects.report(self._sentinel_rdzv.handler, result.failures)  # a peer's process gone? (#48)
             return result
 
     return FastAgent
@@ -490,6 +490,15 @@ def main(argv: list[str] | None = None) -> int:
     for problem in rdzv.problems:
         log.warning("%s", problem)
 
+    # built before a warm spare waits: on its admission only the rendezvous is left (0.1-0.2 s here, #48)
+    spec = WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
+                      args=tuple(args), rdzv_handler=rdzv.handler, max_restarts=config.max_restarts,
+                      monitor_interval=config.monitor_interval, master_addr=master_addr, master_port=master_port,
+                      local_addr=config.local_addr)
+    agent = _make_agent_class()(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
+                                log_line_prefix_template=config.log_line_prefix_template,
+                                shutdown_timeout=config.shutdown_timeout,
+                                rendezvous=rdzv, draining=_draining_check(ours.state_dir))
     if ours.warm:
         rdzv.sync()
         if ours.ready_file:
@@ -507,14 +516,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     signals.running()
 
-    spec = WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
-                      args=tuple(args), rdzv_handler=rdzv.handler, max_restarts=config.max_restarts,
-                      monitor_interval=config.monitor_interval, master_addr=master_addr, master_port=master_port,
-                      local_addr=config.local_addr)
-    agent = _make_agent_class()(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
-                                log_line_prefix_template=config.log_line_prefix_template,
-                                shutdown_timeout=config.shutdown_timeout,
-                                rendezvous=rdzv, draining=_draining_check(ours.state_dir))
     return _run_agent(agent, rdzv, endpoint=config.rdzv_endpoint)
 
 

@@ -25,6 +25,12 @@ waited 3 x ``admission_timeout``): after ``admission_timeout`` without a commit 
 vacancy no spare claimed (a spare that died mid-admission) and declares vacant a slot that neither
 arrived nor advanced its heartbeat over a whole timeout (one that never beat: ``NO_BEAT_PASSES``):
 O(N) ``check``-s per timeout. Never in generation 1: ``join_timeout`` bounds the first join.
+A sudden loss is told faster from the job's own errors (#48, :mod:`trainer.suspects`): a survivor
+whose workers died of a lost connection arrives with that evidence (:meth:`suspect`), and the first
+one to do so probes, every ``PROBE_SECONDS`` for one timeout, the agents of the slots that did not
+arrive: one whose liveness socket refuses a connect (its process is gone) is vacant at once; one
+that accepts (alive, however slow) or does not answer is left to the heartbeat rule
+(:mod:`trainer.slot_recovery`).
 
 A node whose slot was given away (it was declared dead, or replaced, and came back) is refused
 with :class:`SlotTakenError` (a ``RendezvousGracefulExitError``: its agent exits, the job goes on);
@@ -68,13 +74,13 @@ from torch.distributed.elastic.rendezvous.api import (
     rendezvous_handler_registry,
 )
 
+from trainer import suspects
 from trainer.counting_store import CountingStore, OpStats  # noqa: F401 (re-exported: bench/replacement_scale.py)
+from trainer.slot_recovery import LEFT, NO_BEAT_PASSES, Recovery  # noqa: F401 (re-exported)
 
 log = logging.getLogger("sentinel.rendezvous")
 
 BACKEND = "sentinel"
-LEFT = "LEFT:"
-NO_BEAT_PASSES = 10
 
 
 class SlotTakenError(RendezvousGracefulExitError):
@@ -94,7 +100,8 @@ class SlotRendezvousHandler(RendezvousHandler):
     def __init__(self, store: Store, run_id: str, nodes: int, *, local_addr: str | None = None,
                  join_timeout: float = 600.0, keep_alive_interval: float = 5.0, keep_alive_max_attempt: int = 3,
                  admission_timeout: float | None = None, node_id: str | None = None,
-                 server_factory: Callable[[str], Any] | None = None, backend: str = BACKEND) -> None:
+                 server_factory: Callable[[str], Any] | None = None, backend: str = BACKEND,
+                 liveness: bool = True) -> None:
         if not run_id:
             raise ValueError("the run id must be a non-empty string")
         if nodes < 1:
@@ -125,11 +132,17 @@ class SlotRendezvousHandler(RendezvousHandler):
         self._next_server: tuple[threading.Thread, dict[str, Any]] | None = None
         self._forming = 0
         self._first = False
-        self._no_beat: dict[int, int] = {}
         self._arrived: tuple[int, int] | None = None
         self.last_round: dict[str, Any] = {}
         self.fenced: list[str] = []  # this node's writes refused by the generation fence
         self.epoch = ""  # the job instance (generation 1's commit): fence tokens are (epoch, generation)
+        # refuses connects once this process is gone (#48); liveness=False: no socket, keep-alive only
+        self.liveness = suspects.Liveness(self.addr if liveness else None)
+        self._evidence = ""  # why this node's workers failed, when a peer's process looked gone
+        self._here = suspects.here()  # which loopback this node shares (a probe of one must not cross hosts)
+        self._probe_every = max(suspects.PROBE_SECONDS, nodes * 0.0005)  # a probe pass is O(N) checks
+        self.recovery = Recovery(self._store, store, self._k, nodes, self.admission_timeout, self._post_vacancy,
+                                 on_vacant=suspects.record_vacancy, here=self._here)
 
     # -- keys ------------------------------------------------------------------------------------------
     def _k(self, *parts: object) -> str:
@@ -156,6 +169,7 @@ class SlotRendezvousHandler(RendezvousHandler):
 
     def shutdown(self) -> bool:
         self._stop_heartbeats()
+        self.liveness.close()
         try:
             if self._store.fenced_set(self._k("latest"), str(self.gen), self._k("closed"), "1"):
                 return True
@@ -213,12 +227,26 @@ class SlotRendezvousHandler(RendezvousHandler):
 
     # -- arrivals ------------------------------------------------------------------------------------
     def _info(self, f: int) -> str:
-        if self.slot != 0:
-            return json.dumps({"id": self.node_id})
-        server = self._servers.get(f)
-        if server is None:
-            server = self._servers[f] = self._take_server()
-        return json.dumps({"id": self.node_id, "addr": self.addr, "port": server.port})
+        """This node's arrival record: its id, its liveness socket (``probe``), the evidence it
+        arrives with (if any); slot 0 adds the workers' store it hosts for generation ``f``."""
+        info: dict[str, Any] = {"id": self.node_id}
+        if self.liveness.address:
+            info.update(probe=self.liveness.address, where=self._here)
+        if self._evidence:
+            info["evidence"] = self._evidence
+        if self.slot == 0:
+            server = self._servers.get(f)
+            if server is None:
+                server = self._servers[f] = self._take_server()
+            info.update(addr=self.addr, port=server.port)
+        return json.dumps(info)
+
+    def suspect(self, evidence: str) -> None:
+        """This node's workers died of a lost connection (``evidence``, one line: a peer's process
+        looks gone; :func:`trainer.suspects.evidence_of`). Its next arrival carries it, and the
+        first survivor of that generation to carry evidence probes the slots that do not arrive
+        (:meth:`trainer.slot_recovery.Recovery.probe_pass`)."""
+        self._evidence = evidence[:300]
 
     def _prepare_server(self) -> None:
         """Start the next generation's workers' store now, in a thread: starting a TCPStore server
@@ -308,6 +336,12 @@ class SlotRendezvousHandler(RendezvousHandler):
         """Wait for a vacancy (the one matching this spare's ticket) and claim its slot."""
         self._prepare_server()  # in case the slot is 0
         seen: dict[int, bytes | None] = {}
+        start = time.monotonic()
+
+        def probing() -> bool:
+            # a spare is admitted because a node is gone (or going): for one timeout it probes the
+            # slots that did not arrive, as a survivor with evidence does (#48; all nodes may be dead)
+            return time.monotonic() - start < self.admission_timeout
 
         def watch() -> None:
             # An admitted spare watches the committed generation while it waits: a node that is cut
@@ -315,12 +349,16 @@ class SlotRendezvousHandler(RendezvousHandler):
             # to declare it; its vacancy, then this spare's arrival, is what makes them restart.
             nonlocal seen
             if self._store.check([self._k("latest")]):
-                seen = self._recover(int(self._store.get(self._k("latest"))) + 1, seen)
+                f = int(self._store.get(self._k("latest"))) + 1
+                if probing():
+                    self.recovery.probe_pass(f, "a spare was admitted")
+                else:
+                    seen = self.recovery.keepalive_pass(f, seen)
 
         while True:
             t = self._store.add(self._k("spares"), 1)
             vkey = self._k("vacancy", t)
-            self._wait_key(vkey, deadline, f"a vacancy for spare ticket {t}", between=watch)
+            self._wait_key(vkey, deadline, f"a vacancy for spare ticket {t}", between=watch, fast=probing)
             vac = json.loads(self._store.get(vkey))
             self.slot = vac["slot"]
             f = vac["gen"]
@@ -333,17 +371,25 @@ class SlotRendezvousHandler(RendezvousHandler):
             self.slot = None
 
     # -- waiting, recovery ------------------------------------------------------------------------------
-    def _wait_key(self, key: str, deadline: float, what: str, between: Callable[[], None] | None = None) -> None:
+    def _wait_key(self, key: str, deadline: float, what: str, between: Callable[[], None] | None = None,
+                  fast: Callable[[], bool] | None = None) -> None:
+        """Wait for ``key`` in chunks of ``admission_timeout``, ``between()`` after each; while
+        ``fast()``, in chunks of the probe interval with ``between()`` before each."""
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RendezvousTimeoutError(f"rendezvous {self.run_id}: no {what} within {self.join_timeout:g} s")
+            quick = between is not None and fast is not None and fast()
+            if quick:
+                between()
             try:
-                self._store.wait([key], timedelta(seconds=min(left, self.admission_timeout)))
+                self._store.wait([key], timedelta(seconds=min(left, self._probe_every if quick else self.admission_timeout)))
                 return
             except RuntimeError as exc:
                 if not _is_timeout(exc):
                     raise
+            if quick:
+                continue
             if self.is_closed():
                 raise RendezvousClosedError(f"rendezvous {self.run_id} is closed")
             if between is not None:
@@ -353,73 +399,33 @@ class SlotRendezvousHandler(RendezvousHandler):
         key = self._k(f"g{f}")
         start = time.monotonic()
         watch: dict[int, bytes | None] = {}
+        evidence, self._evidence = self._evidence, ""
+        # the first survivor to arrive with evidence probes (#48); one add, only when there is evidence
+        probing = bool(evidence) and f > 1 and int(self._store.add(self._k(f"g{f}", "evidence"), 1)) == 1
+        next_watch = start + self.admission_timeout
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RendezvousTimeoutError(f"rendezvous {self.run_id}: generation {f} not complete within "
                                              f"{self.join_timeout:g} s")
+            fast = probing and time.monotonic() - start < self.admission_timeout
+            if fast:
+                self.recovery.probe_pass(f, evidence)
             try:
-                self._store.wait([key], timedelta(seconds=min(left, self.admission_timeout)))
+                self._store.wait([key], timedelta(seconds=min(left, self._probe_every if fast else self.admission_timeout)))
                 return json.loads(self._store.get(key))
             except RuntimeError as exc:
                 if not _is_timeout(exc):
                     raise
+            if fast and time.monotonic() < next_watch:
+                continue  # probing: the closed check and the keep-alive pass stay once per admission timeout
+            next_watch = time.monotonic() + self.admission_timeout
             if self.is_closed():
                 raise RendezvousClosedError(f"rendezvous {self.run_id} is closed")
             # generation 1 has no recovery: its nodes may still be starting (importing torch, being
             # scheduled) and never had a heartbeat; join_timeout bounds it, as with torch's first join
             if f > 1 and (self._first or time.monotonic() - start >= 3 * self.admission_timeout):
-                watch = self._recover(f, watch)
-
-    def _recover(self, f: int, seen: dict[int, bytes | None]) -> dict[int, bytes | None]:
-        """The watcher's pass over generation ``f`` (O(N) checks, once per admission timeout):
-        re-offer an unclaimed vacancy whose spare ticket was taken, declare vacant a slot that did
-        not arrive and whose heartbeat did not move since the last pass. Returns heartbeats seen."""
-        now: dict[int, bytes | None] = {}
-        tickets = int(self._store.add(self._k("spares"), 0))
-        vacancies = int(self._store.add(self._k("vacancies"), 0))
-        for s in range(self.nodes):
-            key = self._k(f"g{f}", f"s{s}")
-            if self._store.check([key]):
-                mark = self._store.get(key).decode()
-                if mark.startswith(LEFT) and tickets >= vacancies:
-                    # its vacancy went to a spare ticket, and nobody claimed it: that spare is gone
-                    log.warning("generation %d: slot %d still vacant after %g s: offering it again", f, s,
-                                self.admission_timeout)
-                    self._post_vacancy(s, f, mark)
-                    vacancies += 1
-                continue
-            hb_key = self._k("hb", s)
-            hb = self._store.get(hb_key) if self._store.check([hb_key]) else None
-            now[s] = hb
-            # unchanged over a whole pass; a slot with no heartbeat at all (its first beat connects
-            # in the background) gets NO_BEAT_PASSES passes before it counts as dead
-            if hb is None:
-                self._no_beat[s] = self._no_beat.get(s, 0) + 1
-            # a heartbeat seen on the last pass and gone now, or whose lease ran out: dead (etcd)
-            last = hb or seen.get(s) or (self._lease_ran_out(f, s, hb_key) if hb is None else None)
-            expired = hb is None and last is not None
-            if expired or s in seen and seen[s] == hb and (hb is not None or self._no_beat[s] >= NO_BEAT_PASSES):
-                mark = LEFT + (last.decode().rsplit(":", 1)[0] if last else "unknown")
-                got = self._store.compare_set(key, "", mark).decode()
-                if got == mark:
-                    log.warning("generation %d: slot %d neither arrived nor sent a heartbeat for %g s: vacant",
-                                f, s, self.admission_timeout)
-                    self._post_vacancy(s, f, mark)
-                    vacancies += 1
-        return now
-
-    def _lease_ran_out(self, f: int, slot: int, hb_key: str) -> bytes | None:
-        """A store with leased heartbeats (etcd): when the slot's owner in generation ``f - 1``
-        beat on a lease that expired (its heartbeat key is gone: it died without a goodbye), its
-        last heartbeat's node part (``<id>:``); else None."""
-        owner_of = getattr(self._raw, "beat_owner", None)
-        if owner_of is None or f < 2 or not self._store.check([self._k(f"g{f - 1}", f"s{slot}")]):
-            return None
-        mark = self._store.get(self._k(f"g{f - 1}", f"s{slot}")).decode()
-        owner = owner_of(hb_key)
-        gone = owner is not None and not mark.startswith(LEFT) and json.loads(mark).get("id") == owner
-        return f"{owner}:".encode() if gone else None
+                watch = self.recovery.keepalive_pass(f, watch)
 
     def _post_vacancy(self, slot: int, f: int, mark: str) -> None:
         v = self._store.add(self._k("vacancies"), 1)
@@ -461,6 +467,7 @@ class SlotRendezvousHandler(RendezvousHandler):
         def beat() -> None:
             failures = 0
             while True:
+                self.liveness.drain()  # probes that queued (a probe is answered by the kernel)
                 try:
                     if not self.heartbeat() and not stop.is_set():  # (a stopped round's beat may race the next)
                         self.fenced.append(f"heartbeat of slot {self.slot} in generation {self.gen}")

@@ -46,5 +46,7 @@ class Fault:
     needs_hosts: bool = False  # True: a fault of a whole host, only on --hosts netns
     rdzv_backend: str = ""  # the rendezvous backend the fault needs ("": any; the drill's default c10d)
     rdzv_why: str = ""  # why, said when another one is asked for
+    rdzv_default: str = ""  # the backend used when none is asked for (--agent warm), others allowed ("": c10d)
+    rdzv_default_why: str = ""  # why that one (the drill's --help, docs/drill.md)
     min_nodes: int = 0  # the fewest nodes the fault's drill can judge (the default --nodes when above 2)
     min_nodes_why: str = ""

@@ -34,4 +34,6 @@ def verdict(drill, result, outcome) -> bool:
 
 
 FAULT = Fault("kill", "sudden failure: kill -9 of the node's agent and workers, no warning", inject,
-              verdict=verdict, follow_up=replace, sudden=True)
+              verdict=verdict, follow_up=replace, sudden=True, rdzv_default="sentinel",
+              rdzv_default_why="the slot rendezvous tells the dead node from the survivors' own connection errors "
+                               "and a refused probe of its agent (#48): c10d waits for its keep-alive to expire")

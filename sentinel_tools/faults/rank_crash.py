@@ -29,4 +29,7 @@ def verdict(drill, result, outcome) -> bool:
 
 
 FAULT = Fault("rank-crash", "kill -9 of one training rank, agent alive (the spare stays cold; workers restart in place)",
-              inject, verdict=verdict, replaces_node=False)
+              inject, verdict=verdict, replaces_node=False, rdzv_default="sentinel",
+              rdzv_default_why="the slot rendezvous's re-rendezvous of the same nodes is one generation (10-20 ms "
+                               "here, c10d's round 0.5 s), and the survivors' connection errors probe the crashed "
+                               "rank's node, find its agent alive and declare nothing (#48)")
