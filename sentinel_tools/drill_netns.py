@@ -180,7 +180,7 @@ class NetnsDrill(Drill):
 
     def power_off_store(self) -> None:
         assert self.cluster is not None
-        self.cluster.power_off(STORE_HOST)
+        self.cluster.power_off(STORE_HOST, silent=True)  # no FIN/RST: the agents hear nothing
 
     def bridge_bytes(self) -> dict[str, dict[str, int]]:
         """Bytes through each host's link since the fault (``to_host``, ``from_host``)."""

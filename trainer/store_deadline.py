@@ -36,7 +36,7 @@ import time
 from typing import Any, Callable
 
 LINE = "trainer.elastic: the rendezvous store"  # drills look for it (sentinel_tools.drill_netns.STORE_LOSS_LINE)
-EXIT_SECONDS = 8.0
+EXIT_SECONDS = 5.0
 PROBE_SECONDS = 2.0
 TRACKED = ("next_rendezvous", "num_nodes_waiting", "shutdown", "set_closed", "is_closed", "sync")
 # a lost store, as torch raises it (c10d: RendezvousConnectionError from the DistNetworkError; a
