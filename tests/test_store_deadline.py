@@ -51,12 +51,19 @@ def _agent(endpoint: str, mode: str, seconds: float = 600.0) -> tuple[subprocess
     return p, time.monotonic() - t, worker
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+def _gone(pid: int, within: float = 10.0) -> bool:
+    """The process is gone (or a zombie) within ``within`` s: a SIGKILL is delivered, not instant."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            os.kill(pid, 0)
+            if Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z":
+                return True
+        except (ProcessLookupError, FileNotFoundError):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
 
 
 def _closed_port() -> int:
