@@ -12,7 +12,8 @@ the real handler code against a real c10d TCPStore served by a process of its ow
   is admitted while the N-1 survivors re-rendezvous (their workers failed);
 * ``replace_two``: two nodes leave at once, two spares.
 
-``--store etcd`` adds a third column: the same slot handler with its membership in a 3-member
+``--store etcd`` (report ``replacement_scale_etcd``: ``--store tcp etcd --handlers sentinel`` puts the
+two stores side by side in one run) adds a third column: the same slot handler with its membership in a 3-member
 etcd (Debian's etcd-server on loopback, TLS with the job's CA and client certificates, as
 ``--rdzv-backend sentinel-etcd`` runs it). Its "ops" are the HTTP requests each participant sent
 to etcd (what the server serves; a ``wait`` is a range plus a watch, an ``add`` two requests),
@@ -61,6 +62,9 @@ import _report  # noqa: E402
 SCENARIOS = ("first_join", "replace_one", "replace_two")
 HANDLERS = ("sentinel", "torch", "etcd")  # etcd: the sentinel handler on a 3-member etcd (--store etcd)
 STORES = {"tcp": ("sentinel", "torch"), "etcd": ("etcd",)}
+# the report's name: the TCPStore run's (the simulator's restart curve), and the etcd run's, kept apart
+# so that folding one into docs/measured.json does not replace the other
+REPORTS = ("replacement_scale", "replacement_scale_etcd")
 DEFAULT_NODES = [8, 16, 32, 64, 128, 256, 512, 1024]
 SMOKE_NODES = [3, 4]  # the smallest job with two victims and a survivor, and one more: a growth exponent
 SMOKE_FIGURES = ("replacement_protocol_n3_seconds", "replacement_protocol_n4_seconds")
@@ -362,7 +366,9 @@ def exponent(points: dict[int, float]) -> float | None:
     return sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx else None
 
 
-def summarise(rows: list[dict], failed: dict[str, tuple[int, str]], nodes: list[int]) -> dict[str, float]:
+def summarise(rows: list[dict], failed: dict[str, tuple[int, str]], nodes: list[int], protocol: bool = True) -> dict[str, float]:
+    """The tables, and the figures of the report; ``protocol``: also the simulator's
+    ``replacement_protocol_n<N>_seconds`` (only the full TCPStore run's report carries them)."""
     figures: dict[str, float] = {}
     med: dict[tuple[str, str, int], dict] = {}
     for kind in HANDLERS:
@@ -414,7 +420,9 @@ def summarise(rows: list[dict], failed: dict[str, tuple[int, str]], nodes: list[
         figures[f"{tag}_survivor_ops_count"] = m["survivor_ops_median"]
         figures[f"{tag}_total_ops_count"] = m["ops_total"]
         figures[f"{tag}_cpu_seconds"] = round(m["participant_cpu_seconds"] + m["store_cpu_seconds"], 3)
-        if kind == "sentinel" and scen == "replace_one":
+        figures[f"{tag}_store_cpu_seconds"] = round(m["store_cpu_seconds"], 3)  # the store server's alone (etcd: 3 members)
+        figures[f"{tag}_survivor_ops_max_count"] = m["survivor_ops_max"]
+        if kind == "sentinel" and scen == "replace_one" and protocol:
             figures[f"replacement_protocol_n{n}_seconds"] = round(m["wall_seconds"], 4)
     lo, hi = min(nodes), max(nodes)
     a, b = med.get(("sentinel", "replace_one", lo)), med.get(("sentinel", "replace_one", hi))
@@ -431,6 +439,16 @@ def summarise(rows: list[dict], failed: dict[str, tuple[int, str]], nodes: list[
         print(f"torch    replace_one at N={hi}: {t['wall_seconds']:.3f} s, {t['survivor_ops_median']:g} ops per survivor "
               f"({t['wall_seconds'] / b['wall_seconds']:.0f}x sentinel's wall)")
     return figures
+
+
+def report_figures(name: str, figures: dict[str, float]) -> dict[str, float]:
+    """The etcd report's names differ from the TCPStore report's (docs/benchmarks.md finds a figure
+    by its name): its TCPStore column is ``tcpstore_*``; its load average is the report's own
+    (``host.loadavg``, the Conditions line of docs/benchmarks.md)."""
+    if name == REPORTS[0]:
+        return figures
+    return {"tcpstore_" + k[len("sentinel_"):] if k.startswith("sentinel_") else k: v
+            for k, v in figures.items() if k != "load_average_ratio"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -450,6 +468,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help=f"N = {SMOKE_NODES}, 1 repeat, 60 s limit: seconds")
     ap.add_argument("--from", dest="from_", type=Path, metavar="RUNS_JSON",
                     help="measure nothing: print the tables (and --json) from the last run in an --out file")
+    ap.add_argument("--report", choices=REPORTS, default=None,
+                    help=f"the report's name in --json: {REPORTS[1]} (no simulator inputs, folded beside the "
+                         f"TCPStore report) when etcd is measured outside --smoke, else {REPORTS[0]}")
     _report.add_json_argument(ap)
     args = ap.parse_args(argv)
     if args.from_ is not None:
@@ -460,11 +481,12 @@ def main(argv: list[str] | None = None) -> int:
         rounds = run["rounds"]
         failed = {r["handler"]: (r["nodes"], r["error"]) for r in rounds if "error" in r}
         print(f"from {args.from_}: {run['command']} (commit {run['git_commit'][:12]}, started {run['started']})")
-        figures = summarise(rounds, failed, sorted({r["nodes"] for r in rounds}))
+        name = args.report or REPORTS[any(r["handler"] == "etcd" for r in rounds)]
+        figures = summarise(rounds, failed, sorted({r["nodes"] for r in rounds}), protocol=name == REPORTS[0])
         for kind, (n, _) in failed.items():
             figures[f"{kind}_not_finished_nodes_count"] = n
         figures["load_average_ratio"] = statistics.median(r["load_average"] for r in rounds)
-        _report.write(args.json, "replacement_scale", figures)
+        _report.write(args.json, name, report_figures(name, figures))
         return 0
     stores = args.store or (sorted(STORES) if args.smoke else ["tcp"])
     handlers = [k for k in args.handlers if "tcp" in stores] + (["etcd"] if "etcd" in stores else [])
@@ -504,11 +526,12 @@ def main(argv: list[str] | None = None) -> int:
             if err:
                 failed[kind] = (n, err)
                 print(f"  {kind:<8} N={n:<5} {err}", flush=True)
-    figures = summarise(rec.doc["rounds"], failed, nodes)
+    name = args.report or REPORTS["etcd" in stores and not args.smoke]
+    figures = summarise(rec.doc["rounds"], failed, nodes, protocol=name == REPORTS[0])
     for kind, (n, _) in failed.items():
         figures[f"{kind}_not_finished_nodes_count"] = n
     figures["load_average_ratio"] = round(os.getloadavg()[0], 2)
-    _report.write(args.json, "replacement_scale", figures)
+    _report.write(args.json, name, report_figures(name, figures))
     ok = [r for r in rec.doc["rounds"] if "error" not in r and r["handler"] in ("sentinel", "etcd")]
     return 0 if ok and all(r["ranks_complete"] for r in ok) else 1
 

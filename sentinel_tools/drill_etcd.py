@@ -28,8 +28,10 @@ from sentinel_tools.harness import DrillError, progress
 BACKEND = "sentinel-etcd"
 
 
-def member_hosts(host_names: list[str]) -> list[str]:
-    """Three hosts for the members: node hosts first, then the others."""
+def member_hosts(host_names: list[str], avoid: tuple[str, ...] = ()) -> list[str]:
+    """Three hosts for the members: node hosts first, then the others; none on ``avoid`` (the
+    victims of ``--fault power-off-leader-replacing``: the leader is lost in the round, not with them)."""
+    host_names = [h for h in host_names if h not in avoid]
     nodes = [h for h in host_names if h.startswith("node")]
     return (nodes + [h for h in host_names if h not in nodes])[:3]
 

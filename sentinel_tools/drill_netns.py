@@ -113,7 +113,9 @@ class NetnsDrill(Drill):
     def start_store(self) -> None:
         if self.args.rdzv_backend == drill_etcd.BACKEND:
             assert self.cluster is not None
-            names = drill_etcd.member_hosts(list(self.cluster.hosts))
+            a = self.args  # the victims are nodes 1.. (drill_cluster): this fault keeps the members off them
+            avoid = tuple(f"node{i}" for i in range(1, 1 + a.victims)) if a.fault == "power-off-leader-replacing" else ()
+            names = drill_etcd.member_hosts(list(self.cluster.hosts), avoid)
             self.etcd = drill_etcd.DrillEtcd(
                 self.work, names, addresses={n: self.host(n).address for n in names},
                 run_on=lambda name, argv: self.host(name).wrap(argv, cwd=repo_root()),
@@ -178,7 +180,7 @@ class NetnsDrill(Drill):
 
     def power_off_store(self) -> None:
         assert self.cluster is not None
-        self.cluster.power_off(STORE_HOST)
+        self.cluster.power_off(STORE_HOST, silent=True)  # no FIN/RST: the agents hear nothing
 
     def bridge_bytes(self) -> dict[str, dict[str, int]]:
         """Bytes through each host's link since the fault (``to_host``, ``from_host``)."""

@@ -223,10 +223,15 @@ class NetnsCluster:
             time.sleep(0.02)
 
     # -- faults ----------------------------------------------------------------------------------
-    def power_off(self, name: str) -> None:
+    def power_off(self, name: str, silent: bool = False) -> None:
         """Every process of the host killed at once, its link removed: no goodbye. Its tmpfs
-        mounts die with its mount namespace (the holder was its last process)."""
+        mounts die with its mount namespace (the holder was its last process). ``silent``: the
+        link goes down *before* the kill, so not even the kernel's FIN/RST for the killed
+        processes' sockets leaves the host — its peers hear nothing, as from a host whose power
+        went (the store-host fault: the agents must bound a call that gets no answer at all)."""
         host = self.hosts[name]
+        if silent:
+            _run("ip", "link", "set", host.link, "down", check=False)
         kill_netns(host.netns)
         if host.holder is not None:
             host.holder.wait(timeout=KILL_WAIT_SECONDS)

@@ -299,16 +299,29 @@ def test_another_user_and_a_process_without_the_certificate_cannot_touch_the_ren
     assert [h.slot for h in hs] == [0, 1]
 
 
-def test_a_process_of_the_job_user_without_the_certificate_is_refused(cluster):
+def test_a_process_of_the_job_user_without_the_certificate_is_refused(cluster, tmp_path):
     """Same uid (root here), no certificate: the handshake is refused, so a stray process on the
-    host that reaches the port cannot join, read or rewrite the rendezvous."""
+    host that reaches the port cannot join, read or rewrite the rendezvous. Nor can another job
+    of the same user on the same hosts: each job has its own CA (``sentinel launch`` makes one per
+    job, :mod:`sentinel.etcd_pki`), so job B's agent — its own certificate, with its own CA or
+    with job A's to check A's members — is refused by job A's members before any key."""
     first_join(cluster, 2)
-    bare = EtcdStore(cluster.endpoints(), tls=EtcdTLS(str(cluster.pki.cacert)), failover_seconds=2.0)
-    with pytest.raises(EtcdStoreError):
-        bare.get("sentinel.rdzv.job/latest")
-    with pytest.raises(EtcdStoreError):
-        bare.set("sentinel.rdzv.job/closed", "1")
+    before = cluster.store().get("sentinel.rdzv.job/latest")
+    job_b = make_job_pki(tmp_path / "job-b", "job-b", {"b0": ["127.0.0.1"]})
+    clients = {
+        "no certificate": EtcdTLS(str(cluster.pki.cacert)),
+        "job B's certificate and CA": EtcdTLS(str(job_b.cacert), str(job_b.client_cert), str(job_b.client_key)),
+        "job B's certificate, job A's CA": EtcdTLS(str(cluster.pki.cacert), str(job_b.client_cert),
+                                                  str(job_b.client_key)),
+    }
+    for how, tls in clients.items():
+        other = EtcdStore(cluster.endpoints(), tls=tls, failover_seconds=0.5)
+        for op in (lambda: other.get("sentinel.rdzv.job/latest"), lambda: other.set("sentinel.rdzv.job/closed", "1"),
+                   lambda: other.set("sentinel.rdzv.job/latest", "999")):
+            with pytest.raises(EtcdStoreError):
+                op()
     assert not cluster.store().check(["sentinel.rdzv.job/closed"])
+    assert cluster.store().get("sentinel.rdzv.job/latest") == before
 
 
 def test_the_daemon_shows_the_members_the_leader_and_who_it_cannot_reach(cluster, start_daemon, sim_state, tmp_path):

@@ -134,8 +134,8 @@ def test_the_agent_tells_its_daemon_the_store_is_gone_before_it_exits(shared_tmp
     runtime = shared_tmp
     register_agent(runtime)
     daemon = DaemonEndpoint(runtime)
-    code = ("import sys; from trainer import elastic; elastic.REPORT_LINGER_SECONDS = 3.0; "
-            "elastic._tell_daemon_store_lost('198.18.0.2:29400', 'DistNetworkError: Broken pipe')")
+    code = ("import sys; from trainer import store_deadline; store_deadline.REPORT_LINGER_SECONDS = 3.0; "
+            "store_deadline.tell_daemon('198.18.0.2:29400', 'DistNetworkError: Broken pipe')")
     agent = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "SENTINEL_RUNTIME_DIR": str(runtime)})
     try:
         got = []

@@ -307,6 +307,19 @@ def test_the_etcd_leaders_host_powering_off_loses_no_step_bitwise(host_drill):
     assert "spare0" in r["final_nodes"] and "node1" not in r["final_nodes"]
 
 
+def test_the_etcd_leader_lost_during_a_replacement_loses_no_step_bitwise(host_drill):
+    """A host with no etcd member powers off; the moment the spare joins the rendezvous, the
+    member that leads is SIGKILLed: the round commits under the new leader (two of three left)."""
+    r = host_drill("--fault", "power-off-leader-replacing", "--verify")
+    assert r["ok"] and r["rc"] == 0, why(r)
+    assert len(r["recomputed_steps"]) <= 1 and r["verify"]["bitwise_equal"], why(r)
+    lost = r["leader_lost"]
+    assert lost["member"] and lost["round_open_when_killed"], lost
+    assert lost["leader_at_end"] and lost["leader_at_end"] != lost["member"], lost
+    assert "node1" not in {m["name"] for m in r["etcd"]["at_end"]["members"]}  # the victim ran no member
+    assert "spare0" in r["final_nodes"] and "node1" not in r["final_nodes"]
+
+
 def test_the_etcd_leader_partitioned_away_with_its_host_never_splits_the_job(host_drill):
     """The victim's host (and the etcd leader on it) cut off: the job goes on without it, the
     cut-off ranks never step again, and no rank steps twice in one generation."""

@@ -72,14 +72,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from trainer import rdzv_watch
+from trainer import rdzv_watch, store_deadline
 
 log = logging.getLogger("sentinel.elastic")
 
 DEFAULT_POLL_SECONDS = 0.1
 LEAVE_TIMEOUT_SECONDS = 5.0
 WARM_WAIT_BEAT = 1.0
-REPORT_LINGER_SECONDS = 2.0  # an agent's last report: the daemon (polling each second) reads it while it lives
 
 
 class NodeLeaving(RuntimeError):
@@ -489,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     rdzv = Rendezvous(rdzv_registry.get_rendezvous_handler(params), ours.rdzv_poll_seconds)
     for problem in rdzv.problems:
         log.warning("%s", problem)
+    deadline = store_deadline.for_agent(config, rdzv.handler)
 
     # built before a warm spare waits: on its admission only the rendezvous is left (0.1-0.2 s here, #48)
     spec = WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
@@ -499,6 +499,16 @@ def main(argv: list[str] | None = None) -> int:
                                 log_line_prefix_template=config.log_line_prefix_template,
                                 shutdown_timeout=config.shutdown_timeout,
                                 rendezvous=rdzv, draining=_draining_check(ours.state_dir))
+    if not _wait_admitted(ours, rdzv, signals, t0):
+        return 0
+    signals.running()
+
+    return _run_agent(agent, rdzv, endpoint=config.rdzv_endpoint, deadline=deadline)
+
+
+def _wait_admitted(ours: argparse.Namespace, rdzv: Rendezvous, signals: "_Signals", t0: float) -> bool:
+    """A warm spare waits outside the rendezvous for SIGUSR1 (``sentinel admit``); False when a
+    stop signal came first (the agent exits 0 without joining)."""
     if ours.warm:
         rdzv.sync()
         if ours.ready_file:
@@ -513,13 +523,11 @@ def main(argv: list[str] | None = None) -> int:
     stops = [g for g in signals.got if g != "admit"]
     if stops:
         log.info("stopped (%s) before joining the rendezvous", stops[0])
-        return 0
-    signals.running()
-
-    return _run_agent(agent, rdzv, endpoint=config.rdzv_endpoint)
+        return False
+    return True
 
 
-def _run_agent(agent: Any, rdzv: Rendezvous, *, endpoint: str = "") -> int:
+def _run_agent(agent: Any, rdzv: Rendezvous, *, endpoint: str = "", deadline: Any = None) -> int:
     """Run the agent to its end; the exit status, with one line on stderr saying why it ended."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.rendezvous.api import (RendezvousClosedError, RendezvousConnectionError,
@@ -557,27 +565,14 @@ def _run_agent(agent: Any, rdzv: Rendezvous, *, endpoint: str = "") -> int:
         close_rendezvous = False
         cause = exc.__cause__ or exc
         why = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else 'no detail'}"
-        print(f"trainer.elastic: the rendezvous store {endpoint or '(endpoint unknown)'} cannot be reached "
-              f"({why}): this job cannot continue without it", file=sys.stderr)
-        _tell_daemon_store_lost(endpoint or "(endpoint unknown)", why)
+        if deadline is None or not deadline.lost_why:  # else said (and the daemon told) when it was lost
+            print(f"trainer.elastic: the rendezvous store {endpoint or '(endpoint unknown)'} cannot be reached "
+                  f"({why}): this job cannot continue without it", file=sys.stderr)
+            store_deadline.tell_daemon(endpoint or "(endpoint unknown)", why)
         return 1
     finally:
         if close_rendezvous:
             rdzv.handler.shutdown()
-
-
-def _tell_daemon_store_lost(endpoint: str, why: str) -> None:
-    """``sentinel status`` on this node says it too: a ``rendezvous`` report over the control
-    channel (this agent is one of the job's processes, as its ranks are). The daemon verifies the
-    sender when it reads the report, so the agent stays a moment (two of its polls) before it exits."""
-    from sentinel.channel import RankEndpoint, Report
-
-    channel = RankEndpoint.open()
-    try:
-        if channel.report(Report("rendezvous", 0, -1, {"store": endpoint, "reachable": False, "error": why[:300]})):
-            time.sleep(REPORT_LINGER_SECONDS)
-    finally:
-        channel.close()
 
 
 def exit_now(code: int) -> None:

@@ -74,7 +74,7 @@ from torch.distributed.elastic.rendezvous.api import (
     rendezvous_handler_registry,
 )
 
-from trainer import suspects
+from trainer import suspects, worker_store
 from trainer.counting_store import CountingStore, OpStats  # noqa: F401 (re-exported: bench/replacement_scale.py)
 from trainer.slot_recovery import LEFT, NO_BEAT_PASSES, Recovery  # noqa: F401 (re-exported)
 
@@ -277,7 +277,7 @@ class SlotRendezvousHandler(RendezvousHandler):
 
     @staticmethod
     def _tcp_server(addr: str) -> Any:
-        return TCPStore(host_name=addr, port=0, is_master=True, multi_tenant=True, wait_for_workers=False)
+        return worker_store.serve(addr)  # bound to this node's address only (issue #42 point 4)
 
     def _claim(self, f: int, expected: str) -> bool:
         """Claim this node's slot in generation ``f`` (``expected``: "" or the departed node's

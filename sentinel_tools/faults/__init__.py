@@ -17,7 +17,7 @@ __all__ = ["FAULTS", "Fault", "Outcome", "get"]
 FAULTS: dict[str, Fault] = {f.name: f for f in (xid79.FAULT, dbe.FAULT, sbe_ramp.FAULT, kill.FAULT, rank_crash.FAULT,
                                                 hang.FAULT, slow.FAULT, power_off.FAULT,
                                                 store_host.FAULT, hang_host.FAULT,
-                                                partition.FAULT, slow_link.FAULT)}
+                                                partition.FAULT, slow_link.FAULT, power_off.LEADER_REPLACING)}
 
 
 def get(name: str) -> Fault:

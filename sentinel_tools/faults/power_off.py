@@ -5,8 +5,14 @@ host's shards from their replicas on other hosts, pulled over the bridge."""
 
 from __future__ import annotations
 
-from sentinel_tools.faults.kill import replace
+import time
+
 from sentinel_tools.faults.base import Fault
+from sentinel_tools.faults.kill import replace
+from sentinel_tools.harness import progress
+
+ADMITTED_LINE = "admitted: joining the rendezvous"  # trainer.elastic, in a warm spare's agent log
+ROUND_DONE_LINE = "rendezvous: group rank"  # trainer.elastic, once the agent's round committed
 
 
 def inject(drill, victim) -> None:
@@ -29,3 +35,54 @@ def verdict(drill, result, outcome) -> bool:
 
 FAULT = Fault("power-off", "a host powers off (--hosts netns): all its processes SIGKILLed at once, its link and tmpfs "
               "gone, no goodbye", inject, verdict=verdict, follow_up=replace, sudden=True, needs_hosts=True)
+
+
+# -- the etcd leader lost during the replacement (issue #42) --------------------------------------
+def replace_then_lose_leader(drill, victims, deadline: float) -> None:
+    """The scheduler gives the job a spare; the moment the spare's agent joins the rendezvous
+    (the replacement round is on), the etcd member that leads is SIGKILLed. The victim's host
+    runs no member (drill_netns places them elsewhere for this fault), so two of three stay: a
+    quorum, a new leader, and the round must still commit."""
+    replace(drill, victims, deadline)
+    spares = [n for n in drill.nodes if n.spare]
+    while time.monotonic() < deadline:
+        joined = [n for n in spares if ADMITTED_LINE in _read(n.root / "agent.log")]
+        if joined:
+            break
+        time.sleep(0.05)
+    else:
+        drill.leader_lost = {"error": "no spare joined the rendezvous"}
+        return
+    t = time.time()
+    leader = drill.etcd.probe().get("leader")
+    if leader:
+        drill.etcd.cluster.stop_member(leader)
+    # the round still open when the leader died: the spare's agent has not logged its group rank yet
+    in_round = ROUND_DONE_LINE not in _read(joined[0].root / "agent.log")
+    drill.leader_lost = {"member": leader, "killed_seconds_after_fault": round(time.time() - drill.fault_times[0], 3),
+                         "killed_seconds_after_the_spare_joined": round(time.time() - t, 3), "spare": joined[0].name,
+                         "round_open_when_killed": in_round}
+    progress(f"etcd leader {leader} killed while {joined[0].name} joins the rendezvous")
+
+
+def _read(path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def leader_verdict(drill, result, outcome) -> bool:
+    """As power-off, and the leader was lost during the round: a new leader, the job on the spare."""
+    lost = getattr(drill, "leader_lost", {}) or {}
+    after = ((result.get("etcd") or {}).get("at_end") or {}).get("leader")
+    result["leader_lost"] = {**lost, "leader_at_end": after}
+    return (verdict(drill, result, outcome) and bool(lost.get("member")) and bool(lost.get("round_open_when_killed"))
+            and bool(after) and after != lost["member"])
+
+
+LEADER_REPLACING = Fault(
+    "power-off-leader-replacing", "a host without an etcd member powers off; the etcd leader's member is killed while "
+    "the spare joins (--hosts netns --rdzv-backend sentinel-etcd)", inject, verdict=leader_verdict,
+    follow_up=replace_then_lose_leader, sudden=True, needs_hosts=True, rdzv_backend="sentinel-etcd",
+    rdzv_why="the leader of the job's etcd is what it loses")
