@@ -239,6 +239,7 @@ class MemoryTier:
 
         return {"snapshots": self.snapshots, "late": self.late, "disk_only": self.disk_only,
                 "agreed_step": self.agreed_step, "held_bytes": self.held_bytes,
+                "state_bytes": self.layout.data_len if self.layout is not None else None,
                 "replica_errors": self.replicator.errors if self.replicator else 0,
                 "stall_median_seconds": median(self.stalls),
                 "stall_parts_median_seconds": {k: median(v) for k, v in self.stall_parts.items()},
