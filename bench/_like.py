@@ -7,8 +7,8 @@ warm-up); each guard's background work is drained after its block, so none spill
 mode's block. Per mode and per rank it records:
 
 * the wall-clock time of each step (train + guard + a barrier: the slowest rank's step), from
-  which the overhead is the median over rounds of each round's ratio to that round's
-  no-snapshot blocks (this shared 2-core VM drifts within a minute; adjacent blocks see the
+  which the overhead is the median over rounds of each round's ratio of mean step times to that
+  round's no-snapshot blocks (means: a block's few snapshot steps are its long ones) (this shared 2-core VM drifts within a minute; adjacent blocks see the
   same load);
 * the **stall**: ``guard.step()`` at a due step (what holds the training thread, whatever the
   strategy does there: copy, stage, wait for the previous write, write);
@@ -47,6 +47,7 @@ class Mode:
     disk: int = 0
     sync: bool = False
     memcpy: bool = False
+    guard: bool = False  # a guard that snapshots nothing (its per-step agreement only)
 
     @property
     def every(self) -> int:
@@ -60,6 +61,7 @@ def modes(interval: int) -> tuple[Mode, ...]:
     i = interval
     return (
         Mode("none", "no snapshots"),
+        Mode("guard", "guard only (no snapshot due)", guard=True),
         Mode("memcpy", "plain copy every step (memcpy)", memcpy=True),
         Mode("memory_k1", "memory tier every step (K = 1)", memory=1),
         Mode("memory_k1_disk", f"memory tier K = 1 + disk every {2 * i}", memory=1, disk=2 * i),
@@ -83,7 +85,7 @@ def make_guards(selected: tuple[Mode, ...], make_state: Callable[[], dict], snap
             guards[m.name] = SnapshotGuard(snapdir / m.name, make_state(), memory_interval_steps=m.memory,
                                            interval_steps=m.disk, keep=1, memory_dir=holder / m.name / node,
                                            memory_run_id=f"{run_id}-{m.name}")
-        elif m.disk:
+        elif m.disk or m.guard:
             guards[m.name] = SnapshotGuard(snapdir / m.name, make_state(), interval_steps=m.disk, keep=1,
                                            async_save=not m.sync)
     return guards
@@ -159,13 +161,14 @@ def combine(selected: tuple[Mode, ...], everyone: list[dict[str, Any]]) -> dict[
     world = len(everyone)
     none = everyone[0]["none"]
     rounds = sorted(none["rounds"])
-    base = median(none["times"])
+    base = statistics.fmean(none["times"])
     bg_rate = statistics.fmean(e["none"]["bg"] / max(1, e["none"]["steps"]) for e in everyone)
     main_rate = statistics.fmean(e["none"]["main"] / max(1, e["none"]["steps"]) for e in everyone)
     rows = {}
     for m in selected:
         mine = everyone[0][m.name]
-        ratios = sorted(median(mine["rounds"][r]) / median(none["rounds"][r]) for r in rounds)
+        # means, not medians: a block's snapshot steps are its few long ones
+        ratios = sorted(statistics.fmean(mine["rounds"][r]) / statistics.fmean(none["rounds"][r]) for r in rounds)
         late = mine.get("late", 0)
         taken = max(0, mine["due"] - late) if m.every else 0
         per = mine["steps"] / taken if taken else None  # steps per snapshot taken
@@ -173,7 +176,7 @@ def combine(selected: tuple[Mode, ...], everyone: list[dict[str, Any]]) -> dict[
         main = statistics.fmean(e[m.name]["main"] / max(1, e[m.name]["steps"]) for e in everyone) - main_rate
         overhead = median(ratios) - 1
         rows[m.name] = {
-            "step": median(mine["times"]), "ratios": ratios, "overhead": overhead,
+            "step": statistics.fmean(mine["times"]), "ratios": ratios, "overhead": overhead,
             "snapshots": taken, "late": late, "steps": mine["steps"],
             "stall": median([s for e in everyone for s in e[m.name]["stalls"]]),
             "cost": overhead * base * per if per else None,  # wall-clock seconds per snapshot
@@ -192,7 +195,7 @@ def contention(rows: dict[str, Any]) -> float | None:
     (per-snapshot wall cost - stall) / background CPU, the median over the strategies that moved
     at least 1 ms of CPU per snapshot off the training thread."""
     xs = [(r["cost"] - r["stall"]) / r["background_cpu"] for n, r in rows.items()
-          if n not in ("none", "memcpy") and r["cost"] is not None and r["stall"] is not None
+          if n not in ("none", "memcpy", "guard") and r["cost"] is not None and r["stall"] is not None
           and r["background_cpu"] is not None and r["background_cpu"] > 1e-3]
     return median(xs)
 
@@ -211,7 +214,8 @@ def print_rows(title: str, res: dict[str, Any], selected: tuple[Mode, ...]) -> N
         print(f"  {m.label:<40} {r['step'] * 1e3:>8.2f} {r['overhead'] * 100:>+7.1f}% {spread:>13} "
               f"{ms(r['stall']):>9} {ms(r['background_cpu']):>10} {ms(r['cost']):>8} {r['snapshots'] if m.every else '':>6} "
               f"{r['late'] if m.memory else '':>5} {reps:>9}")
-    print("  (vs none: median over rounds of each round's ratio to that round's no-snapshot blocks, the range in\n"
+    print("  (step: mean; vs none: median over rounds of each round's ratio of mean steps to that round's\n"
+          "   no-snapshot blocks, the range in\n"
           "   parentheses; stall: guard.step() at a due step; bg CPU: CPU-seconds per snapshot per rank off the\n"
           "   training thread, beyond the no-snapshot blocks'; cost: wall-clock seconds per snapshot;\n"
           "   replicas: replica rounds done (-skipped while one was in flight or the sender's budget was spent))")

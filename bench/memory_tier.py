@@ -169,6 +169,8 @@ def like_figures(prefix: str, res: dict, per_gb: float | None = None) -> dict[st
         if name == "memcpy":
             out[f"{prefix}_memcpy_seconds"] = r["stall"]
             continue
+        if name == "guard":
+            continue
         for what in ("stall", "cost", "background_cpu", "training_cpu"):
             v = r[what]
             out[f"{prefix}_{name}_{what}_seconds{unit}"] = None if v is None else v * scale
@@ -198,6 +200,9 @@ def main() -> None:
     ap.add_argument("--interval", type=int, default=4, help="steps between snapshots of the strategies compared")
     ap.add_argument("--big-interval", type=int, default=8, help="the same, for the large state")
     ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="which parts to run")
+    ap.add_argument("--modes", nargs="+", choices=[m.name for m in _like.modes(1)],
+                    help="the reference job's strategies (default: all; none, memory_k1, memory and async are needed "
+                         "for the summary figures)")
     ap.add_argument("--dim", type=int, default=64, help="reference job model width")
     _report.add_json_argument(ap)
     args = ap.parse_args()
@@ -234,14 +239,17 @@ def main() -> None:
 
 
 def reference(args: argparse.Namespace, figures: dict, holders: Path, work: Path, pid: int) -> None:
-    ref = run(4, 2, phase="timing", modes=[m.name for m in _like.modes(args.interval)], interval=args.interval,
+    selected = tuple(m for m in _like.modes(args.interval) if not args.modes or m.name in args.modes or m.name == "none")
+    ref = run(4, 2, phase="timing", modes=[m.name for m in selected], interval=args.interval,
               rounds=args.rounds, block=args.block, big_mb=0, dim=args.dim, holders=str(holders / "ref"),
               snapdir=str(work / "ref"), run_id=f"bench-ref-{pid}")
     steps = (args.rounds - 1) * args.block
     _like.print_rows(f"reference FSDP2 job, 2 nodes x 2 ranks (gloo, CPU), every strategy at the same interval "
                      f"({args.interval} steps) and K = 1: medians of {steps} steps per mode, interleaved in blocks of "
-                     f"{args.block}; load {_loadavg()}", ref, _like.modes(args.interval))
+                     f"{args.block}; load {_loadavg()}", ref, selected)
     rows = ref["rows"]
+    if not {"memory_k1", "memory", "async"} <= set(rows):
+        return
     k1, mem, disk = rows["memory_k1"], rows["memory"], rows["async"]
     _stall_parts("memory_k1", k1)
     cont = _like.contention(rows)

@@ -258,6 +258,29 @@ class MemoryTier:
     def busy(self) -> bool:
         return self.replicator is not None and self.replicator.busy()
 
+    def done_step(self) -> int:
+        """The newest step whose replica round succeeded on this rank (-1: none)."""
+        return self.replicator.done_step() if self.replicator is not None else -1
+
+    def agree(self, step: int) -> None:
+        """``step`` is the least :meth:`done_step` of every rank (the guard's all-reduce)."""
+        if self.replicator is not None:
+            self.replicator.agree(step)
+
+    def take(self, step: int, state: Mapping[str, Any], *, due: bool, replicate: bool, disk: bool,
+             reuse: bool = False, build_seconds: float = 0.0) -> Slot | None:
+        """A step with a memory (``due``) or disk snapshot due: staged and handed to the replicator
+        when ``replicate`` (agreed: no rank's round is still running); else the memory snapshot is
+        late (counted; the step is never held for it) and the step is staged for the disk tier
+        alone when ``disk``."""
+        if replicate:
+            return self.snapshot(step, state, reuse=reuse, build_seconds=build_seconds).slot
+        self.late += int(due)
+        if not disk:
+            return None
+        self.disk_only += 1
+        return self.stage(step, state, reuse=reuse, build_seconds=build_seconds)
+
     def snapshot(self, step: int, state: Mapping[str, Any], *, reuse: bool = False, build_seconds: float = 0.0) -> Job:
         """Stage this rank's state at ``step`` into a free own slot (the stall) and hand it to
         the replicator. Call only when no rank is busy (the guard agrees on that first).
