@@ -581,11 +581,11 @@ class SnapshotGuard:
             self.memory.wait_idle()
 
     def close(self, *, flush: bool = True) -> None:
-        """Finish: wait for the snapshot being written, and stop the memory tier. With the memory tier a disk snapshot can still be owed at the end (due while the previous disk write or
-        a replica copy ran): ``flush`` writes it now from memory (the newest step passed to :meth:`step`), and
-        agrees on the replica rounds that ended after the last step. Collective: every rank calls ``close()``
-        after the same last step. ``flush=False`` on an error path (peers may be gone); skipped as well when the
-        last :meth:`step` raised."""
+        """Finish: wait for the snapshot being written, and stop the memory tier. A disk snapshot still owed
+        (due while the previous disk write or a replica copy ran) is written from memory with ``flush`` (the
+        newest step passed to :meth:`step`), and the replica rounds that ended after the last step are agreed.
+        Collective: every rank calls ``close()`` after the same last step. ``flush=False`` on an error path
+        (peers may be gone); skipped as well when the last :meth:`step` raised."""
         self.watch.close(finish=flush and not self._step_failed)  # over: the final writes are no hung step
         if flush and self.memory is not None and self.memory.own and not self._step_failed:
             if self._disk_owed and self._last_step >= 0:
