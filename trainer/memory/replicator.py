@@ -138,11 +138,12 @@ class Replicator:
             job.done.set()
 
     def _replicate(self, job: Job) -> bool:
-        """Send the staged own slot to the partner and receive the partner's into a replica slot
-        (this rank's verdict in ``done``; the agreement is the guard's, :meth:`agree`). Few round trips, each with little Python between them: the
-        head (step, length, CRC32, meta) and the first chunk go in one batch, then the other
-        chunks. This thread shares the interpreter with the training loop,
-        so every wake-up here can delay it; the work itself is in gloo and zlib, without the GIL."""
+        """Send the staged own slot to the partner and receive the partner's into a replica slot;
+        this rank's verdict goes to ``done`` (the agreement is the guard's: :meth:`agree`). Few round
+        trips, each with little Python between them: the head (step, length, CRC32, meta) and the
+        first chunk go in one batch, then the other chunks. This thread shares the interpreter with
+        the training loop, so every wake-up here can delay it; the work itself is in gloo and zlib,
+        without the GIL."""
         own = job.slot
         ok = True
         self._in_seconds = 0.0
