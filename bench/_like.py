@@ -48,6 +48,7 @@ class Mode:
     sync: bool = False
     memcpy: bool = False
     guard: bool = False  # a guard that snapshots nothing (its per-step agreement only)
+    budget: float = 0.0  # the memory tier's replica budget (SENTINEL_MEMORY_REPLICA_BUDGET)
 
     @property
     def every(self) -> int:
@@ -56,7 +57,7 @@ class Mode:
         return min(periods) if periods else 0
 
 
-def modes(interval: int) -> tuple[Mode, ...]:
+def modes(interval: int, budget: float = 0.05) -> tuple[Mode, ...]:
     """The strategies compared: every one of the interval-``interval`` rows at that interval."""
     i = interval
     return (
@@ -64,6 +65,7 @@ def modes(interval: int) -> tuple[Mode, ...]:
         Mode("guard", "guard only (no snapshot due)", guard=True),
         Mode("memcpy", "plain copy every step (memcpy)", memcpy=True),
         Mode("memory_k1", "memory tier every step (K = 1)", memory=1),
+        Mode("memory_k1_budget", f"K = 1, replica budget {budget:.0%}", memory=1, budget=budget),
         Mode("memory_k1_disk", f"memory tier K = 1 + disk every {2 * i}", memory=1, disk=2 * i),
         Mode("memory", f"memory tier every {i}", memory=i),
         Mode("async", f"async DCP to disk every {i}", disk=i),
@@ -77,14 +79,19 @@ def median(xs: list[float]) -> float | None:
 
 def make_guards(selected: tuple[Mode, ...], make_state: Callable[[], dict], snapdir: Path, holder: Path, node: str,
                 run_id: str) -> dict[str, Any]:
+    import os
+
     from trainer.guard import SnapshotGuard
+    from trainer.memory.tier import BUDGET_ENV
 
     guards = {}
     for m in selected:
         if m.memory:
+            os.environ[BUDGET_ENV] = str(m.budget)
             guards[m.name] = SnapshotGuard(snapdir / m.name, make_state(), memory_interval_steps=m.memory,
                                            interval_steps=m.disk, keep=1, memory_dir=holder / m.name / node,
                                            memory_run_id=f"{run_id}-{m.name}")
+            os.environ.pop(BUDGET_ENV)
         elif m.disk or m.guard:
             guards[m.name] = SnapshotGuard(snapdir / m.name, make_state(), interval_steps=m.disk, keep=1,
                                            async_save=not m.sync)

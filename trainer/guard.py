@@ -294,7 +294,7 @@ class SnapshotGuard:
                 self._hold(step, max(self.migrate_hold_seconds, hold))
             return
         disk_busy = self._inflight is not None and not self._inflight.write.done()
-        requested, mem_busy, disk_busy = self._agree_all(local, self.memory.busy(), disk_busy)
+        requested, mem_busy, disk_busy = self._agree_all(local, self.memory.replica_wait(), disk_busy)
         self._disk_owed = self._disk_owed or due
         self._last_step = step
         if requested == NONE:
@@ -304,8 +304,8 @@ class SnapshotGuard:
             if disk_now:
                 self._wait_inflight()  # done on every rank (disk_busy is agreed): reaps it, frees its slot
             state_dict, reused, build = self._staged_state()
-            # a replica round still running (a slow partner): the memory snapshot is late, never the step;
-            # a disk snapshot due meanwhile is staged for the disk tier alone (MemoryTier.take)
+            # a replica round still running (a slow partner) or its budget's pause: the round is skipped, never
+            # the step held; the own copy is taken when a slot is free, a disk snapshot staged (MemoryTier.take)
             slot = self.memory.take(step, state_dict, due=mem_due, replicate=not mem_busy, disk=disk_now,
                                     reuse=reused, build_seconds=build)
             if disk_now:

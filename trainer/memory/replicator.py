@@ -45,12 +45,16 @@ class Replicator:
     per-round all-reduce of four processes' background threads was most of the tier's cost)."""
 
     def __init__(self, group: Any, send_to: int, recv_from: int, replica_slots: list["Slot"],
-                 *, bytes_per_second: float = 0.0, timeout: float = 120.0) -> None:
+                 *, bytes_per_second: float = 0.0, timeout: float = 120.0, budget: float = 0.0) -> None:
         self.group = group
         self.send_to, self.recv_from = send_to, recv_from
         self.replicas = replica_slots
         self.bytes_per_second = bytes_per_second
         self.timeout = timeout
+        # the share of wall-clock time replica rounds may take (0: no bound): after a round of d
+        # seconds the next one starts no sooner than d x (1 / budget - 1) later
+        self.budget = budget
+        self._ready_at = 0.0
         self.agreed_step = -1
         self.agreed_slot: Slot | None = None
         self.done: tuple[int, "Slot"] | None = None  # the newest round that succeeded on this rank
@@ -72,6 +76,10 @@ class Replicator:
     def busy(self) -> bool:
         with self._lock:
             return self._current is not None or not self._jobs.empty()
+
+    def pausing(self) -> bool:
+        """A round is running or queued, or the budget's pause after the last one has not ended."""
+        return self.busy() or time.monotonic() < self._ready_at
 
     def slots_in_use(self) -> list["Slot"]:
         """The own slots this thread is reading or will read (the one being copied, those queued)."""
@@ -132,7 +140,10 @@ class Replicator:
                 self.errors += 1
                 self.last_error = job.error
                 log.warning("memory snapshot at step %d not replicated: %s", job.step, job.error)
-            self.seconds.append(time.perf_counter() - t0)
+            took = time.perf_counter() - t0
+            self.seconds.append(took)
+            if 0 < self.budget < 1:
+                self._ready_at = time.monotonic() + took * (1 / self.budget - 1)
             with self._lock:
                 self._current = None
             job.done.set()
