@@ -128,7 +128,9 @@ def run_blocks(selected: tuple[Mode, ...], guards: dict[str, Any], rounds: int, 
                     for d, s in zip(dst, src):
                         d.copy_(s)
                 elif g is not None:
+                    late = g.memory.late if g.memory is not None else 0
                     g.step(counters[m.name])
+                    due = due and (g.memory is None or g.memory.late == late)  # a late one took nothing
                 stalled = time.perf_counter() - s0
                 counters[m.name] += 1
                 dist.barrier()  # one step = the slowest rank's step
@@ -138,8 +140,9 @@ def run_blocks(selected: tuple[Mode, ...], guards: dict[str, Any], rounds: int, 
                     mine["rounds"].setdefault(r, []).append(took)
                     mine["steps"] += 1
                     if due:
-                        mine["due"] += 1
                         mine["stalls"].append(stalled)
+                    if m.every > 0 and (counters[m.name]) % m.every == 0:
+                        mine["due"] += 1
                 step += 1
             if g is not None:
                 g.drain()  # its background work ends inside its own CPU accounting
