@@ -258,6 +258,8 @@ RATIO_MEANING = {
     "etcd_over_c10d_ratio": "etcd-v2 / c10d warm spare, trip -> first step",
     "reference_stall_to_memcpy_ratio": "memory snapshot stall / memcpy of the same shard, same job",
     "big_stall_to_memcpy_ratio": "memory snapshot stall / memcpy of the same state, same job",
+    "memory_over_async_cost_ratio": "memory tier's wall-clock cost per snapshot / async DCP's, same interval, same job",
+    "reference_contention_ratio": "(wall-clock cost - stall) / background CPU-seconds per snapshot, same job",
     "cold_over_forkserver_ratio": "cold process to ready / forkserver fork to ready",
     "nvml_calls_per_gpu_poll_reduction_ratio": "NVML calls per GPU per poll, one per field / batched",
 }

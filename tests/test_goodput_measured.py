@@ -148,23 +148,34 @@ def test_protocol_curve_fit_recovers_the_growth_exponent_and_extrapolates():
 
 
 # -- measured inputs ---------------------------------------------------------------------------------
+def all_defaults() -> dict:
+    from dataclasses import fields
+
+    return {f.name: getattr(Params(), f.name) for f in fields(Params)}
+
+
 def test_measured_files_fill_inputs_say_where_from_and_typed_flags_override(tmp_path):
     a = report(tmp_path / "stall.json", "snapshot_stall", {"async_stall_seconds_per_gb": 0.3, "dcp_save_bytes_per_second": 2e9,
                                                             "stall_256mb_memcpy_seconds": 0.05})
-    b = report(tmp_path / "mem.json", "memory_tier", {"memory_snapshot_overhead_fraction": 0.02, "restore_from_memory_seconds": 1.5,
+    b = report(tmp_path / "mem.json", "memory_tier", {"memory_snapshot_overhead_fraction": 0.02,
+                                                       "big_async_stall_seconds_per_gb": 0.15,
+                                                       "big_memory_stall_seconds_per_gb": 0.2,
+                                                       "big_memory_background_cpu_seconds_per_gb": 0.05,
+                                                       "restore_from_memory_seconds": 1.5,
                                                        "restore_from_peer_seconds": 4.0, "restore_from_disk_seconds": 9.0})
     c = report(tmp_path / "rdzv.json", "replacement_scale", {f"replacement_protocol_n{n}_seconds": 0.01 * n ** 0.25
                                                              for n in (8, 16, 256, 1024)})
     d = report(tmp_path / "stall2.json", "snapshot_stall", {"async_stall_seconds_per_gb": 0.4})
     reports = measured.load_all([a, b, c, d])
-    defaults = {f: getattr(Params(), f) for f in ("stall_seconds_per_gb", "node_write_gbps", "memory_overhead_fraction",
-                                                  "migrate_seconds", "migrate_warm_seconds", "restore_memory_seconds",
-                                                  "restore_peer_seconds", "restore_disk_seconds", "detect_seconds",
-                                                  "restart_curve")}
+    defaults = all_defaults()
     values, where = measured.resolve(reports, {"restore_peer_seconds": 7.0}, defaults, nodes=2048)
-    assert values["stall_seconds_per_gb"] == 0.4 and str(tmp_path / "stall2.json") in where["stall_seconds_per_gb"]
+    # like for like: the async stall measured in the memory tier's run wins over a later snapshot_stall report
+    assert values["stall_seconds_per_gb"] == 0.15 and str(tmp_path / "mem.json") in where["stall_seconds_per_gb"]
+    assert values["memory_stall_seconds_per_gb"] == 0.2 and values["memory_cpu_seconds_per_gb"] == 0.05
+    assert where["async_cpu_seconds_per_gb"].startswith("default")
     assert values["node_write_gbps"] == pytest.approx(2.0)
-    assert values["memory_overhead_fraction"] == 0.02 and "memory_tier" in where["memory_overhead_fraction"]
+    # this machine's K = 1 wall-clock fraction is not a GPU node's cost: never read
+    assert values["memory_overhead_fraction"] is None and where["memory_overhead_fraction"].startswith("default")
     assert values["restore_peer_seconds"] == 7.0 and where["restore_peer_seconds"].startswith("typed")
     assert values["restart_curve"][0] == "power" and values["restart_curve"][2] == pytest.approx(0.25)
     assert "replacement_protocol_n{8,16,256,1024}_seconds" in where["restart_curve"]
@@ -187,16 +198,13 @@ def test_measured_files_fill_inputs_say_where_from_and_typed_flags_override(tmp_
     (json.dumps({"bench": "poll_overhead", "version": 1, "created": "", "host": {"cpus": 2},
                  "figures": {"cpu_8gpus_fleet_core_fraction": 0.01}}), "measures none of the simulator's inputs"),
     (json.dumps({"bench": "memory_tier", "version": 1, "created": "", "host": {},
-                 "figures": {"memory_snapshot_overhead_fraction": -0.9}}), "outside what"),
+                 "figures": {"big_memory_stall_seconds_per_gb": -0.9}}), "outside what"),
 ])
 def test_a_file_it_cannot_use_is_refused_naming_the_file_and_the_fault(tmp_path, content, says):
     path = tmp_path / "bad.json"
     path.write_text(content)
     with pytest.raises(measured.MeasuredError, match=says) as err:
-        measured.resolve(measured.load_all([str(path)]), {}, {f: getattr(Params(), f) for f in (
-            "stall_seconds_per_gb", "node_write_gbps", "memory_overhead_fraction", "migrate_seconds",
-            "migrate_warm_seconds", "restore_memory_seconds", "restore_peer_seconds", "restore_disk_seconds",
-            "detect_seconds", "restart_curve")}, nodes=2048)
+        measured.resolve(measured.load_all([str(path)]), {}, all_defaults(), nodes=2048)
     assert str(path) in str(err.value)
 
 
@@ -214,7 +222,7 @@ def test_the_migration_bench_s_warm_and_cold_spare_figures_feed_their_own_inputs
     names = ("migrate_seconds", "migrate_warm_seconds", "stall_seconds_per_gb", "node_write_gbps",
              "memory_overhead_fraction", "restore_memory_seconds", "restore_peer_seconds", "restore_disk_seconds",
              "detect_seconds", "restart_curve")
-    defaults = {f: getattr(Params(), f) for f in names}
+    defaults = all_defaults()
     # since issue 16 migration_* is the warm spare: it must not pass for the cold spare's time
     now = report(tmp_path / "now.json", "migration", {"migration_trip_to_first_step_seconds": 1.1,
                                                       "warm_spare_trip_to_first_step_seconds": 1.1,
@@ -273,14 +281,12 @@ def test_the_memory_tier_bench_file_is_taken_with_nulls_and_noise(tmp_path):
     """bench/memory_tier.py (issue 15) writes null for a restore it could not measure, and a
     step-time overhead that noise can push below zero."""
     path = report(tmp_path / "memory_tier.json", "memory_tier", {
-        "reference_step_seconds": 0.05, "memory_snapshot_overhead_fraction": -0.02, "restore_from_memory_seconds": 0.4,
+        "reference_step_seconds": 0.05, "memory_snapshot_overhead_fraction": -0.02,
+        "big_memory_background_cpu_seconds_per_gb": -0.02, "restore_from_memory_seconds": 0.4,
         "restore_from_peer_seconds": 1.1, "restore_from_disk_seconds": None, "big_stall_to_memcpy_ratio": 1.1})
-    defaults = {f: getattr(Params(), f) for f in ("stall_seconds_per_gb", "node_write_gbps", "memory_overhead_fraction",
-                                                  "migrate_seconds", "migrate_warm_seconds", "restore_memory_seconds",
-                                                  "restore_peer_seconds", "restore_disk_seconds", "detect_seconds",
-                                                  "restart_curve")}
+    defaults = all_defaults()
     values, where = measured.resolve(measured.load_all([path]), {}, defaults, nodes=2048)
-    assert values["memory_overhead_fraction"] == 0.0 and "within noise" in where["memory_overhead_fraction"]
+    assert values["memory_cpu_seconds_per_gb"] == 0.0 and "within noise" in where["memory_cpu_seconds_per_gb"]
     assert values["restore_peer_seconds"] == 1.1 and values["restore_memory_seconds"] == 0.4
     assert where["restore_disk_seconds"].startswith("default")
 

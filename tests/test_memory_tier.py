@@ -640,3 +640,37 @@ def test_a_migration_taking_every_holder_of_a_shard_is_acknowledged_once_on_disk
         os.killpg(proc.pid, 9)  # forkrun and its ranks: the job never ends on its own
         proc.wait(timeout=30)
         daemon.close()
+
+
+def test_a_round_skipped_under_the_replica_budget_still_takes_the_own_copy_which_restores(tmp_path, monkeypatch):
+    """SENTINEL_MEMORY_REPLICA_BUDGET: after a round, the next waits out its pause; a memory
+    snapshot due meanwhile skips the round (counted, in the metrics file) but its own copy is
+    staged and complete, and a restart in place restores that newest step exactly."""
+    monkeypatch.setenv("SENTINEL_MEMORY_REPLICA_BUDGET", "0.5")
+    tier = MemoryTier(tmp_path / "h", run_id="r", rank=0, world=1, local_world=1, group=None)
+    live = {"w": torch.arange(1000, dtype=torch.float32)}
+    tier.setup(live)
+    assert tier.snapshot(0, live).done.wait(10) and tier.agreed_step == 0
+    assert tier.replicator._ready_at >= time.monotonic() - 1  # the pause after round 0 is set from its length
+    tier.replicator._ready_at = time.monotonic() + 60  # round 0 was long: the pause is still on
+    assert tier.replica_wait()
+    live["w"].add_(1)
+    slot = tier.take(1, live, due=True, replicate=not tier.replica_wait(), disk=False)
+    assert slot is not None and (tier.replica_skipped, tier.late, tier.agreed_step) == (1, 0, 0)
+    assert slot.header()[:2] == (COMPLETE, 1)
+    tier._write_metrics()
+    assert 'sentinel_trainer_memory_replica_skipped_total{rank="0"} 1' in tier.metrics_file.read_text()
+    want = live["w"].clone()
+    tier.close()
+    again = MemoryTier(tmp_path / "h", run_id="r", rank=0, world=1, local_world=1, group=None)
+    fresh = {"w": torch.zeros(1000)}
+    got = again.restore(lambda: fresh, -1)
+    assert (got.tier, got.step) == ("memory", 1) and torch.equal(fresh["w"], want)
+    again.close()
+
+
+@pytest.mark.parametrize("raw", ["1", "-0.1", "x"])
+def test_a_replica_budget_outside_zero_to_one_is_refused_naming_the_variable(tmp_path, monkeypatch, raw):
+    monkeypatch.setenv("SENTINEL_MEMORY_REPLICA_BUDGET", raw)
+    with pytest.raises(MemoryTierError, match="SENTINEL_MEMORY_REPLICA_BUDGET"):
+        MemoryTier(tmp_path / "h", run_id="r", rank=0, world=1, local_world=1, group=None)

@@ -294,27 +294,20 @@ class SnapshotGuard:
                 self._hold(step, max(self.migrate_hold_seconds, hold))
             return
         disk_busy = self._inflight is not None and not self._inflight.write.done()
-        requested, mem_busy, disk_busy = self._agree_all(local, self.memory.busy(), disk_busy)
+        requested, mem_busy, disk_busy = self._agree_all(local, self.memory.replica_wait(), disk_busy)
         self._disk_owed = self._disk_owed or due
         self._last_step = step
         if requested == NONE:
             disk_now = self._disk_owed and not disk_busy
-            if mem_busy and mem_due:  # a slow partner: this memory snapshot is late, the step is not
-                self.memory.late += 1
-            if not (disk_now or (mem_due and not mem_busy)):
+            if not (disk_now or mem_due):
                 return
             if disk_now:
                 self._wait_inflight()  # done on every rank (disk_busy is agreed): reaps it, frees its slot
             state_dict, reused, build = self._staged_state()
-            if mem_busy:
-                # The disk snapshot is due but the previous replica copy is still running: stage
-                # this step into a free own slot for the disk tier alone (no replica), rather than
-                # putting the disk snapshot off until the copy ends (possibly never, when every
-                # copy outlasts the disk interval).
-                slot = self.memory.stage(step, state_dict, reuse=reused, build_seconds=build)
-                self.memory.disk_only += 1
-            else:
-                slot = self.memory.snapshot(step, state_dict, reuse=reused, build_seconds=build).slot
+            # a replica round still running (a slow partner) or its budget's pause: the round is skipped, never
+            # the step held; the own copy is taken when a slot is free, a disk snapshot staged (MemoryTier.take)
+            slot = self.memory.take(step, state_dict, due=mem_due, replicate=not mem_busy, disk=disk_now,
+                                    reuse=reused, build_seconds=build)
             if disk_now:
                 self._disk_owed = False
                 self._persist(step, SNAPSHOT, {}, set(), slot, state_dict)
@@ -329,6 +322,7 @@ class SnapshotGuard:
         job = self.memory.snapshot(step, state_dict, reuse=reused, build_seconds=build)
         if requested == MIGRATE:
             job.done.wait(self.memory.timeout)
+            job.ok = self._memory_agreed(step)
             if job.ok and self.migrate_ack == "memory" and not self._leaving_with_every_copy(step):
                 self._commit_in_memory(step, requests, ids)
                 self._persist(step, MIGRATE, {}, ids, job.slot, state_dict)
@@ -351,7 +345,7 @@ class SnapshotGuard:
         self.memory.wait_idle()  # the agreed step is the same on every rank once every copy ended
         self._wait_inflight()
         state_dict, reused, build = self._staged_state()
-        if self.memory.agreed_step == step and self.memory.replicator is not None:
+        if self._memory_agreed(step) and self.memory.replicator is not None:
             slot = self.memory.replicator.agreed_slot
         else:  # the last memory snapshot was late (or failed): the live state is still that step's
             slot = self.memory.stage(step, state_dict, reuse=reused, build_seconds=build)
@@ -374,12 +368,18 @@ class SnapshotGuard:
         return state_dict, reused, build
 
     def _agree_all(self, local: int, mem_busy: bool, disk_busy: bool) -> tuple[int, bool, bool]:
-        """One all-reduce: the strongest request any rank holds, and whether any rank's replica
-        copy or disk write is still running (then every rank skips or waits alike)."""
-        flag = torch.tensor([local, int(mem_busy), int(disk_busy)], dtype=torch.int32)
+        """One all-reduce: the strongest request any rank holds, whether any rank's replica copy or disk write
+        still runs (every rank skips or waits alike), the least step all replica rounds succeeded at (agreed)."""
+        flag = torch.tensor([local, int(mem_busy), int(disk_busy), -self.memory.done_step()], dtype=torch.int32)
         if self.distributed and self.world > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control_group)
+        self.memory.agree(-int(flag[3]))
         return int(flag[0]), bool(flag[1]), bool(flag[2])
+
+    def _memory_agreed(self, step: int) -> bool:
+        """Collective: whether every rank's replica round of ``step`` succeeded (call once it ended)."""
+        self._agree_all(NONE, False, False)
+        return self.memory.agreed_step == step
 
     def _commit_in_memory(self, step: int, requests: dict[str, Request], ids: set[str]) -> None:
         """The migrate snapshot is in memory on every rank and replicated: acknowledge it as
@@ -581,18 +581,17 @@ class SnapshotGuard:
             self.memory.wait_idle()
 
     def close(self, *, flush: bool = True) -> None:
-        """Finish: wait for the snapshot being written, and stop the memory tier.
-
-        With the memory tier a disk snapshot can still be owed at the end (it came due while the
-        previous disk write or a replica copy was running): ``flush`` writes it now from memory
-        (the newest step passed to :meth:`step`, staged again when its memory snapshot was late),
-        so the last due disk snapshot is never lost. That write is collective: every rank calls
-        ``close()`` after the same last step. Pass ``flush=False`` on an error path, where peers
-        may be gone; it is skipped as well when the last :meth:`step` raised."""
+        """Finish: wait for the snapshot being written, and stop the memory tier. A disk snapshot still owed
+        (due while the previous disk write or a replica copy ran) is written from memory with ``flush`` (the
+        newest step passed to :meth:`step`), and the replica rounds that ended after the last step are agreed.
+        Collective: every rank calls ``close()`` after the same last step. ``flush=False`` on an error path
+        (peers may be gone); skipped as well when the last :meth:`step` raised."""
         self.watch.close(finish=flush and not self._step_failed)  # over: the final writes are no hung step
-        if flush and self.memory is not None and self._disk_owed and self.memory.own and self._last_step >= 0 \
-                and not self._step_failed:
-            self._flush_owed()
+        if flush and self.memory is not None and self.memory.own and not self._step_failed:
+            if self._disk_owed and self._last_step >= 0:
+                self._flush_owed()
+            self.memory.wait_idle()
+            self._agree_all(NONE, False, False)
         self._wait_inflight()
         if self.memory is not None:
             self.memory.close()

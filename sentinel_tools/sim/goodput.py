@@ -10,7 +10,7 @@ Strategies, side by side on the same failure draws (common random numbers):
   enough become snapshot + spare migration (``migrate``, nothing lost); the rest fall back to
   ``async``.
 * ``sentinel_memory`` — Sentinel plus the in-memory tier: a snapshot into host memory every K
-  steps (stall: the measured overhead fraction of a step), replicated to a partner node, and
+  steps (its cost: stall + background CPU x contention, per GB), replicated to a partner node, and
   persisted to disk from memory in the background, back to back. A sudden failure loses at most K
   steps and restarts from memory (a process crash: the node's own memory) or from the partner's
   replica (a lost node); when both holders of a shard are gone — the partner failed before the
@@ -126,8 +126,17 @@ class Params:
     lead_mean_hours: float = 0.5  # mean lead time of a predictable failure (exponential)
     min_lead_hours: float = 2 / 60  # a shorter warning is useless (it falls back to async)
     prediction: bool = True
-    # memory tier
-    memory_overhead_fraction: float = 0.05  # stall of one memory snapshot, as a fraction of a step
+    # memory tier: a snapshot costs the step its stall plus the wall-clock share of its background CPU
+    # (bench/memory_tier.py measures both per GB, like for like with the async disk snapshot's)
+    memory_stall_seconds_per_gb: float = 0.25
+    memory_cpu_seconds_per_gb: float = 0.0  # background: CRC32, the replica send and receive
+    memory_overhead_fraction: float | None = None  # typed: a memory snapshot's whole cost as a share of a step
+    # wall-clock seconds one CPU-second of a snapshot's background work costs the step. A GPU node's host
+    # has tens of cores idle beside its 8 training processes (NVIDIA DGX H100: 2 x 56-core Xeon 8480C,
+    # DGX H100 User Guide, "Hardware Overview"), so 0 there; bench/memory_tier.py measures this 2-core VM's
+    # (reference_contention_ratio), where 4 ranks and the background share 2 cores
+    background_contention: float = 0.0
+    async_cpu_seconds_per_gb: float = 0.0  # async disk: DCP's background serialisation and write
     placement: str = "cross_domain"
     domain_nodes: int = 2
     # spares
@@ -174,7 +183,18 @@ class Params:
         return self.state_gb_per_gpu * self.gpus_per_node / bw / H if bw > 0 else math.inf
 
     def stage_h(self) -> float:
-        return self.stage_hours if self.stage_hours is not None else self.stall_seconds_per_gb * self.state_gb_per_gpu / H
+        """What one async disk snapshot costs the loop: its stall plus its background CPU's share."""
+        if self.stage_hours is not None:
+            return self.stage_hours
+        per_gb = self.stall_seconds_per_gb + self.background_contention * self.async_cpu_seconds_per_gb
+        return per_gb * self.state_gb_per_gpu / H
+
+    def memory_block_h(self) -> float:
+        """What one memory snapshot costs the loop, measured the same way as :meth:`stage_h`."""
+        if self.memory_overhead_fraction is not None:
+            return self.memory_overhead_fraction * self.step_seconds / H
+        per_gb = self.memory_stall_seconds_per_gb + self.background_contention * self.memory_cpu_seconds_per_gb
+        return per_gb * self.state_gb_per_gpu / H
 
     def curve_seconds(self, nodes: int) -> float:
         """The rendezvous protocol of a replacement at ``nodes``: measured (``power``: a * N^b,
@@ -344,7 +364,7 @@ def simulate(p: Params, strategy: str, failures: list[Failure]) -> Outcome:
     write = p.write_h()
     if memory:
         dt = p.memory_interval_steps * p.step_seconds / H
-        block = p.memory_overhead_fraction * p.step_seconds / H
+        block = p.memory_block_h()
         cycle = dt + block
         disk_every = max(1, math.ceil(write / cycle)) if math.isfinite(write) else 0  # back to back from memory
         durable_delay = write
@@ -540,7 +560,7 @@ def optimise_interval(p: Params, strategy: str, draws: list[list[Failure]], iter
             return cache[k]
 
         step_h = p.step_seconds / H
-        yd = young_daly_for(p.memory_overhead_fraction * step_h, p.failures_per_hour) / step_h
+        yd = young_daly_for(p.memory_block_h(), p.failures_per_hour) / step_h
         hi = max(2.0, min(1e6, 20 * yd))
         _golden(at_k, 0.0, math.log(hi), iters)
         best = max(cache, key=lambda k: (cache[k], -k))
@@ -587,7 +607,7 @@ def double_failure_probability(p: Params) -> float:
     if p.placement == "adjacent" and p.domain_nodes > 1:
         same_domain = (p.domain_nodes - 1) / p.domain_nodes
     domain = sum(w for c, w in weights.items() if c in DOMAIN_CLASSES) / sudden_loss * same_domain
-    window = p.restart_h("peer") + (p.memory_interval_steps * (1 + p.memory_overhead_fraction)) * p.step_seconds / H
+    window = p.restart_h("peer") + p.memory_interval_steps * (p.step_seconds / H + p.memory_block_h())
     node_loss_rate = p.rate_per_node_day / 24.0 * sum(c[1] for c in p.classes if c[0] not in PROCESS_CLASSES) / sum(
         c[1] for c in p.classes)
     return domain + (1 - domain) * (1 - math.exp(-2 * node_loss_rate * window))
@@ -739,7 +759,7 @@ def sensitivity(base: Params, target: float, strategy: str = "sentinel_memory_sp
                    increasing=False)
     reqs.append(Requirement("memory-tier interval K (steps)", f"{k0} ({k0 * best.step_seconds:.0f} s)",
                             "not reachable" if x is None else f"<= {round(x)} ({round(x) * best.step_seconds:,.0f} s)"))
-    f0 = best.memory_overhead_fraction
+    f0 = best.memory_block_h() * H / best.step_seconds
     x = _threshold(lambda f: ettr(optimise_interval(replace(best, memory_overhead_fraction=f), strategy, draws[:5])) >= target,
                    0.0, 1.0, increasing=False, iters=8)
     reqs.append(Requirement("memory snapshot stall (fraction of a step)", f"{f0:.3f}",
@@ -813,7 +833,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--restore-disk-seconds", type=float)
     g.add_argument("--migrate-minutes", type=float, help="predicted failure: snapshot + spare, cold spare")
     g.add_argument("--migrate-warm-seconds", type=float, help="the same with a warm spare")
-    g.add_argument("--memory-overhead-fraction", type=float, help="memory snapshot stall as a fraction of a step")
+    g.add_argument("--memory-overhead-fraction", type=float,
+                   help="a memory snapshot's whole cost as a fraction of a step (overrides the per-GB terms)")
+    g.add_argument("--memory-stall-seconds-per-gb", type=float, help="memory snapshot stall per GB of state per rank")
+    g.add_argument("--memory-cpu-seconds-per-gb", type=float, help="memory snapshot background CPU per GB per rank")
+    g.add_argument("--async-cpu-seconds-per-gb", type=float, help="async disk snapshot background CPU per GB per rank")
+    g.add_argument("--background-contention", type=float, default=0.0,
+                   help="wall-clock seconds one CPU-second of a snapshot's background work costs the step on the GPU "
+                        "node's host (default 0: tens of idle cores, docs/goodput.md); this machine's is measured "
+                        "(memory_tier: reference_contention_ratio) and shown beside it")
     g.add_argument("--placement", choices=PLACEMENTS, default="cross_domain",
                    help="where a node's memory replica lives: another failure domain, or the next node")
     g.add_argument("--domain-nodes", type=int, default=2, help="nodes per failure domain (rack switch / power)")
@@ -854,6 +882,9 @@ def params_from(args: argparse.Namespace) -> tuple[Params, dict[str, str], bool]
     base = Params()
     typed = {"stall_seconds_per_gb": args.stall_seconds_per_gb, "node_write_gbps": args.node_write_gbps,
              "memory_overhead_fraction": args.memory_overhead_fraction,
+             "memory_stall_seconds_per_gb": args.memory_stall_seconds_per_gb,
+             "memory_cpu_seconds_per_gb": args.memory_cpu_seconds_per_gb,
+             "async_cpu_seconds_per_gb": args.async_cpu_seconds_per_gb,
              "migrate_seconds": None if args.migrate_minutes is None else args.migrate_minutes * 60,
              "migrate_warm_seconds": args.migrate_warm_seconds, "restore_memory_seconds": args.restore_memory_seconds,
              "restore_peer_seconds": args.restore_peer_seconds, "restore_disk_seconds": args.restore_disk_seconds,
@@ -872,10 +903,16 @@ def params_from(args: argparse.Namespace) -> tuple[Params, dict[str, str], bool]
                placement=args.placement, domain_nodes=args.domain_nodes, lead_mean_hours=args.lead_mean_minutes / 60,
                spares=None if getattr(args, "trace", None) else args.spares, repair_hours=args.repair_hours,
                prediction=not args.no_prediction, breaker_max_fraction=args.breaker_max_fraction,
-               breaker_window_seconds=args.breaker_window_seconds, **values)
+               breaker_window_seconds=args.breaker_window_seconds,
+               background_contention=args.background_contention, **values)
     for name, flag in (("write_hours", "--write-minutes"), ("restart_hours", "--restart-minutes")):
         if getattr(p, name) is not None:
             where[name] = f"typed ({flag})"
+    here = [r.figures["reference_contention_ratio"] for r in reports if "reference_contention_ratio" in r.figures]
+    where["background_contention"] = ("typed (--background-contention)" if args.background_contention else
+                                      "default: a GPU node's host, tens of idle cores (docs/goodput.md)") + (
+        f"; this machine measured {here[-1]:.2f} (memory_tier: reference_contention_ratio, 2 cores, 4 ranks), "
+        "not applied" if here else "")
     search = args.interval_minutes is None and args.memory_interval_steps is None
     return p, where, search
 
@@ -885,7 +922,12 @@ def provenance(p: Params, where: dict[str, str]) -> str:
         "stall_seconds_per_gb": f"{p.stall_seconds_per_gb:.3f} s/GB -> async stall {p.stage_h() * H:.2f} s",
         "node_write_gbps": f"{p.node_write_gbps:.2f} GB/s per node -> write {p.write_h() * H:.1f} s at {p.nodes:,} nodes "
                            f"(ceiling {p.fs_ceiling_gbps:,.0f} GB/s)",
-        "memory_overhead_fraction": f"{p.memory_overhead_fraction:.3f} of a {p.step_seconds:g} s step",
+        "memory_stall_seconds_per_gb": f"{p.memory_stall_seconds_per_gb:.3f} s/GB",
+        "memory_cpu_seconds_per_gb": f"{p.memory_cpu_seconds_per_gb:.3f} CPU-s/GB",
+        "async_cpu_seconds_per_gb": f"{p.async_cpu_seconds_per_gb:.3f} CPU-s/GB",
+        "background_contention": f"{p.background_contention:.2f} s per CPU-s",
+        "memory_overhead_fraction": (f"memory snapshot {p.memory_block_h() * H:.3f} s (async {p.stage_h() * H:.3f} s)"
+                                     f" = {p.memory_block_h() * H / p.step_seconds:.4f} of a {p.step_seconds:g} s step"),
         "migrate_seconds": f"{p.migrate_seconds:.1f} s -> {p.migrate_h() * H:.1f} s at {p.nodes:,} nodes",
         "migrate_warm_seconds": f"{p.migrate_warm_seconds:.1f} s -> {p.migrate_h(warm=True) * H:.1f} s at {p.nodes:,} nodes",
         "restore_memory_seconds": f"{p.restore_memory_seconds:.2f} s",

@@ -37,18 +37,27 @@ class Job:
 
 class Replicator:
     """One background thread: copies each staged own slot to the partner and receives the
-    partner's into a replica slot, then agrees with every rank (an all-reduce) that the step is
-    complete everywhere. Runs on a process group of its own; nothing else uses it while it runs."""
+    partner's into a replica slot. Runs on a process group of its own; nothing else uses it while
+    it runs. A round ends with this rank's verdict (``done``: the newest step whose round
+    succeeded here); the agreement that a step is complete on every rank is the training
+    thread's: the guard's per-step all-reduce carries every rank's ``done`` step, and
+    :meth:`agree` takes the least of them (no collective of this thread's own: measured here, the
+    per-round all-reduce of four processes' background threads was most of the tier's cost)."""
 
     def __init__(self, group: Any, send_to: int, recv_from: int, replica_slots: list["Slot"],
-                 *, bytes_per_second: float = 0.0, timeout: float = 120.0) -> None:
+                 *, bytes_per_second: float = 0.0, timeout: float = 120.0, budget: float = 0.0) -> None:
         self.group = group
         self.send_to, self.recv_from = send_to, recv_from
         self.replicas = replica_slots
         self.bytes_per_second = bytes_per_second
         self.timeout = timeout
+        # the share of wall-clock time replica rounds may take (0: no bound): after a round of d
+        # seconds the next one starts no sooner than d x (1 / budget - 1) later
+        self.budget = budget
+        self._ready_at = 0.0
         self.agreed_step = -1
         self.agreed_slot: Slot | None = None
+        self.done: tuple[int, "Slot"] | None = None  # the newest round that succeeded on this rank
         self.replica_newest: Slot | None = None
         self.errors = 0
         self.last_error = ""
@@ -68,11 +77,28 @@ class Replicator:
         with self._lock:
             return self._current is not None or not self._jobs.empty()
 
+    def pausing(self) -> bool:
+        """A round is running or queued, or the budget's pause after the last one has not ended."""
+        return self.busy() or time.monotonic() < self._ready_at
+
     def slots_in_use(self) -> list["Slot"]:
         """The own slots this thread is reading or will read (the one being copied, those queued)."""
         with self._lock, self._jobs.mutex:
             queued = list(self._jobs.queue)
-            return [j.slot for j in ([self._current] if self._current is not None else []) + queued if j is not None]
+            pending = [self.done[1]] if self.done is not None and self.done[0] > self.agreed_step else []
+            return pending + [j.slot for j in ([self._current] if self._current is not None else []) + queued
+                              if j is not None]
+
+    def done_step(self) -> int:
+        with self._lock:
+            return self.done[0] if self.done is not None else -1
+
+    def agree(self, step: int) -> None:
+        """Every rank's round of ``step`` succeeded (the least ``done`` step of every rank, from the
+        guard's all-reduce): that step's own slot is the agreed copy from now on."""
+        with self._lock:
+            if self.done is not None and self.done[0] == step and step > self.agreed_step:
+                self.agreed_step, self.agreed_slot = step, self.done[1]
 
     def submit(self, step: int, slot: "Slot") -> Job:
         job = Job(step, slot)
@@ -114,17 +140,21 @@ class Replicator:
                 self.errors += 1
                 self.last_error = job.error
                 log.warning("memory snapshot at step %d not replicated: %s", job.step, job.error)
-            self.seconds.append(time.perf_counter() - t0)
+            took = time.perf_counter() - t0
+            self.seconds.append(took)
+            if 0 < self.budget < 1:
+                self._ready_at = time.monotonic() + took * (1 / self.budget - 1)
             with self._lock:
                 self._current = None
             job.done.set()
 
     def _replicate(self, job: Job) -> bool:
-        """Send the staged own slot to the partner and receive the partner's into a replica slot,
-        then agree with every rank. Few round trips, each with little Python between them: the
-        head (step, length, CRC32, meta) and the first chunk go in one batch, then the other
-        chunks, then one all-reduce. This thread shares the interpreter with the training loop,
-        so every wake-up here can delay it; the work itself is in gloo and zlib, without the GIL."""
+        """Send the staged own slot to the partner and receive the partner's into a replica slot;
+        this rank's verdict goes to ``done`` (the agreement is the guard's: :meth:`agree`). Few round
+        trips, each with little Python between them: the head (step, length, CRC32, meta) and the
+        first chunk go in one batch, then the other chunks. This thread shares the interpreter with
+        the training loop, so every wake-up here can delay it; the work itself is in gloo and zlib,
+        without the GIL."""
         own = job.slot
         ok = True
         self._in_seconds = 0.0
@@ -162,15 +192,12 @@ class Replicator:
                 self.replica_newest = target
                 self.link_in = (n_in + HEAD_BYTES, self._in_seconds)
             self.copied_bytes += own.data_len
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        if collective(2):
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        if int(flag.item()) == 1:
-            self.agreed_step, self.agreed_slot = job.step, own
-            return True
         if ok:
-            job.error = "another rank's replica failed"
-        return False
+            with self._lock:
+                self.done = (job.step, own)
+                if not collective(2):  # one process: its verdict is everyone's
+                    self.agreed_step, self.agreed_slot = job.step, own
+        return ok
 
     def _exchange(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Post every (send to the partner, receive from the other partner) at once; wait for all,

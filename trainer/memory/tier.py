@@ -29,6 +29,22 @@ from trainer.memory.slot import (
 )
 
 log = logging.getLogger("sentinel.trainer")
+METRICS_EVERY = 10.0  # seconds: the metrics file is rewritten at most this often while rounds are skipped
+BUDGET_ENV = "SENTINEL_MEMORY_REPLICA_BUDGET"
+
+
+def _budget_from_env() -> float:
+    """The replica budget from the environment: a share of wall-clock time in [0, 1) (0: none)."""
+    raw = os.environ.get(BUDGET_ENV, "").strip()
+    if not raw:
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise MemoryTierError(f"{BUDGET_ENV}={raw!r}: a share of wall-clock time, 0 <= budget < 1 (0: no bound)")
+    return value
 
 
 
@@ -60,7 +76,7 @@ class MemoryTier:
     def __init__(self, directory: str | os.PathLike, *, run_id: str, rank: int, world: int, local_world: int,
                  group: Any, bytes_per_second: float = 0.0, timeout: float = 120.0,
                  metrics_file: str | os.PathLike | None = None, node_name: str | None = None,
-                 topology_file: str | os.PathLike | None = None) -> None:
+                 topology_file: str | os.PathLike | None = None, replica_budget: float | None = None) -> None:
         if local_world < 1 or world % local_world:
             raise MemoryTierError(f"world size {world} is not a whole number of nodes of {local_world} ranks")
         self.dir = ensure_holder(Path(directory))
@@ -77,6 +93,11 @@ class MemoryTier:
         self.group = group
         self.bytes_per_second = bytes_per_second
         self.timeout = timeout
+        # the share of wall-clock time replica rounds may take (SENTINEL_MEMORY_REPLICA_BUDGET; 0: none,
+        # a round every K steps): a round due within the pause is skipped, the own copy still taken
+        self.replica_budget = replica_budget if replica_budget is not None else _budget_from_env()
+        self.replica_skipped = 0  # rounds skipped (one running, or the budget's pause), own copy taken
+        self._metrics_at = 0.0
         self.metrics_file = Path(metrics_file) if metrics_file else self.dir / f"metrics-rank{rank}.prom"
         self.layout: Layout | None = None
         self.own: list[Slot] = []
@@ -140,7 +161,8 @@ class MemoryTier:
             self.replicas = [self._open(REPLICA, self.recv_from, i, replica_len) for i in range(REPLICA_SLOTS)]
         self.held_bytes = sum(s.offset + s.data_len for s in self.own + self.replicas)
         self.replicator = Replicator(self.group, self.send_to, self.recv_from, self.replicas,
-                                     bytes_per_second=self.bytes_per_second, timeout=self.timeout)
+                                     bytes_per_second=self.bytes_per_second, timeout=self.timeout,
+                                     budget=self.replica_budget)
         self._write_metrics()
 
     def partners(self, rank: int) -> tuple[int, int]:
@@ -222,7 +244,12 @@ class MemoryTier:
         text = ("# HELP sentinel_trainer_memory_snapshot_bytes Host memory held by the in-memory snapshot tier\n"
                 "# TYPE sentinel_trainer_memory_snapshot_bytes gauge\n"
                 f'sentinel_trainer_memory_snapshot_bytes{{rank="{self.rank}",copy="own"}} {own}\n'
-                f'sentinel_trainer_memory_snapshot_bytes{{rank="{self.rank}",copy="replica"}} {rep}\n')
+                f'sentinel_trainer_memory_snapshot_bytes{{rank="{self.rank}",copy="replica"}} {rep}\n'
+                "# HELP sentinel_trainer_memory_replica_skipped_total Replica rounds skipped under the replica budget "
+                "(the own copy was taken)\n"
+                "# TYPE sentinel_trainer_memory_replica_skipped_total counter\n"
+                f'sentinel_trainer_memory_replica_skipped_total{{rank="{self.rank}"}} {self.replica_skipped}\n')
+        self._metrics_at = time.monotonic()
         tmp = self.metrics_file.with_name(f".{self.metrics_file.name}.{os.getpid()}.tmp")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
@@ -232,13 +259,19 @@ class MemoryTier:
         except OSError as exc:
             log.warning("cannot write %s: %s", self.metrics_file, exc)
 
+    def _maybe_write_metrics(self) -> None:
+        if time.monotonic() - self._metrics_at >= METRICS_EVERY:
+            self._write_metrics()
+
     def summary(self, **extra: Any) -> dict[str, Any]:
         """This rank's figures (``extra`` goes in before the holder), for logs and a job's report."""
         def median(xs: list[float]) -> float | None:
             return sorted(xs)[len(xs) // 2] if xs else None
 
         return {"snapshots": self.snapshots, "late": self.late, "disk_only": self.disk_only,
+                "replica_skipped": self.replica_skipped, "replica_budget": self.replica_budget,
                 "agreed_step": self.agreed_step, "held_bytes": self.held_bytes,
+                "state_bytes": self.layout.data_len if self.layout is not None else None,
                 "replica_errors": self.replicator.errors if self.replicator else 0,
                 "stall_median_seconds": median(self.stalls),
                 "stall_parts_median_seconds": {k: median(v) for k, v in self.stall_parts.items()},
@@ -256,6 +289,37 @@ class MemoryTier:
 
     def busy(self) -> bool:
         return self.replicator is not None and self.replicator.busy()
+
+    def replica_wait(self) -> bool:
+        """No replica round may start now: one is running, or the budget's pause is not over."""
+        return self.replicator is not None and self.replicator.pausing()
+
+    def done_step(self) -> int:
+        """The newest step whose replica round succeeded on this rank (-1: none)."""
+        return self.replicator.done_step() if self.replicator is not None else -1
+
+    def agree(self, step: int) -> None:
+        """``step`` is the least :meth:`done_step` of every rank (the guard's all-reduce)."""
+        if self.replicator is not None:
+            self.replicator.agree(step)
+
+    def take(self, step: int, state: Mapping[str, Any], *, due: bool, replicate: bool, disk: bool,
+             reuse: bool = False, build_seconds: float = 0.0) -> Slot | None:
+        """A step with a memory (``due``) or disk snapshot due: staged and handed to the replicator
+        when ``replicate`` (agreed: no rank's round is still running); else the memory snapshot is
+        late (counted; the step is never held for it) and the step is staged for the disk tier
+        alone when ``disk``."""
+        if replicate:
+            return self.snapshot(step, state, reuse=reuse, build_seconds=build_seconds).slot
+        if due and not disk and self.replica_budget > 0 and self._free_slot() is not None:
+            self.replica_skipped += 1  # the own copy alone: a process crash still loses nothing
+            self._maybe_write_metrics()
+            return self.stage(step, state, reuse=reuse, build_seconds=build_seconds)
+        self.late += int(due)
+        if not disk:
+            return None
+        self.disk_only += 1
+        return self.stage(step, state, reuse=reuse, build_seconds=build_seconds)
 
     def snapshot(self, step: int, state: Mapping[str, Any], *, reuse: bool = False, build_seconds: float = 0.0) -> Job:
         """Stage this rank's state at ``step`` into a free own slot (the stall) and hand it to
@@ -276,9 +340,7 @@ class MemoryTier:
         One copy per tensor, straight from the live tensor into the slot's mapping."""
         assert self.layout is not None and self.replicator is not None
         t0 = time.perf_counter()
-        in_use = self.replicator.slots_in_use()
-        slot = next((s for s in self.own if s is not self.replicator.agreed_slot and s is not self.pinned
-                     and all(s is not u for u in in_use)), None)
+        slot = self._free_slot()
         if slot is None:  # the guard never stages with all three taken; say so rather than overwrite one
             raise MemoryTierError("no free memory slot: the agreed copy, the disk write and the replica copy "
                                   "hold all three")
@@ -300,6 +362,13 @@ class MemoryTier:
         self.stall_parts["copy"].append(t2 - t1)
         self.stall_parts["meta"].append(t3 - t2)
         return slot
+
+    def _free_slot(self) -> Slot | None:
+        """An own slot that is not the agreed copy, not the disk write's, not a replica round's."""
+        assert self.replicator is not None
+        in_use = self.replicator.slots_in_use()
+        return next((s for s in self.own if s is not self.replicator.agreed_slot and s is not self.pinned
+                     and all(s is not u for u in in_use)), None)
 
     def _plan_of(self, state: Mapping[str, Any]) -> tuple[list[torch.Tensor], list[tuple[str, tuple]]]:
         """The live tensors to copy (local shards, in leaf order) and the paths of the other leaves,
