@@ -219,3 +219,34 @@ def test_a_stalled_slot_generation_names_the_slots_it_waits_for_and_how_long_the
     assert line.startswith("rendezvous stalled: generation 4 (committed: 3) not committed after 17 s"), line
     assert "arrived 1 of 3: slot 1 (spare0:1)" in line and "vacant, for a spare: slot 2" in line, line
     assert "waiting for: slot 0 (heartbeat unchanged for 12.5 s)" in line and "spare tickets 2, vacancies posted 1" in line
+
+
+def test_names_another_user_plants_in_the_store_reach_the_stall_line_escaped_and_bounded(caplog):
+    """On a TCPStore anyone who reaches the port writes the slot protocol's keys. ``nobody`` plants
+    arrival records whose ids carry a terminal escape, a line break that forges a second
+    ``rendezvous stalled:`` line (the drill's report prints each agent's last one) and 100 kB; a
+    record that is not an object; then a ``latest`` that is not a number. The line stays one line
+    of printable ASCII, a few hundred characters; an unreadable state says so, bounded too."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from store_intruder import plant
+    from trainer.rdzv_watch import describe_slots, stall_reports
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    p = "sentinel.rdzv.job"
+    forged = "\x1b]0;owned\x07\x1b[2J\nrendezvous stalled: forged by nobody " + "A" * 100_000
+    plant(server.port, {f"{p}/latest": b"1", f"{p}/g2/s0": json.dumps({"id": forged}).encode(),
+                        f"{p}/g2/s1": b"[1, 2]", f"{p}/g2/s2": b"\xff\xfe not json"})
+    line = describe_slots(server, p, 4, 0, 5.0, {}, now=100.0)
+    assert line.isascii() and line.isprintable() and len(line) < 1000, line[:2000]
+    assert "arrived 3 of 4: slot 0 (\\x1b]0;owned\\x07\\x1b[2J\\nrendezvous stalled: forged" in line, line
+    assert "slot 1 (?), slot 2 (?)" in line and "waiting for: slot 3 (no heartbeat)" in line, line
+
+    plant(server.port, {f"{p}/latest": b"\x1b[2J" + b"9" * 100_000})
+    caplog.set_level("WARNING", logger="sentinel.elastic")
+    with stall_reports(lambda waited: describe_slots(server, p, 4, 0, waited, {}, now=100.0), 0.05):
+        wait_for(lambda: any("state unreadable" in r.getMessage() for r in caplog.records), 30, what="the stall line")
+    said = next(r.getMessage() for r in caplog.records if "state unreadable" in r.getMessage())
+    assert said.isascii() and said.isprintable() and len(said) < 1000, said[:2000]

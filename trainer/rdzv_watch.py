@@ -46,6 +46,8 @@ import time
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterator
 
+from sentinel.settings import printable
+
 log = logging.getLogger("sentinel.elastic")
 
 KEY = "sentinel.alive"
@@ -223,6 +225,27 @@ def describe_dynamic(state: Any, settings: Any, me: Any, sanitizer: Sanitizer | 
     return "; ".join(parts)
 
 
+SHOWN_MAX = 64  # characters of a name from the store shown in a line (a node id is far shorter)
+
+
+def shown(text: str, limit: int = SHOWN_MAX) -> str:
+    """A name or number read from the rendezvous store, as the stall line shows it: one line of
+    printable ASCII, at most ``limit`` characters (then ``...``). On a TCPStore anyone who reaches
+    the port writes there: a record's terminal escapes, line breaks (a forged ``rendezvous
+    stalled:`` line, which the drill's report picks up) or megabytes must not reach the log."""
+    text = printable(text)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _arrival_id(mark: bytes) -> str:
+    """The ``id`` of an arrival record; ``?`` when the record is not one (malformed, not an object)."""
+    try:
+        record = json.loads(mark)
+    except ValueError:
+        return "?"
+    return str(record.get("id", "?")) if isinstance(record, dict) else "?"
+
+
 def describe_slots(store: Any, prefix: str, nodes: int, forming: int, waited: float,
                    hb_changed: dict[int, tuple[bytes | None, float]], now: float) -> str:
     """The one line of a stalled slot rendezvous, read from the store (``check`` before every
@@ -236,6 +259,7 @@ def describe_slots(store: Any, prefix: str, nodes: int, forming: int, waited: fl
 
     latest = read(key("latest"))
     f = forming or (int(latest) + 1 if latest else 1)
+    committed = shown(latest.decode(errors="replace")) if latest else "none"
     arrived, vacant, missing = [], [], []
     for s in range(nodes):
         mark = read(key(f"g{f}", f"s{s}"))
@@ -247,13 +271,13 @@ def describe_slots(store: Any, prefix: str, nodes: int, forming: int, waited: fl
         if mark is None:
             missing.append(f"slot {s} (" + ("no heartbeat" if hb is None else f"heartbeat unchanged for {now - since:.1f} s")
                            + ")")
-        elif mark.decode().startswith("LEFT:"):
+        elif mark.startswith(b"LEFT:"):
             vacant.append(f"slot {s}")
         else:
-            arrived.append(f"slot {s} ({json.loads(mark).get('id', '?')})")
+            arrived.append(f"slot {s} ({shown(_arrival_id(mark))})")
     tickets = int(store.add(key("spares"), 0))
     vacancies = int(store.add(key("vacancies"), 0))
-    return (f"rendezvous stalled: generation {f} (committed: {latest.decode() if latest else 'none'}) not committed "
+    return (f"rendezvous stalled: generation {f} (committed: {committed}) not committed "
             f"after {waited:.0f} s of this node's join; arrived {len(arrived)} of {nodes}: {', '.join(arrived) or 'none'}; "
             f"waiting for: {', '.join(missing) or 'nobody'}; vacant, for a spare: {', '.join(vacant) or 'none'}; "
             f"spare tickets {tickets}, vacancies posted {vacancies}")
@@ -272,7 +296,7 @@ def stall_reports(describe: Callable[[float], str], every: float) -> Iterator[No
                 line = describe(time.monotonic() - t0)
             except Exception as exc:  # noqa: BLE001 - a report that cannot be read still says so
                 line = f"rendezvous stalled: {time.monotonic() - t0:.0f} s of this node's join; state unreadable " \
-                       f"({type(exc).__name__}: {exc})"
+                       f"({type(exc).__name__}: {shown(str(exc), 300)})"
             if line:
                 log.warning("%s", line)
 
