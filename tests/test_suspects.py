@@ -256,3 +256,30 @@ def test_a_refusal_from_a_loopback_address_of_another_host_declares_nothing():
     assert recovery.probe_pass(2, "rank 0: broken pipe") == 1
     assert [(slot, f, mark.split("#")[0]) for slot, f, mark in posted] == [(1, 2, "LEFT:near")]
     assert (2, 0, suspects.UNKNOWN) in recovery.answers and (2, 1, suspects.GONE) in recovery.answers
+
+
+def test_a_queue_refilled_as_fast_as_it_is_drained_does_not_hold_the_heartbeat_back():
+    """Any local user can connect to the liveness socket. The heartbeat thread drains the queue
+    before each beat; a client that keeps the queue non-empty (here a socket whose queue never
+    empties) must not keep the thread draining: a live node whose heartbeat stands still for one
+    admission timeout is declared vacant. One drain takes at most one backlog's worth."""
+    class Conn:
+        def close(self) -> None:
+            pass
+
+    class Endless:  # a listening socket some client refills without end (empties after 10 backlogs: fail, not hang)
+        def __init__(self) -> None:
+            self.accepted = 0
+
+        def accept(self):
+            if self.accepted >= 10 * suspects.BACKLOG:
+                raise BlockingIOError
+            self.accepted += 1
+            return Conn(), ("127.0.0.1", 1)
+
+        def close(self) -> None:
+            pass
+
+    live = suspects.Liveness("127.0.0.1")
+    live._tried, live._sock = True, Endless()
+    assert 0 < live.drain() <= suspects.BACKLOG

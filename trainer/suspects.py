@@ -202,10 +202,13 @@ class Liveness:
         log.warning("no liveness socket could be opened: this node's death is told by keep-alive expiry only")
         return None
 
-    def drain(self) -> int:
-        """Accept and close every queued probe; how many. Never raises."""
+    def drain(self, limit: int = BACKLOG) -> int:
+        """Accept and close the queued probes, at most ``limit`` (what one full backlog holds); how
+        many. Never raises. Bounded: the heartbeat thread calls it before each beat, and any local
+        user can connect here — one who refills the queue as fast as it is drained must not hold
+        the beat back (a live node whose heartbeat stands still is declared vacant)."""
         n = 0
-        while self._sock is not None:
+        while self._sock is not None and n < limit:
             try:
                 conn, _ = self._sock.accept()
             except OSError:  # BlockingIOError: nothing queued
