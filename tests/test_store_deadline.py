@@ -95,3 +95,30 @@ def test_a_slow_call_on_a_store_that_answers_is_left_alone():
         p, _, worker = _agent(f"127.0.0.1:{store.getsockname()[1]}", "block", slow)
     assert p.returncode == 0 and "returned done" in p.stdout, p.stderr
     assert "rendezvous store" not in p.stderr
+
+
+def test_the_hard_exit_kills_no_process_that_took_a_listed_descendant_s_pid(monkeypatch):
+    """The hard exit lists the agent's descendants from /proc, then signals them. A listed one may
+    exit and its pid go to an unrelated process meanwhile — any user's, and the agent is root when
+    launched without ``--user``. Here the list names a process of ``nobody`` (not below this one:
+    its shell exited, it was reparented) as well as a real child: the child dies, ``nobody``'s
+    process lives."""
+    from trainer import store_deadline
+
+    started = subprocess.run(["setpriv", "--reuid", "nobody", "--regid", "nogroup", "--clear-groups", "sh", "-c",
+                              "sleep 120 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True, timeout=30)
+    other = int(started.stdout.strip())
+    child = subprocess.Popen(["sleep", "120"])
+    try:
+        monkeypatch.setattr(store_deadline, "descendants", lambda pid: [other, child.pid])  # as a pid reuse leaves it
+        exits: list[int] = []
+        store_deadline.StoreDeadline("127.0.0.1:1", 1.0, exit=exits.append)._hard_exit()
+        assert exits == [1] and child.wait(timeout=30) == -9
+        assert not _gone(other, within=0.5), "a process that was not the agent's descendant was killed"
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+        try:
+            os.kill(other, 9)
+        except ProcessLookupError:
+            pass

@@ -98,6 +98,50 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rpartition(")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def below(pid: int, ancestor: int) -> bool:
+    """Whether ``pid`` is now a process below ``ancestor`` (its parent chain, read from /proc)."""
+    seen = 0
+    while pid > 1 and seen < 4096:
+        parent = _parent(pid)
+        if parent is None:
+            return False
+        if parent == ancestor:
+            return True
+        pid, seen = parent, seen + 1
+    return False
+
+
+def kill_descendants(pid: int, sig: int = signal.SIGKILL) -> int:
+    """Send ``sig`` to every process below ``pid``; how many. A pid listed by :func:`descendants`
+    may have exited and been reused by an unrelated process (any user's: the agent may run as
+    root when launched without ``--user``) before the signal: each is opened as a pidfd, checked
+    to be below ``pid`` *after* it was opened, and signalled through the pidfd — the signal goes
+    to the process that was checked, or to none."""
+    n = 0
+    for child in descendants(pid):
+        try:
+            fd = os.pidfd_open(child)
+        except OSError:
+            continue  # gone already
+        try:
+            if below(child, pid):
+                signal.pidfd_send_signal(fd, sig)
+                n += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return n
+
+
 class StoreDeadline:
     def __init__(self, endpoint: str, read_timeout: float, *, on_lost: Callable[[str], None] | None = None,
                  probe_seconds: float = PROBE_SECONDS, exit_seconds: float = EXIT_SECONDS,
@@ -187,11 +231,7 @@ class StoreDeadline:
     def _hard_exit(self) -> None:
         print(f"trainer.elastic: still running {self.exit_seconds:.0f} s after the store was lost: "
               "stopping the workers and exiting", file=sys.stderr, flush=True)
-        for pid in descendants(os.getpid()):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        kill_descendants(os.getpid())
         sys.stderr.flush()
         self._exit(1)
 
