@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, wait_for
-from sentinel_tools.drill import free_port
+from test_elastic import store  # noqa: F401 - the TCPStore fixture (a trainer.store process, removed also on failure)
 
 pytestmark = [pytest.mark.needs_torch]
 pytest.importorskip("torch")
@@ -46,24 +46,6 @@ WINDOW_S = 1.0
 PERIOD_S = 3.0
 CONVERGE_S = 90.0  # 10 cycles; on 0cd5d80 no round completes in them (each join evicts a live node)
 
-
-@pytest.fixture
-def store():
-    port = free_port()
-    p = subprocess.Popen([sys.executable, "-m", "trainer.store", "--port", str(port)], cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        import socket
-
-        def up() -> bool:
-            with socket.socket() as s:
-                s.settimeout(0.2)
-                return s.connect_ex(("127.0.0.1", port)) == 0
-        wait_for(up, 60, what="the rendezvous store")
-        yield port
-    finally:
-        p.kill()
-        p.wait(timeout=60)
 
 
 def test_starved_agents_converge_in_one_round_and_a_stalled_round_names_who_it_waits_for(tmp_path, store):
