@@ -159,9 +159,9 @@ def one_round(args: argparse.Namespace, results: _report.Results, refs: dict[str
             continue
         with tempfile.TemporaryDirectory(prefix=f"peers-{system}-", dir=args.cache) as d:
             r = steady(system, args, Path(d))
+        losses = r.pop("losses", None)  # kept once per system (the reference), not in every round's record
         if r.get("digest"):
-            refs.setdefault(system, {"digest": r["digest"], "losses": r.pop("losses")})
-        r.pop("losses", None)  # kept once per system (the reference), not in every round's record
+            refs.setdefault(system, {"digest": r["digest"], "losses": losses})
         results.add({"kind": "steady", "system": system, **r})
         print(f"  steady {system}: {r.get('step_seconds')} s/step, peak {r.get('peak_rss_bytes')} B {r.get('error', '')}",
               flush=True)
