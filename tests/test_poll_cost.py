@@ -195,8 +195,13 @@ def test_the_exposition_is_rendered_by_the_first_scrape_after_a_poll_once(tmp_pa
             daemon.poll_once()
         assert renders == []  # polls publish views; none is rendered until asked for
         simulated.inject(state, 0, ["temp=91"])
-        time.sleep(0.05)  # the simulated backend stats its file once per recheck window (10 ms): the next poll sees it
-        daemon.poll_once()
+
+        def hot():  # a poll that read 91 on GPU 0 (a loaded machine can take a poll or two to see the file)
+            gpus = daemon.poll_once().gpus
+            return bool(gpus) and gpus[0].values.get("temperature_celsius") == 91
+
+        wait_for(hot, 60, interval=0.05, what="a poll that reads GPU 0 at 91 C")
+        assert renders == []  # still none: only a scrape renders
         url = f"http://127.0.0.1:{daemon.metrics_port}/metrics"
         bodies = []
         for _ in range(3):

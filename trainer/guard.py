@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import os
 import time
 from collections import OrderedDict
@@ -62,7 +61,7 @@ from sentinel.channel import Ack, NullEndpoint, RankEndpoint, Request
 from trainer.disk import (  # noqa: F401 - re-exported: trainer.guard's names from before the split
     CORRUPT, MARKER, PREFIX, DiskTier, DiskWrite, complete_snapshots, snapshot_path, staged_bytes)
 from trainer.fence import generation_from_env
-from trainer.hold import NodeDrained, SigtermDuringHold  # noqa: F401 - NodeDrained re-exported
+from trainer.hold import NodeDrained, hold_for_drain  # noqa: F401 - NodeDrained re-exported
 from trainer.memory import MemoryTier, MemoryTierError, RestoreResult, default_holder_dir
 from trainer.memory.plan import nodes_left_without_a_copy
 from trainer.progress import JobWatch
@@ -323,6 +322,8 @@ class SnapshotGuard:
         if requested == MIGRATE:
             job.done.wait(self.memory.timeout)
             job.ok = self._memory_agreed(step)
+            if job.ok and self.migrate_ack == "memory":
+                requests, ids, hold = self._join_late(requests, ids, hold)
             if job.ok and self.migrate_ack == "memory" and not self._leaving_with_every_copy(step):
                 self._commit_in_memory(step, requests, ids)
                 self._persist(step, MIGRATE, {}, ids, job.slot, state_dict)
@@ -464,6 +465,17 @@ class SnapshotGuard:
         pairs = [p for part in everyone for p in part]
         return {i for i, _, _ in pairs}, max((h for _, h, _ in pairs), default=0.0)
 
+    def _join_late(self, requests: dict[str, Request], ids: set[str], hold: float) -> tuple[dict, set[str], float]:
+        """Collective: requests that reached a rank while the migrate snapshot replicated (the daemons of
+        adjacent victims trip together, their datagrams a step boundary apart) join this migration, so the
+        leaving set that decides a memory-only ack sees every node asked by then."""
+        if self.endpoint.active:
+            self._receive(self.endpoint.poll())
+        late, self._pending, leaving = self._pending, {}, self._leaving
+        more, more_hold = self._exchange(late)
+        self._leaving |= leaving
+        return {**requests, **late}, ids | more, max(hold, more_hold)
+
     def _leaving_with_every_copy(self, step: int) -> list[int]:
         """The nodes leaving in this migration whose replica holder leaves too (agreed: every
         rank computes it from the same exchange). An ack of the memory snapshot alone would let
@@ -513,29 +525,17 @@ class SnapshotGuard:
                                   phase="committed", bytes=write.bytes))
 
     def _hold(self, step: int, seconds: float) -> None:
-        """Hold at this step until the node is drained (a peer vanishes) or ``seconds`` pass.
-        ``seconds`` is the same on every rank (agreed in _exchange), so is the beat count."""
-        log.warning("migrate snapshot at step %d committed; holding up to %.0f s for the drain", step, seconds)
-        beats = max(1, math.ceil(seconds / HOLD_BEAT))
+        """Hold at this step until the node is drained (a peer vanishes) or ``seconds`` pass (the same
+        on every rank, agreed in _exchange): :func:`trainer.hold.hold_for_drain`, a heartbeat all-reduce a beat."""
         flag = torch.zeros(1, dtype=torch.int32)
-        # The membership change can also reach this rank as its own agent's SIGTERM: trainer.hold.
-        with SigtermDuringHold(step) as stop:
-            for _ in range(beats):
-                if self._inflight is not None and self._inflight.write.done():
-                    self._reap()  # the migrate snapshot committed in memory is now on disk: its marker
-                self._answer_while_holding()
-                stop.check()
-                with stop.waiting():
-                    if self.distributed and self.world > 1:
-                        try:
-                            dist.all_reduce(flag, group=self.control_group)
-                        except NodeDrained:
-                            raise
-                        except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError/DistBackendError on a dead peer
-                            raise NodeDrained(f"a peer left during the migrate hold at step {step}: {exc}") from exc
-                    time.sleep(HOLD_BEAT)
-            stop.check()
-        log.warning("no drain within %.0f s; training continues", seconds)
+        multi = self.distributed and self.world > 1
+        hold_for_drain(step, seconds, HOLD_BEAT, between=self._between_beats,
+                       heartbeat=(lambda: dist.all_reduce(flag, group=self.control_group)) if multi else None)
+
+    def _between_beats(self) -> None:
+        if self._inflight is not None and self._inflight.write.done():
+            self._reap()  # the migrate snapshot committed in memory is now on disk: its marker
+        self._answer_while_holding()
 
     def _answer_while_holding(self) -> None:
         """A request that arrives during the hold (another node's daemon tripped too) is answered

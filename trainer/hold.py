@@ -10,10 +10,15 @@ same way, by :class:`NodeDrained`, and records why before it exits.
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 import os
 import signal
 import threading
-from typing import Any, Iterator
+import time
+from typing import Any, Callable, Iterator
+
+log = logging.getLogger("sentinel.trainer")
 
 
 class NodeDrained(RuntimeError):
@@ -86,3 +91,26 @@ def _already_leaving(signum: int, _frame: Any) -> None:
     timer = threading.Timer(LEAVING_GRACE_S, os.kill, (os.getpid(), signum))
     timer.daemon = True
     timer.start()
+
+
+def hold_for_drain(step: int, seconds: float, beat: float, *, between: Callable[[], None],
+                   heartbeat: Callable[[], Any] | None) -> None:
+    """Hold a rank at ``step`` for ``seconds`` in beats of ``beat`` s: each beat runs ``between`` (reap
+    the disk write, answer late requests), then ``heartbeat`` (the all-reduce whose failure on a dead peer
+    means the node was drained: :class:`NodeDrained`), then sleeps. The agent's SIGTERM ends it too."""
+    log.warning("migrate snapshot at step %d committed; holding up to %.0f s for the drain", step, seconds)
+    with SigtermDuringHold(step) as stop:
+        for _ in range(max(1, math.ceil(seconds / beat))):
+            between()
+            stop.check()
+            with stop.waiting():
+                if heartbeat is not None:
+                    try:
+                        heartbeat()
+                    except NodeDrained:
+                        raise
+                    except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError/DistBackendError on a dead peer
+                        raise NodeDrained(f"a peer left during the migrate hold at step {step}: {exc}") from exc
+                time.sleep(beat)
+        stop.check()
+    log.warning("no drain within %.0f s; training continues", seconds)
