@@ -120,16 +120,20 @@ class JobHealth:
 
     def _hang(self, rep: Any, now: float) -> Trip | None:
         d = rep.detail
-        hosts = [h for h in d.get("hosts", []) if isinstance(h, str)]
-        culprits = [c for c in d.get("culprits", []) if isinstance(c, int) and not isinstance(c, bool)]
-        self.hang = {"time": now, "kind": str(d.get("kind", "")), "culprits": culprits, "hosts": hosts,
-                     "evidence": str(d.get("evidence", ""))[:400], "here": self.node in hosts,
-                     "reported_by": rep.rank, "step": rep.step}
+        # the job's words, printed by `sentinel status` on root's terminal and in the trip's log line:
+        # bounded and escaped (a host name is compared as sent: a real one is printable already)
+        raw_hosts, raw_culprits = d.get("hosts"), d.get("culprits")
+        hosts = [printable(h[:253]) for h in (raw_hosts if isinstance(raw_hosts, list) else [])[:64] if isinstance(h, str)]
+        culprits = [c for c in (raw_culprits if isinstance(raw_culprits, list) else [])[:64]
+                    if isinstance(c, int) and not isinstance(c, bool)]
+        evidence = printable(str(d.get("evidence", ""))[:400])
+        self.hang = {"time": now, "kind": printable(str(d.get("kind", ""))[:32]), "culprits": culprits, "hosts": hosts,
+                     "evidence": evidence, "here": self.node in hosts, "reported_by": rep.rank, "step": rep.step}
         if self.node not in hosts or d.get("kind") not in ("stopped", "not_entered", "behind"):
             return None
         here = sorted(culprits)
         return Trip("hang", "migrate", NODE, "hang", f"hung collective: culprit rank(s) {here} on {self.node} "
-                    f"({d.get('kind')}): {str(d.get('evidence', ''))[:300]}",
+                    f"({d.get('kind')}): {evidence[:300]}",
                     values={"culprit_rank": float(here[0]) if here else -1.0, "step": float(rep.step)})
 
     def _rendezvous(self, rep: Any, now: float) -> None:

@@ -180,3 +180,28 @@ def test_a_rendezvous_report_cannot_write_escape_sequences_to_the_operators_term
     assert jh.observe([rep], 1.0) == []
     lines = jobhealth.status_lines(jh.status())
     assert lines and not any(c in "".join(lines) for c in "\x1b\x07\r\n"), lines
+
+
+def test_a_hang_report_cannot_write_escape_sequences_or_unbounded_text():
+    """The hang verdict is the job's word too: `sentinel status` and the trip's message print it
+    (a datagram is <= 4 kB, so the lists are bounded here by what one message can carry)."""
+    from sentinel import jobhealth
+
+    evil = "x\r\nsentinel: all healthy\x1b[8m\x1b]0;pwned\x07"
+    rep = decode(Report("hang", 0, 41, {"kind": "stopped", "culprits": list(range(300)) + [True, "3"],
+                                        "hosts": ["node1", "n\x1b[31m", 7] + ["h"] * 300,
+                                        "evidence": evil * 20}, pid=4242).encode())
+    jh = JobHealth("node1")
+    (trip,) = jh.observe([rep], 1.0)
+    assert trip.action == "migrate" and not any(c in trip.message for c in "\x1b\x07\r\n"), trip.message
+    hang = jh.status()["hang"]
+    assert len(hang["hosts"]) <= 64 and len(hang["culprits"]) <= 64 and len(hang["evidence"]) <= 4 * 400
+    assert all(isinstance(c, int) and not isinstance(c, bool) for c in hang["culprits"])
+    (line,) = jobhealth.status_lines(jh.status())
+    assert not any(c in line for c in "\x1b\x07\r\n"), line
+    # a report whose lists are not lists is counted and survives (no exception, no trip)
+    odd = decode(Report("hang", 0, 41, {"kind": "stopped", "culprits": "3", "hosts": "node1"}, pid=1).encode())
+    assert JobHealth("node1").observe([odd], 1.0) == []
+    jh.observe([decode(Report("hang", 0, 42, {"kind": "stopped\x1b[2J", "hosts": ["node1"]}, pid=1).encode())], 2.0)
+    (line,) = jobhealth.status_lines(jh.status())  # a kind that is no verdict: recorded (escaped), no trip
+    assert "\x1b" not in line and "stopped" in line, line
