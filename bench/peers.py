@@ -21,8 +21,10 @@ groups' slices of the batch), and whether the final parameters equal the same sy
 uninterrupted run bitwise. Per system, once per round with no fault and no padding: the
 steady-state step time against the same loop with no fault tolerance at all (DDP for the peers,
 FSDP2 for Sentinel, as trainer.train shards it) and the job's peak resident memory against it.
-Sentinel's cells are `sentinel drill --nodes 2 --procs-per-node 2 --spares 1` (its memory tier
-every step, disk snapshots every 10). How each peer is configured, and from which of its pages:
+Sentinel's cells are `sentinel drill --nodes 2 --procs-per-node 2 --spares 1 --agent warm
+--rdzv-backend sentinel` (the configuration README.md and docs/rendezvous.md give a job: the warm
+agent, warm spare, rank-preserving slot rendezvous that tells a dead node from the survivors' own
+connection errors; its memory tier every step, disk snapshots every 10), the same for every fault. How each peer is configured, and from which of its pages:
 bench/peer_jobs/*.py and docs/peers.md. The peers run from their own virtual environments
 (scripts/peers-venvs; $SENTINEL_PEERS_VENVS, default /var/cache/sentinel-peers); a peer that
 cannot start is tried in every round, and its row shows the error line.
@@ -66,7 +68,7 @@ def sentinel_cell(fault: str, args: argparse.Namespace, work: Path, reference: d
     """One `sentinel drill` of the same world, steps and fault; its progress log read like the peers'."""
     wd = work / "drill"
     argv = [sys.executable, "-m", "sentinel", "drill", "--json", "--nodes", "2", "--procs-per-node", "2",
-            "--spares", "1", "--fault", fault, "--steps", str(args.steps), "--at-step", str(args.at_step),
+            "--spares", "1", "--agent", "warm", "--rdzv-backend", "sentinel", "--fault", fault, "--steps", str(args.steps), "--at-step", str(args.at_step),
             "--step-seconds", str(args.step_seconds), "--timeout", str(args.timeout), "--workdir", str(wd),
             "--verify", "--reference-cache", str(args.cache / "sentinel-reference")]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout + 300, cwd=REPO,

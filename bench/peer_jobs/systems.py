@@ -255,8 +255,10 @@ class DLRover(Peer):
 
 class SentinelSteady(ElasticDCP):
     """Sentinel's job in steady state, as `sentinel drill` runs it: trainer.train (FSDP2) under
-    torchrun with its SnapshotGuard, the memory tier every step (a replica on the other node),
-    disk snapshots every 10 steps; no fault, so no daemon is needed for the step-time figure."""
+    Sentinel's warm agent (python -m trainer.elastic, trainer.train preloaded) on the slot
+    rendezvous (--rdzv-backend sentinel), its SnapshotGuard with the memory tier every step (a
+    replica on the other node), disk snapshots every 10 steps; no fault, so no daemon is needed
+    for the step-time figure."""
 
     name, label = "sentinel", "Sentinel"
 
@@ -267,13 +269,15 @@ class SentinelSteady(ElasticDCP):
 
     def _agent(self, run: Run, node: str, more: list[str]) -> None:
         store = run.ports[0]
-        argv = [self.python(), "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store}",
-                f"--rdzv-conf=is_host={'true' if node == 'node0' else 'false'}", "--rdzv-id", f"peers-{store}",
+        argv = [self.python(), "-m", "trainer.elastic", "--preload", "trainer.train", "--",
+                "--nnodes", "2:2", "--nproc-per-node", "2", "--rdzv-backend", "sentinel",
+                "--rdzv-endpoint", f"127.0.0.1:{store}", "--rdzv-id", f"peers-{store}",
+                f"--rdzv-conf=is_host={'true' if node == 'node0' else 'false'},keep_alive_interval=1",
+                "--monitor-interval", "0.1",
                 "-m", "trainer.train", "--steps", str(run.steps), "--step-seconds", str(run.step_seconds),
                 "--snapshot-dir", str(run.work / "snap"), "--interval-steps", "10", "--memory-interval-steps", "1",
                 "--progress", str(run.progress), "--final", str(run.final)]
-        run.spawn(node, argv, run.env(SENTINEL_NODE=node, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
+        run.spawn(node, argv, run.env(SENTINEL_NODE=node))
 
 
 PEERS: dict[str, Peer] = {p.name: p for p in (ElasticDCP(), TorchFT(), NVRx(), DLRover())}
