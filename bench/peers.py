@@ -25,7 +25,8 @@ Sentinel's cells are `sentinel drill --nodes 2 --procs-per-node 2 --spares 1 --a
 --rdzv-backend sentinel` (the configuration README.md and docs/rendezvous.md give a job: the warm
 agent, warm spare, rank-preserving slot rendezvous that tells a dead node from the survivors' own
 connection errors; its memory tier every step, disk snapshots every 10), the same for every fault. How each peer is configured, and from which of its pages:
-bench/peer_jobs/*.py and docs/peers.md. The peers run from their own virtual environments
+bench/peer_jobs/*.py and docs/peers.md; torchft_tuned is torchft with the Lighthouse's heartbeat
+timeout at 1 s instead of its 5 s default (its quorum timeout that a sudden loss waits for). The peers run from their own virtual environments
 (scripts/peers-venvs; $SENTINEL_PEERS_VENVS, default /var/cache/sentinel-peers); a peer that
 cannot start is tried in every round, and its row shows the error line.
 
@@ -55,7 +56,7 @@ import _report  # noqa: E402
 from peer_jobs import systems  # noqa: E402
 from peer_jobs.account import account, loss_deviation, losses, slug, summarise  # noqa: E402
 
-ALL_SYSTEMS = ("sentinel", "elastic_dcp", "torchft", "nvrx", "dlrover")
+ALL_SYSTEMS = ("sentinel", "elastic_dcp", "torchft", "torchft_tuned", "nvrx", "dlrover")
 LABELS = {"sentinel": "Sentinel (warm spare, memory tier)", **{n: p.label for n, p in systems.PEERS.items()}}
 FAULTS = ("kill", "xid79", "rank-crash")
 SMOKE_FIGURES = ("peers_sentinel_kill_fault_to_first_step_seconds", "peers_sentinel_kill_recomputed_steps",
