@@ -15,7 +15,8 @@ Faults (at step --at-step of --steps, each step padded to --step-seconds as `sen
   rank-crash  node1's first rank raises (Sentinel's drill: SIGKILL of that rank)
 
 Per system and fault (median of the runs that finished): fault -> first step (the first step any
-rank logs after the fault), steps recomputed (step indices computed twice), degraded steps (steps
+rank logs after the fault; Sentinel's: its first step on the spare, as its drill times it, since a
+warned node steps on until its migrate snapshot), steps recomputed (step indices computed twice), degraded steps (steps
 committed by fewer data-parallel replicas than the world: torchft goes on without the dead
 groups' slices of the batch), and whether the final parameters equal the same system's
 uninterrupted run bitwise. Per system, once per round with no fault and no padding: the
@@ -80,6 +81,13 @@ def sentinel_cell(fault: str, args: argparse.Namespace, work: Path, reference: d
     events = [json.loads(line) for line in (wd / "progress.jsonl").read_text().splitlines() if line.strip()]
     t_fault = next(e["time"] for e in d["timeline"] if e["stage"] == "fault injected")
     cell = account(events, t_fault, full=4)
+    # A warned node keeps stepping until its migrate snapshot: the first step its log shows after an
+    # xid79 is one of those (the job did not stop), not the hand-over. Like the peers' figure (their
+    # first step after recovering), Sentinel's is its first step on the spare, as the drill times it
+    # (the same step as the log's for kill and rank-crash); the log's first step is kept beside it.
+    cell["first_logged_step_seconds"] = cell["fault_to_first_step_seconds"]
+    if d.get("fault_to_first_step_seconds") is not None:
+        cell["fault_to_first_step_seconds"] = cell["fault_to_full_world_seconds"] = d["fault_to_first_step_seconds"]
     cell.update(ok=bool(d["ok"]), injected=fault, bitwise=bool((d.get("verify") or {}).get("bitwise_equal")),
                 loss_deviation=loss_deviation(events, (reference or {}).get("losses"), t_fault),
                 drill={"fault_to_first_step_seconds": d.get("fault_to_first_step_seconds"),
