@@ -367,6 +367,7 @@ def generated_block(doc: dict) -> str:
 
 
 PEER_ROWS = (("sentinel", "Sentinel"), ("elastic_dcp", "torch elastic + DCP"), ("torchft", "torchft 0.2.0"),
+             ("torchft_tuned", "torchft 0.2.0, 1 s heartbeat timeout"),
              ("nvrx", "NVRx 0.4.1 in-process"), ("dlrover", "DLRover 0.6.1"))
 
 
@@ -382,6 +383,8 @@ def peers_table(conds: dict[str, dict[str, float]]) -> list[str]:
                 "| system | " + " | ".join(faults) + " | step time / no FT | extra peak memory |",
                 "|---|" + "---|" * (len(faults) + 2)]
         for key, label in PEER_ROWS:
+            if not any(k.startswith(f"peers_{key}_") for k in fig):
+                continue  # a system this report did not run (a variant added later)
             cols = []
             for f in faults:
                 p = f"peers_{key}_{f}_"

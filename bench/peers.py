@@ -15,15 +15,19 @@ Faults (at step --at-step of --steps, each step padded to --step-seconds as `sen
   rank-crash  node1's first rank raises (Sentinel's drill: SIGKILL of that rank)
 
 Per system and fault (median of the runs that finished): fault -> first step (the first step any
-rank logs after the fault), steps recomputed (step indices computed twice), degraded steps (steps
+rank logs after the fault; Sentinel's: its first step on the spare, as its drill times it, since a
+warned node steps on until its migrate snapshot), steps recomputed (step indices computed twice), degraded steps (steps
 committed by fewer data-parallel replicas than the world: torchft goes on without the dead
 groups' slices of the batch), and whether the final parameters equal the same system's
 uninterrupted run bitwise. Per system, once per round with no fault and no padding: the
 steady-state step time against the same loop with no fault tolerance at all (DDP for the peers,
 FSDP2 for Sentinel, as trainer.train shards it) and the job's peak resident memory against it.
-Sentinel's cells are `sentinel drill --nodes 2 --procs-per-node 2 --spares 1` (its memory tier
-every step, disk snapshots every 10). How each peer is configured, and from which of its pages:
-bench/peer_jobs/*.py and docs/peers.md. The peers run from their own virtual environments
+Sentinel's cells are `sentinel drill --nodes 2 --procs-per-node 2 --spares 1 --agent warm
+--rdzv-backend sentinel` (the configuration README.md and docs/rendezvous.md give a job: the warm
+agent, warm spare, rank-preserving slot rendezvous that tells a dead node from the survivors' own
+connection errors; its memory tier every step, disk snapshots every 10), the same for every fault. How each peer is configured, and from which of its pages:
+bench/peer_jobs/*.py and docs/peers.md; torchft_tuned is torchft with the Lighthouse's heartbeat
+timeout at 1 s instead of its 5 s default (its quorum timeout that a sudden loss waits for). The peers run from their own virtual environments
 (scripts/peers-venvs; $SENTINEL_PEERS_VENVS, default /var/cache/sentinel-peers); a peer that
 cannot start is tried in every round, and its row shows the error line.
 
@@ -53,7 +57,7 @@ import _report  # noqa: E402
 from peer_jobs import systems  # noqa: E402
 from peer_jobs.account import account, loss_deviation, losses, slug, summarise  # noqa: E402
 
-ALL_SYSTEMS = ("sentinel", "elastic_dcp", "torchft", "nvrx", "dlrover")
+ALL_SYSTEMS = ("sentinel", "elastic_dcp", "torchft", "torchft_tuned", "nvrx", "dlrover")
 LABELS = {"sentinel": "Sentinel (warm spare, memory tier)", **{n: p.label for n, p in systems.PEERS.items()}}
 FAULTS = ("kill", "xid79", "rank-crash")
 SMOKE_FIGURES = ("peers_sentinel_kill_fault_to_first_step_seconds", "peers_sentinel_kill_recomputed_steps",
@@ -66,7 +70,7 @@ def sentinel_cell(fault: str, args: argparse.Namespace, work: Path, reference: d
     """One `sentinel drill` of the same world, steps and fault; its progress log read like the peers'."""
     wd = work / "drill"
     argv = [sys.executable, "-m", "sentinel", "drill", "--json", "--nodes", "2", "--procs-per-node", "2",
-            "--spares", "1", "--fault", fault, "--steps", str(args.steps), "--at-step", str(args.at_step),
+            "--spares", "1", "--agent", "warm", "--rdzv-backend", "sentinel", "--fault", fault, "--steps", str(args.steps), "--at-step", str(args.at_step),
             "--step-seconds", str(args.step_seconds), "--timeout", str(args.timeout), "--workdir", str(wd),
             "--verify", "--reference-cache", str(args.cache / "sentinel-reference")]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout + 300, cwd=REPO,
@@ -77,6 +81,13 @@ def sentinel_cell(fault: str, args: argparse.Namespace, work: Path, reference: d
     events = [json.loads(line) for line in (wd / "progress.jsonl").read_text().splitlines() if line.strip()]
     t_fault = next(e["time"] for e in d["timeline"] if e["stage"] == "fault injected")
     cell = account(events, t_fault, full=4)
+    # A warned node keeps stepping until its migrate snapshot: the first step its log shows after an
+    # xid79 is one of those (the job did not stop), not the hand-over. Like the peers' figure (their
+    # first step after recovering), Sentinel's is its first step on the spare, as the drill times it
+    # (the same step as the log's for kill and rank-crash); the log's first step is kept beside it.
+    cell["first_logged_step_seconds"] = cell["fault_to_first_step_seconds"]
+    if d.get("fault_to_first_step_seconds") is not None:
+        cell["fault_to_first_step_seconds"] = cell["fault_to_full_world_seconds"] = d["fault_to_first_step_seconds"]
     cell.update(ok=bool(d["ok"]), injected=fault, bitwise=bool((d.get("verify") or {}).get("bitwise_equal")),
                 loss_deviation=loss_deviation(events, (reference or {}).get("losses"), t_fault),
                 drill={"fault_to_first_step_seconds": d.get("fault_to_first_step_seconds"),

@@ -14,6 +14,7 @@ import pytest
 from bench_smoke import REPO, run_smoke
 
 sys.path.insert(0, str(REPO / "bench"))
+import measure_all  # noqa: E402
 from peer_jobs.account import account, loss_deviation, losses, summarise  # noqa: E402
 
 
@@ -109,6 +110,15 @@ def test_summary_takes_medians_of_finished_cells_and_ratios_of_the_same_run():
     assert fig["peers_elastic_dcp_over_sentinel_kill_fault_to_first_step_ratio"] == pytest.approx(10.5 / 3.0)
     assert fig["peers_elastic_dcp_step_over_baseline_ratio"] == pytest.approx(1.5)
     assert fig["peers_elastic_dcp_extra_peak_rss_bytes"] == 500
+
+
+def test_the_generated_table_has_a_row_for_every_system_the_report_ran_and_none_for_the_others():
+    fig = {"peers_sentinel_kill_fault_to_first_step_seconds": 0.9, "peers_sentinel_kill_recomputed_steps": 0,
+           "peers_sentinel_kill_bitwise_equal_fraction": 1.0, "peers_sentinel_kill_runs_count": 3,
+           "peers_dlrover_kill_runs_count": 3, "peers_dlrover_kill_ok_fraction": 0.0}
+    rows = [line for line in measure_all.peers_table({"quiet": fig}) if line.startswith("| ") and "---" not in line][1:]
+    assert [r.split(" | ")[0] for r in rows] == ["| Sentinel", "| DLRover 0.6.1"]
+    assert "0.9 / 0 / 0 / 1" in rows[0] and "did not run" in rows[1]  # DLRover ran and failed: its row says so
 
 
 def test_pins_are_the_extra_and_the_venv_script_the_same():

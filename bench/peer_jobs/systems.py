@@ -198,12 +198,14 @@ class TorchFT(Peer):
     how = ("Lighthouse --min_replicas 1 (5 s heartbeat timeout), 4 replica groups of 1 rank (2 per node), "
            "each torchrun --max-restarts 3; Manager on ProcessGroupGloo, PGTransport, use_async_quorum=False")
     crash_rank = 2  # replica group 2: node1's first
+    lighthouse_args: tuple[str, ...] = ()
 
     def launch(self, run: Run, baseline: bool = False) -> None:
         run.ports = free_ports(1)
         lh = str(VENVS / self.venv / "bin" / "torchft_lighthouse")
         log = open(run.work / "lighthouse.log", "ab")
-        run.extra.append(subprocess.Popen([lh, "--min_replicas", "1", "--bind", f"127.0.0.1:{run.ports[0]}"],
+        run.extra.append(subprocess.Popen([lh, "--min_replicas", "1", "--bind", f"127.0.0.1:{run.ports[0]}",
+                                           *self.lighthouse_args],
                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         log.close()
         (run.work / "barrier").mkdir()
@@ -221,6 +223,18 @@ class TorchFT(Peer):
     def replace(self, run: Run) -> None:
         for g in (2, 3):
             self._group(run, g, barrier=False)
+
+
+class TorchFTTuned(TorchFT):
+    """torchft with its failure detection tuned: the Lighthouse's heartbeat timeout, the time a dead
+    group holds the next quorum back, from its 5 s default to 1 s (10 of the Managers' 100 ms
+    heartbeats; `torchft_lighthouse --heartbeat_timeout_ms`, the only quorum timeout that a sudden
+    loss waits for: the join timeout waits for stragglers only when fewer than --min_replicas
+    groups heartbeat)."""
+
+    name, label = "torchft_tuned", "torchft 0.2.0, 1 s heartbeat timeout"
+    how = TorchFT.how.replace("5 s heartbeat timeout", "--heartbeat_timeout_ms 1000")
+    lighthouse_args = ("--heartbeat_timeout_ms", "1000")
 
 
 class NVRx(Peer):
@@ -255,8 +269,10 @@ class DLRover(Peer):
 
 class SentinelSteady(ElasticDCP):
     """Sentinel's job in steady state, as `sentinel drill` runs it: trainer.train (FSDP2) under
-    torchrun with its SnapshotGuard, the memory tier every step (a replica on the other node),
-    disk snapshots every 10 steps; no fault, so no daemon is needed for the step-time figure."""
+    Sentinel's warm agent (python -m trainer.elastic, trainer.train preloaded) on the slot
+    rendezvous (--rdzv-backend sentinel), its SnapshotGuard with the memory tier every step (a
+    replica on the other node), disk snapshots every 10 steps; no fault, so no daemon is needed
+    for the step-time figure."""
 
     name, label = "sentinel", "Sentinel"
 
@@ -267,18 +283,20 @@ class SentinelSteady(ElasticDCP):
 
     def _agent(self, run: Run, node: str, more: list[str]) -> None:
         store = run.ports[0]
-        argv = [self.python(), "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store}",
-                f"--rdzv-conf=is_host={'true' if node == 'node0' else 'false'}", "--rdzv-id", f"peers-{store}",
+        argv = [self.python(), "-m", "trainer.elastic", "--preload", "trainer.train", "--",
+                "--nnodes", "2:2", "--nproc-per-node", "2", "--rdzv-backend", "sentinel",
+                "--rdzv-endpoint", f"127.0.0.1:{store}", "--rdzv-id", f"peers-{store}",
+                f"--rdzv-conf=is_host={'true' if node == 'node0' else 'false'},keep_alive_interval=1",
+                "--monitor-interval", "0.1",
                 "-m", "trainer.train", "--steps", str(run.steps), "--step-seconds", str(run.step_seconds),
                 "--snapshot-dir", str(run.work / "snap"), "--interval-steps", "10", "--memory-interval-steps", "1",
                 "--progress", str(run.progress), "--final", str(run.final)]
-        run.spawn(node, argv, run.env(SENTINEL_NODE=node, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
+        run.spawn(node, argv, run.env(SENTINEL_NODE=node))
 
 
-PEERS: dict[str, Peer] = {p.name: p for p in (ElasticDCP(), TorchFT(), NVRx(), DLRover())}
+PEERS: dict[str, Peer] = {p.name: p for p in (ElasticDCP(), TorchFT(), TorchFTTuned(), NVRx(), DLRover())}
 # the no-fault, unpadded runs: each system's steady state, and the loops without fault tolerance
-STEADY: dict[str, Peer] = {p.name: p for p in (NoFT(), NoFTFSDP(), SentinelSteady(), ElasticDCP(), TorchFT(), NVRx())}
+STEADY: dict[str, Peer] = {p.name: p for p in (NoFT(), NoFTFSDP(), SentinelSteady(), ElasticDCP(), TorchFT(), TorchFTTuned(), NVRx())}
 
 
 def first_error_line(run: Run) -> str:
