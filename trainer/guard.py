@@ -13,8 +13,10 @@ Contract
   and is never loaded.
 * ``step(step)`` (collective every ``check_every`` steps) is called after the step's optimizer
   update. It reads the local control channel (non-blocking), then all ranks agree with one tiny
-  all-reduce on whether to snapshot at this same step: the daemon reaches only its own node's
-  ranks, and a DCP save is collective, so deciding per rank would deadlock. When requests are
+  all-reduce MAX on whether to snapshot at this same step: the daemon reaches only its own node's
+  ranks, and a DCP save is collective, so deciding per rank would deadlock. (The all-reduce is
+  :mod:`trainer.agree`'s dissemination: log2(world) rounds, not gloo's ring; with the memory tier,
+  :mod:`trainer.guard_memory` takes the step's own copy while it runs.) When requests are
   being served, the ranks also exchange their request ids (rare: only on those steps).
 * One request id, at most one snapshot. Every rank remembers the last ``SERVED_IDS`` ids served
   by any rank's request; a request whose id was already served (it reached this rank late, or a
