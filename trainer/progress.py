@@ -21,7 +21,8 @@ Contract
   Without the recorder the split is unknown and the step time stands in for compute (the scores
   then only see a slow node through its individual score). The groups the guard uses from
   background threads (disk save, memory replica) are excluded; the control group, used by the
-  training thread, counts. The dump is budgeted (``fr_budget`` of the window's time): the ranks
+  training thread, counts (but not the guard's per-step agreement on it: point-to-point messages,
+  :mod:`trainer.agree`, which the recorder's parse leaves out). The dump is budgeted (``fr_budget`` of the window's time): the ranks
   agree to skip the same windows when it costs more, and a skipped window is not scored.
 * :class:`HangWatch` is a daemon thread. When no step completed on this rank for T
   (:func:`sentinel.hang.hang_timeout`), it writes what this rank last entered (its last completed
