@@ -669,6 +669,28 @@ def test_a_round_skipped_under_the_replica_budget_still_takes_the_own_copy_which
     again.close()
 
 
+def test_the_copy_taken_while_the_ranks_agree_is_the_one_replicated_or_kept_as_the_own_copy(tmp_path):
+    """The guard stages a due step's own copy before the agreement is known (trainer.guard_memory):
+    handed over, it is that very slot that is replicated (no second copy); found late, it stays a
+    complete own copy of its step, and the agreed copy is never the slot offered next."""
+    tier = MemoryTier(tmp_path / "h", run_id="r", rank=0, world=1, local_world=1, group=None)
+    live = {"w": torch.arange(1000, dtype=torch.float32)}
+    tier.setup(live)
+    early = tier.stage(0, live)
+    slot = tier.take(0, live, due=True, replicate=True, disk=False, staged=early)
+    assert slot is early and tier.snapshots == 1 and len(tier.stalls) == 1  # copied once
+    assert tier.wait_idle() and tier.agreed_step == 0
+    live["w"].add_(1)
+    early = tier.stage(1, live)
+    assert tier.take(1, live, due=True, replicate=False, disk=False, staged=early) is None
+    assert (tier.late, tier.snapshots, tier.agreed_step) == (1, 1, 0)
+    assert early.header()[:2] == (COMPLETE, 1)
+    assert tier.free_slot() is not None and tier.free_slot() is not tier.replicator.agreed_slot
+    disk = tier.take(2, live, due=True, replicate=False, disk=True, staged=tier.stage(2, live))
+    assert disk is not None and disk.header()[:2] == (COMPLETE, 2) and tier.disk_only == 1
+    tier.close()
+
+
 @pytest.mark.parametrize("raw", ["1", "-0.1", "x"])
 def test_a_replica_budget_outside_zero_to_one_is_refused_naming_the_variable(tmp_path, monkeypatch, raw):
     monkeypatch.setenv("SENTINEL_MEMORY_REPLICA_BUDGET", raw)

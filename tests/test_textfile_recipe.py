@@ -1,6 +1,6 @@
 """The root textfile recipe (deploy/node_exporter/sentinel-memory-textfile) exports only what a
 job's user wrote into that user's own holder: planted directories named like a holder, links and
-other users' files are skipped, and only lines of the one metric are copied, with the uid."""
+other users' files are skipped, and only lines of the two memory-tier metrics are copied, with the uid."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ pytestmark = pytest.mark.needs_root
 SCRIPT = REPO / "deploy" / "node_exporter" / "sentinel-memory-textfile"
 JOB_UID = 65534  # nobody: the job's user
 LINE = 'sentinel_trainer_memory_snapshot_bytes{rank="%d",copy="own"} %d\n'
+SKIPPED = 'sentinel_trainer_memory_replica_skipped_total{rank="%d"} %d\n'
 
 
 def as_user(user, argv):
@@ -38,7 +39,7 @@ def test_the_recipe_exports_only_holders_their_users_own(attacker, shared_tmp):
     out.mkdir()
     a = attacker.uid
     # the job's own holder (what trainer.memory creates) and its /run/user one
-    as_user(None, ["sh", "-c", f"mkdir -m 700 {shm}/sentinel-{JOB_UID} && printf '{LINE % (0, 111)}' > {shm}/sentinel-{JOB_UID}/metrics-rank0.prom"])
+    as_user(None, ["sh", "-c", f"mkdir -m 700 {shm}/sentinel-{JOB_UID} && printf '{LINE % (0, 111)}{SKIPPED % (0, 7)}' > {shm}/sentinel-{JOB_UID}/metrics-rank0.prom"])
     (run_user / str(JOB_UID)).mkdir(mode=0o700)
     os.chown(run_user / str(JOB_UID), JOB_UID, JOB_UID)
     as_user(None, ["sh", "-c", f"mkdir -m 700 {run_user}/{JOB_UID}/sentinel && printf '{LINE % (1, 222)}' > {run_user}/{JOB_UID}/sentinel/metrics-rank1.prom"])
@@ -46,14 +47,14 @@ def test_the_recipe_exports_only_holders_their_users_own(attacker, shared_tmp):
     # a name that is not a holder, and its own holder with a foreign series in it
     plant = " && ".join([
         f"mkdir -m 700 {shm}/sentinel-{JOB_UID}-deadbeef",
-        f"printf '{LINE % (0, 999)}' > {shm}/sentinel-{JOB_UID}-deadbeef/metrics-rank0.prom",
+        f"printf '{LINE % (0, 999)}{SKIPPED % (0, 999)}' > {shm}/sentinel-{JOB_UID}-deadbeef/metrics-rank0.prom",
         f"ln -s {shm}/sentinel-{JOB_UID}-deadbeef {shm}/sentinel-{JOB_UID}-cafe",
         f"mkdir -m 755 {shm}/sentinel-{a}-00",
         f"printf '{LINE % (0, 998)}' > {shm}/sentinel-{a}-00/metrics-rank0.prom",
         f"mkdir -m 700 {shm}/sentinel-evil",
         f"printf '{LINE % (0, 997)}' > {shm}/sentinel-evil/metrics-rank0.prom",
         f"mkdir -m 700 {shm}/sentinel-{a}",
-        f"printf '{LINE % (3, 333)}node_load1 999\\n' > {shm}/sentinel-{a}/metrics-rank3.prom",
+        f"printf '{SKIPPED % (3, 4)}{LINE % (3, 333)}node_load1 999\\nsentinel_trainer_memory_replica_skipped_total{{rank=\"3\",x=\"1\"}} 9\\n' > {shm}/sentinel-{a}/metrics-rank3.prom",
         f"ln -s /etc/passwd {shm}/sentinel-{a}/metrics-rank4.prom",
     ])
     as_user(attacker, ["sh", "-c", plant])
@@ -66,6 +67,8 @@ def test_the_recipe_exports_only_holders_their_users_own(attacker, shared_tmp):
         f'sentinel_trainer_memory_snapshot_bytes{{uid="{JOB_UID}",rank="0",copy="own"}} 111',
         f'sentinel_trainer_memory_snapshot_bytes{{uid="{JOB_UID}",rank="1",copy="own"}} 222',
         f'sentinel_trainer_memory_snapshot_bytes{{uid="{a}",rank="3",copy="own"}} 333',  # its own job, as itself
+        f'sentinel_trainer_memory_replica_skipped_total{{uid="{JOB_UID}",rank="0"}} 7',  # per rank, beside the bytes
+        f'sentinel_trainer_memory_replica_skipped_total{{uid="{a}",rank="3"}} 4',
     ])
     assert (out / "sentinel_memory.prom").stat().st_mode & 0o777 == 0o644
     assert [p.name for p in out.iterdir()] == ["sentinel_memory.prom"]  # no temporary left behind

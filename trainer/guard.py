@@ -13,8 +13,10 @@ Contract
   and is never loaded.
 * ``step(step)`` (collective every ``check_every`` steps) is called after the step's optimizer
   update. It reads the local control channel (non-blocking), then all ranks agree with one tiny
-  all-reduce on whether to snapshot at this same step: the daemon reaches only its own node's
-  ranks, and a DCP save is collective, so deciding per rank would deadlock. When requests are
+  all-reduce MAX on whether to snapshot at this same step: the daemon reaches only its own node's
+  ranks, and a DCP save is collective, so deciding per rank would deadlock. (The all-reduce is
+  :mod:`trainer.agree`'s dissemination: log2(world) rounds, not gloo's ring; with the memory tier,
+  :mod:`trainer.guard_memory` takes the step's own copy while it runs.) When requests are
   being served, the ranks also exchange their request ids (rare: only on those steps).
 * One request id, at most one snapshot. Every rank remembers the last ``SERVED_IDS`` ids served
   by any rank's request; a request whose id was already served (it reached this rank late, or a
@@ -49,7 +51,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -58,12 +60,13 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
 from sentinel.channel import Ack, NullEndpoint, RankEndpoint, Request
+from trainer.agree import agree_max
 from trainer.disk import (  # noqa: F401 - re-exported: trainer.guard's names from before the split
     CORRUPT, MARKER, PREFIX, DiskTier, DiskWrite, complete_snapshots, snapshot_path, staged_bytes)
 from trainer.fence import generation_from_env
+from trainer.guard_memory import MIGRATE, NONE, SNAPSHOT, MemorySteps, SnapshotRecord  # noqa: F401 - re-exported
 from trainer.hold import NodeDrained, hold_for_drain  # noqa: F401 - NodeDrained re-exported
 from trainer.memory import MemoryTier, MemoryTierError, RestoreResult, default_holder_dir
-from trainer.memory.plan import nodes_left_without_a_copy
 from trainer.progress import JobWatch
 from trainer.state import ModelOptimState, StagingState  # noqa: F401 - ModelOptimState re-exported
 
@@ -74,7 +77,6 @@ SERVED_IDS = 256
 # The daemon's default ack timeout (120 s) plus a drain budget: a hold must outlast both, or the
 # ranks would go back to training just before the node is drained.
 DEFAULT_MIGRATE_HOLD_SECONDS = 180.0
-NONE, SNAPSHOT, MIGRATE = 0, 1, 2
 
 
 @dataclass
@@ -84,21 +86,6 @@ class _Inflight:
     write: DiskWrite
     requests: dict[str, Request]
     kind: int
-
-
-@dataclass
-class SnapshotRecord:
-    step: int
-    path: str
-    blocked_seconds: float
-    total_seconds: float
-    kind: str
-    ok: bool
-    error: str = ""
-    bytes: int = 0
-    request_ids: list[str] = field(default_factory=list)
-    channel_error: str = ""
-    tier: str = "disk"  # "memory": committed once in memory on every rank and replicated
 
 
 def _side_group() -> Any:
@@ -111,7 +98,7 @@ def _side_group() -> Any:
     return dist.new_group(backend="gloo", timeout=timeout)
 
 
-class SnapshotGuard:
+class SnapshotGuard(MemorySteps):
     def __init__(self, directory: str | os.PathLike, state: Mapping[str, Any], *, interval_steps: int = 0,
                  check_every: int = 1, keep: int = 3, migrate_hold_seconds: float = DEFAULT_MIGRATE_HOLD_SECONDS,
                  async_save: bool = True, group: Any = None, endpoint: RankEndpoint | NullEndpoint | None = None,
@@ -292,111 +279,7 @@ class SnapshotGuard:
                 self._wait_inflight()
                 self._hold(step, max(self.migrate_hold_seconds, hold))
             return
-        disk_busy = self._inflight is not None and not self._inflight.write.done()
-        requested, mem_busy, disk_busy = self._agree_all(local, self.memory.replica_wait(), disk_busy)
-        self._disk_owed = self._disk_owed or due
-        self._last_step = step
-        if requested == NONE:
-            disk_now = self._disk_owed and not disk_busy
-            if not (disk_now or mem_due):
-                return
-            if disk_now:
-                self._wait_inflight()  # done on every rank (disk_busy is agreed): reaps it, frees its slot
-            state_dict, reused, build = self._staged_state()
-            # a replica round still running (a slow partner) or its budget's pause: the round is skipped, never
-            # the step held; the own copy is taken when a slot is free, a disk snapshot staged (MemoryTier.take)
-            slot = self.memory.take(step, state_dict, due=mem_due, replicate=not mem_busy, disk=disk_now,
-                                    reuse=reused, build_seconds=build)
-            if disk_now:
-                self._disk_owed = False
-                self._persist(step, SNAPSHOT, {}, set(), slot, state_dict)
-            return
-        requests, self._pending = self._pending, {}
-        ids, hold = self._exchange(requests)
-        if mem_busy:
-            self.memory.wait_idle()  # a request is served at this step: wait for the previous copy
-        if disk_busy:
-            self._wait_inflight()
-        state_dict, reused, build = self._staged_state()
-        job = self.memory.snapshot(step, state_dict, reuse=reused, build_seconds=build)
-        if requested == MIGRATE:
-            job.done.wait(self.memory.timeout)
-            job.ok = self._memory_agreed(step)
-            if job.ok and self.migrate_ack == "memory":
-                requests, ids, hold = self._join_late(requests, ids, hold)
-            if job.ok and self.migrate_ack == "memory" and not self._leaving_with_every_copy(step):
-                self._commit_in_memory(step, requests, ids)
-                self._persist(step, MIGRATE, {}, ids, job.slot, state_dict)
-            elif job.ok:  # durable: acknowledged once the disk copy commits (memory is restorable too)
-                self._persist(step, MIGRATE, requests, ids, job.slot, state_dict)
-                self._wait_inflight()
-            else:  # not replicated everywhere: the migrate snapshot goes to disk, as without the tier
-                log.error("migrate snapshot at step %d was not replicated (%s); writing it to disk first",
-                          step, job.error or "timed out")
-                self._persist(step, MIGRATE, requests, ids, job.slot, state_dict)
-                self._wait_inflight()
-            self._hold(step, max(self.migrate_hold_seconds, hold))
-        else:
-            self._disk_owed = False
-            self._persist(step, SNAPSHOT, requests, ids, job.slot, state_dict)
-
-    def _flush_owed(self) -> None:
-        """Write the owed disk snapshot from memory (collective; see :meth:`close`)."""
-        step = self._last_step
-        self.memory.wait_idle()  # the agreed step is the same on every rank once every copy ended
-        self._wait_inflight()
-        state_dict, reused, build = self._staged_state()
-        if self._memory_agreed(step) and self.memory.replicator is not None:
-            slot = self.memory.replicator.agreed_slot
-        else:  # the last memory snapshot was late (or failed): the live state is still that step's
-            slot = self.memory.stage(step, state_dict, reuse=reused, build_seconds=build)
-            self.memory.disk_only += 1
-        self._disk_owed = False
-        self.flushed_at_close = step
-        log.info("writing the disk snapshot owed at the end (step %d) from memory", step)
-        self._persist(step, SNAPSHOT, {}, set(), slot, state_dict)
-        self._wait_inflight()
-
-    def _staged_state(self) -> tuple[dict[str, Any], bool, float]:
-        """(the state dict to stage, whether it is the previous snapshot's with the same tensors,
-        seconds it took to get). On the first memory snapshot (collective: every rank reaches it
-        at the same step) the tier checks its budget and maps its slots."""
-        t0 = time.perf_counter()
-        state_dict, reused = self._staging.get()
-        build = time.perf_counter() - t0
-        if not self.memory.own:
-            self.memory.setup(state_dict)
-        return state_dict, reused, build
-
-    def _agree_all(self, local: int, mem_busy: bool, disk_busy: bool) -> tuple[int, bool, bool]:
-        """One all-reduce: the strongest request any rank holds, whether any rank's replica copy or disk write
-        still runs (every rank skips or waits alike), the least step all replica rounds succeeded at (agreed)."""
-        flag = torch.tensor([local, int(mem_busy), int(disk_busy), -self.memory.done_step()], dtype=torch.int32)
-        if self.distributed and self.world > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control_group)
-        self.memory.agree(-int(flag[3]))
-        return int(flag[0]), bool(flag[1]), bool(flag[2])
-
-    def _memory_agreed(self, step: int) -> bool:
-        """Collective: whether every rank's replica round of ``step`` succeeded (call once it ended)."""
-        self._agree_all(NONE, False, False)
-        return self.memory.agreed_step == step
-
-    def _commit_in_memory(self, step: int, requests: dict[str, Request], ids: set[str]) -> None:
-        """The migrate snapshot is in memory on every rank and replicated: acknowledge it as
-        committed now (the drain can start); the disk copy follows in the background."""
-        self._mark_served(ids, step)
-        path = f"memory:{snapshot_path(self.directory, step)}"
-        blocked = self.memory.stalls[-1] if self.memory.stalls else 0.0
-        size = self.memory.layout.data_len if self.memory.layout else 0
-        self.records.append(SnapshotRecord(step, path, blocked, blocked, "migrate", True, "", size,
-                                           sorted(ids), self.channel_error, tier="memory"))
-        for req in requests.values():
-            for phase in ("staged", "committed"):
-                self.endpoint.ack(Ack(id=req.id, rank=self.rank, step=step, ok=True, path=path,
-                                      blocked_seconds=round(blocked, 6), pid=os.getpid(), request_type=req.type,
-                                      phase=phase, bytes=size))
-        log.warning("migrate snapshot at step %d committed in memory and replicated", step)
+        self._step_memory(step, local, due, mem_due)
 
     def _mark_served(self, ids: set[str], step: int) -> None:
         for rid in sorted(ids):
@@ -447,9 +330,7 @@ class SnapshotGuard:
     def _agree(self, local: int) -> int:
         if not self.distributed or self.world == 1:
             return local
-        flag = torch.tensor([local], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control_group)
-        return int(flag.item())
+        return agree_max([local], self.control_group, self.world)[0]  # log2(world) rounds: trainer.agree
 
     def _exchange(self, requests: Mapping[str, Request]) -> tuple[set[str], float]:
         """Every rank's request ids (so a copy that reaches a rank later is known as served) and
@@ -464,28 +345,6 @@ class SnapshotGuard:
         self._leaving = {r for r, part in enumerate(everyone) if any(m for _, _, m in part)}
         pairs = [p for part in everyone for p in part]
         return {i for i, _, _ in pairs}, max((h for _, h, _ in pairs), default=0.0)
-
-    def _join_late(self, requests: dict[str, Request], ids: set[str], hold: float) -> tuple[dict, set[str], float]:
-        """Collective: requests that reached a rank while the migrate snapshot replicated (the daemons of
-        adjacent victims trip together, their datagrams a step boundary apart) join this migration, so the
-        leaving set that decides a memory-only ack sees every node asked by then."""
-        if self.endpoint.active:
-            self._receive(self.endpoint.poll())
-        late, self._pending, leaving = self._pending, {}, self._leaving
-        more, more_hold = self._exchange(late)
-        self._leaving |= leaving
-        return {**requests, **late}, ids | more, max(hold, more_hold)
-
-    def _leaving_with_every_copy(self, step: int) -> list[int]:
-        """The nodes leaving in this migration whose replica holder leaves too (agreed: every
-        rank computes it from the same exchange). An ack of the memory snapshot alone would let
-        every copy of their shards go with them: their migrate snapshot is acknowledged once on disk."""
-        local = self.memory.local_world
-        exposed = nodes_left_without_a_copy(self.memory.node_holder, {r // local for r in self._leaving})
-        if exposed and self.migrate_ack == "memory":
-            log.warning("migrate snapshot at step %d: node(s) %s leave with every memory copy of their shards "
-                        "(their replica holders leave too); acknowledged once on disk", step, exposed)
-        return exposed
 
     def _snapshot(self, step: int, kind: int, requests: dict[str, Request], ids: set[str]) -> None:
         self._wait_inflight()  # one save at a time; staging buffers are reused

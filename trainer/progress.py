@@ -21,7 +21,8 @@ Contract
   Without the recorder the split is unknown and the step time stands in for compute (the scores
   then only see a slow node through its individual score). The groups the guard uses from
   background threads (disk save, memory replica) are excluded; the control group, used by the
-  training thread, counts. The dump is budgeted (``fr_budget`` of the window's time): the ranks
+  training thread, counts (but not the guard's per-step agreement on it: point-to-point messages,
+  :mod:`trainer.agree`, which the recorder's parse leaves out). The dump is budgeted (``fr_budget`` of the window's time): the ranks
   agree to skip the same windows when it costs more, and a skipped window is not scored.
 * :class:`HangWatch` is a daemon thread. When no step completed on this rank for T
   (:func:`sentinel.hang.hang_timeout`), it writes what this rank last entered (its last completed
@@ -112,6 +113,7 @@ class Progress:
         self.exchange_seconds: list[float] = []
         self._last_wall: int | None = None
         self.fr = flight_recorder_on()
+        self.fr_anywhere = self.fr  # whether any rank's flight recorder is on (agreed at the first exchange)
         self.fr_budget = fr_budget
         self.link = link or (lambda: (0.0, -1))  # (seconds per MB, from rank) of the last replica received
         self._fr_skip = 0
@@ -187,32 +189,47 @@ class Progress:
         """Start the exchange of the window ending at ``step`` (every rank at the same step). Two
         collectives on the control group, each issued asynchronously and waited for a step later,
         so that no step waits for the slowest rank to reach them: an all_reduce MAX of the entry
-        times (phase 1), then an all_gather of the figures (phase 2). Returns the job's progress
+        times (phase 1; only when some rank's flight recorder is on, agreed at the first exchange:
+        without one there are no entry times), then an all_gather of the figures (phase 2). Returns the job's progress
         when there is nobody to wait for (one rank), else None (:meth:`on_step` returns it)."""
         t0 = time.perf_counter()
         bounds = list(self.boundaries)
         entries = self._entries(bounds)
-        if self.nodes is None:  # once: every rank's node name
-            names: list[Any] = [self.node]
+        if self.nodes is None:  # once: every rank's node name, and whether any rank has a flight recorder
+            names: list[Any] = [(self.node, self.fr)]
             if self.group is not None and self.world > 1:
                 names = [None] * self.world
-                dist.all_gather_object(names, self.node, group=self.group)
-            self.nodes = {r: str(n) for r, n in enumerate(names)}
-        vec = torch.full((FR_GROUPS * FR_SLOTS,), -math.inf, dtype=torch.float64)
-        for slot, ns in (entries or {}).items():
-            vec[slot] = float(ns)
-        self._inflight = {"phase": 1, "step": step, "bounds": bounds, "entries": entries, "vec": vec,
-                          "since": self.steps_since_start, "work": self._async(dist.all_reduce, vec, op=dist.ReduceOp.MAX),
-                          "cost": time.perf_counter() - t0}
+                dist.all_gather_object(names, (self.node, self.fr), group=self.group)
+            self.nodes = {r: str(n[0]) for r, n in enumerate(names)}
+            self.fr_anywhere = any(bool(n[1]) for n in names)
+        x = {"phase": 1, "step": step, "bounds": bounds, "entries": entries, "since": self.steps_since_start,
+             "cost": 0.0, "work": None, "vec": None}
+        if self.fr_anywhere:
+            vec = torch.full((FR_GROUPS * FR_SLOTS,), -math.inf, dtype=torch.float64)
+            for slot, ns in (entries or {}).items():
+                vec[slot] = float(ns)
+            x.update(vec=vec, work=self._async(dist.all_reduce, vec, op=dist.ReduceOp.MAX))
+        else:  # no rank records entry times (agreed above): no latest entries to agree on, phase 2 at once
+            self._gather_figures(x, {})
+        x["cost"] = time.perf_counter() - t0
+        self._inflight = x
         if self.group is None or self.world <= 1:
-            self._advance()
-            return self._advance()
+            job = None
+            while self._inflight is not None:
+                job = self._advance()
+            return job
         return None
 
     def _async(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         if self.group is None or self.world <= 1:
             return None
         return fn(*args, group=self.group, async_op=True, **kw)
+
+    def _gather_figures(self, x: dict[str, Any], latest: Mapping[int, float]) -> None:
+        """Phase 2 of the exchange ``x``: this rank's figures, all-gathered (asynchronously)."""
+        mine = torch.tensor(self.local_figures(x["bounds"], x["entries"], latest, x["since"]), dtype=torch.float64)
+        x["out"] = [torch.empty_like(mine) for _ in range(self.world)] if self.world > 1 and self.group is not None else [mine]
+        x.update(phase=2, work=self._async(dist.all_gather, x["out"], mine))
 
     def _advance(self) -> JobProgress | None:
         """Move the exchange in flight on by one phase (see :meth:`exchange`); its progress once done."""
@@ -223,10 +240,8 @@ class Progress:
         if x["work"] is not None:
             x["work"].wait()
         if x["phase"] == 1:
-            latest = {slot: float(x["vec"][slot]) for slot in (x["entries"] or {})}
-            mine = torch.tensor(self.local_figures(x["bounds"], x["entries"], latest, x["since"]), dtype=torch.float64)
-            x["out"] = [torch.empty_like(mine) for _ in range(self.world)] if self.world > 1 and self.group is not None else [mine]
-            x.update(phase=2, work=self._async(dist.all_gather, x["out"], mine), cost=x["cost"] + time.perf_counter() - t0)
+            self._gather_figures(x, {slot: float(x["vec"][slot]) for slot in (x["entries"] or {})})
+            x["cost"] += time.perf_counter() - t0
             return None
         job = JobProgress(x["step"], dict(self.nodes or {}))
         for r, t in enumerate(x["out"]):

@@ -304,33 +304,36 @@ class MemoryTier:
             self.replicator.agree(step)
 
     def take(self, step: int, state: Mapping[str, Any], *, due: bool, replicate: bool, disk: bool,
-             reuse: bool = False, build_seconds: float = 0.0) -> Slot | None:
+             reuse: bool = False, build_seconds: float = 0.0, staged: Slot | None = None) -> Slot | None:
         """A step with a memory (``due``) or disk snapshot due: staged and handed to the replicator
         when ``replicate`` (agreed: no rank's round is still running); else the memory snapshot is
         late (counted; the step is never held for it) and the step is staged for the disk tier
-        alone when ``disk``."""
+        alone when ``disk``. ``staged``: this step's own copy, already taken (:meth:`stage`, the
+        guard takes it while the ranks agree); a late one then stays this rank's own copy."""
         if replicate:
-            return self.snapshot(step, state, reuse=reuse, build_seconds=build_seconds).slot
-        if due and not disk and self.replica_budget > 0 and self._free_slot() is not None:
+            return self.snapshot(step, state, reuse=reuse, build_seconds=build_seconds, staged=staged).slot
+        if due and not disk and self.replica_budget > 0 and (staged is not None or self._free_slot() is not None):
             self.replica_skipped += 1  # the own copy alone: a process crash still loses nothing
             self._maybe_write_metrics()
-            return self.stage(step, state, reuse=reuse, build_seconds=build_seconds)
+            return staged if staged is not None else self.stage(step, state, reuse=reuse, build_seconds=build_seconds)
         self.late += int(due)
         if not disk:
             return None
         self.disk_only += 1
-        return self.stage(step, state, reuse=reuse, build_seconds=build_seconds)
+        return staged if staged is not None else self.stage(step, state, reuse=reuse, build_seconds=build_seconds)
 
-    def snapshot(self, step: int, state: Mapping[str, Any], *, reuse: bool = False, build_seconds: float = 0.0) -> Job:
+    def snapshot(self, step: int, state: Mapping[str, Any], *, reuse: bool = False, build_seconds: float = 0.0,
+                 staged: Slot | None = None) -> Job:
         """Stage this rank's state at ``step`` into a free own slot (the stall) and hand it to
         the replicator. Call only when no rank is busy (the guard agrees on that first).
 
         ``reuse``: ``state`` is the same object as at the previous snapshot and its tensors are
         still the live ones (the caller checked); the list of tensors to copy is then reused
         instead of walking the state again. ``build_seconds``: what building ``state`` took the
-        caller (counted in the stall)."""
+        caller (counted in the stall). ``staged``: the slot :meth:`stage` already filled with this
+        step's state (not staged again)."""
         assert self.replicator is not None
-        slot = self.stage(step, state, reuse=reuse, build_seconds=build_seconds)
+        slot = staged if staged is not None else self.stage(step, state, reuse=reuse, build_seconds=build_seconds)
         self.snapshots += 1
         return self.replicator.submit(step, slot)
 
@@ -362,6 +365,10 @@ class MemoryTier:
         self.stall_parts["copy"].append(t2 - t1)
         self.stall_parts["meta"].append(t3 - t2)
         return slot
+
+    def free_slot(self) -> Slot | None:
+        """An own slot :meth:`stage` may fill now (None: none is free, or the tier is not set up)."""
+        return self._free_slot() if self.replicator is not None else None
 
     def _free_slot(self) -> Slot | None:
         """An own slot that is not the agreed copy, not the disk write's, not a replica round's."""
