@@ -59,14 +59,34 @@ LONG_FILES = ("test_netns_hosts.py", "test_drill.py", "test_trainer.py", "test_m
               "test_kubelet.py", "test_image.py", "test_dashboard.py")
 
 
+# Before those, the tests outside a group that took over a minute each in a CI run (scripts/test
+# prints the 30 slowest), longest first: started last, one of them alone would be the run's tail.
+# (A group is one unit of work: pytest-xdist hands the groups out first, the most tests first.)
+LONGEST_TESTS = ("test_peers_bench.py::test_smoke_kills_node1_at_the_same_step_for_sentinel_and_torch_elastic",
+                 "test_lightning.py::test_a_stock_lightning_job_resumed_twice_across_an_epoch_end_is_bitwise_equal",
+                 "test_torchtitan.py::test_restarted_job_resumes_through_torchtitans_load_and_ends_bitwise_equal",
+                 "test_torchtitan.py::test_xid79_makes_torchtitan_save_now_and_the_spare_load_it_with_no_lost_step",
+                 "test_drill.py::test_two_nodes_fail_at_once",
+                 "test_drill.py::test_a_hung_rank_alone_on_its_node_is_handed_over_by_the_forwarded_verdict",
+                 "test_bench_smoke.py::test_bench_smoke[memory_tier]",
+                 "test_bench_smoke.py::test_migration_killed_mid_run_keeps_the_finished_drills",
+                 "test_lightning.py::test_xid79_hands_a_lightning_job_to_the_spare_with_no_lost_step_and_bitwise_equal_result")
+
+
+def run_order(item) -> tuple[int, int]:
+    for name in (f"{item.path.name}::{item.name}", f"{item.path.name}::{getattr(item, 'originalname', item.name)}"):
+        if name in LONGEST_TESTS:  # a test by its name with its parameters, or all its parametrisations
+            return 0, LONGEST_TESTS.index(name)
+    return 1, LONG_FILES.index(item.path.name) if item.path.name in LONG_FILES else len(LONG_FILES)
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (it appends them to the node ids)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         group = xdist_group_of(item)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
-    rank = {name: i for i, name in enumerate(LONG_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))
+    items.sort(key=run_order)
 
 
 # -- two suites on one host ------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torchtitan  # noqa: F401 - the test extra installs it: a missing one fails here, never skips
 
-from conftest import REPO, session_shared_dir
+from conftest import REPO, made_once, session_shared_dir
 from test_drill import drill, why
 
 pytestmark = [pytest.mark.needs_torch, pytest.mark.slow]
@@ -42,9 +42,20 @@ def run_job(root: Path, *, stop_after: int = 0, async_mode: str = "async") -> di
     return json.loads(final.read_text()) if final.exists() else {}
 
 
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory) -> dict:
+    """The job's 25 steps without a stop, once per session for both save modes: the mode changes
+    how checkpoints are written, never what is trained (each test's restarted run saves and loads
+    in its own mode). Shared by the xdist workers (conftest.made_once)."""
+    def make(d: Path) -> None:
+        (d / "final.json").write_text(json.dumps(run_job(d, async_mode="disabled")))
+
+    return json.loads((made_once(tmp_path_factory, "torchtitan-uninterrupted", make) / "final.json").read_text())
+
+
 @pytest.mark.parametrize("async_mode", ["disabled", "async"])
-def test_restarted_job_resumes_through_torchtitans_load_and_ends_bitwise_equal(tmp_path, async_mode):
-    want = run_job(tmp_path / "uninterrupted", async_mode=async_mode)
+def test_restarted_job_resumes_through_torchtitans_load_and_ends_bitwise_equal(tmp_path, async_mode, uninterrupted):
+    want = uninterrupted
     root = tmp_path / "restarted"
     run_job(root, stop_after=17, async_mode=async_mode)
     saved = sorted(int(p.name[5:]) for p in (root / "run" / "checkpoint").glob("step-*") if (p / ".metadata").is_file())
