@@ -30,10 +30,17 @@ _ci_skips: list[str] = []
 # - "kernel": tests that write lines into the host's kernel log (/dev/kmsg, eBPF tracepoints) or
 #   boot a systemd whose daemon reads it; every other test's daemon runs with --no-kernel-log
 #   (start_daemon), and the drills' daemons are configured so, so none of them acts on these lines;
-# - "slurm" and "kube": the one cluster of the session (a session fixture lives per worker).
+# - "slurm" and "kube": the one cluster of the session (a session fixture lives per worker);
+# - a file of MODULE_FIXTURE_FILES (below): its module fixture.
 KERNEL_FILES = {"test_ebpf.py", "test_kernel_signatures_e2e.py", "test_kernel_trust.py", "test_log_formats.py",
                 "test_packaging.py", "test_prometheus.py", "test_security.py", "test_signature_trust.py",
                 "test_systemd_nspawn.py", "test_image_kernel.py"}
+
+# Files whose tests share a costly module-scoped fixture: a module fixture lives per worker, so
+# their tests on several workers would each make it (two `podman load`s of the image were 38 s and
+# 45 s of setup in one CI run). Each such file is a group of its own: one worker, one fixture.
+MODULE_FIXTURE_FILES = {"test_image.py",  # the image built and loaded into a podman store
+                        "test_topology_slurm.py"}  # a Slurm cluster with a switch tree
 
 
 def xdist_group_of(item) -> str | None:
@@ -46,6 +53,8 @@ def xdist_group_of(item) -> str | None:
         return "kernel"
     if item.path.name == "test_netns_hosts.py":  # a drill of 7 hosts x ~10 processes each: one at a time
         return "netns"
+    if item.path.name in MODULE_FIXTURE_FILES:
+        return item.path.stem
     return None
 
 
@@ -187,6 +196,16 @@ def made_once(tmp_path_factory, name: str, make) -> Path:
             make(attempt)
             os.rename(attempt, made)
     return made
+
+
+def job_launcher(nproc: int, *, forked: bool) -> list[str]:
+    """The command that starts a job script's ``nproc`` ranks: plain ``torchrun --standalone``
+    (nproc + 1 interpreters that each import torch and the job's libraries), or, where the
+    launcher is not what a test is about, tests/workers/forkrun.py (the script imported once, each
+    rank a fork with torchrun's environment: about half the CPU)."""
+    if forked:
+        return [sys.executable, str(REPO / "tests" / "workers" / "forkrun.py"), "--nproc", str(nproc)]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
 
 
 # -- where the suite's CPU goes (SENTINEL_TEST_CPU=FILE) ---------------------------------------------

@@ -20,7 +20,7 @@ from pathlib import Path
 import lightning  # noqa: F401 - the test extra installs it: a missing one fails here, never skips
 import pytest
 
-from conftest import REPO, session_shared_dir
+from conftest import REPO, job_launcher, session_shared_dir
 from test_drill import drill, why
 
 pytestmark = [pytest.mark.needs_torch, pytest.mark.slow]
@@ -31,13 +31,15 @@ JOB = REPO / "examples" / "lightning_job.py"
 STEPS = 40
 
 
-def run_job(root: Path, max_steps: int, *, interval: int = 1) -> dict:
-    """The stock script on 2 processes under plain torchrun, to ``max_steps``; its final digests."""
+def run_job(root: Path, max_steps: int, *, interval: int = 1, forked: bool = False) -> dict:
+    """The stock script on 2 processes to ``max_steps``, under plain torchrun (or, ``forked``, as
+    two forks of one interpreter that imported Lightning once: conftest.job_launcher); its final
+    digests."""
     final = root / f"final-{max_steps}.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "SENTINEL_FINAL_FILE": str(final),
            "SENTINEL_INTERVAL_STEPS": str(interval)}
     env.pop("SENTINEL_PROGRESS_FILE", None)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(JOB),
+    r = subprocess.run([*job_launcher(2, forked=forked), str(JOB),
                         "--max-steps", str(max_steps), "--devices", "2", "--root", str(root / "run")],
                        env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr[-4000:]
@@ -66,14 +68,16 @@ def test_a_stock_lightning_job_resumed_twice_across_an_epoch_end_is_bitwise_equa
     """Stopped after step 15 (the last of epoch 0: never a snapshot, SentinelCallback says why), it
     resumes from step 14's at step 15 (the plain DataLoader moved past 15 batches), runs epoch 0's
     validation and into epoch 1, stops after step 20, resumes again at batch 5 of epoch 1: the
-    parameters and optimizer state at the end are the uninterrupted run's, bit for bit."""
+    parameters and optimizer state at the end are the uninterrupted run's, bit for bit. The
+    reference runs under plain torchrun; the three stopped and resumed runs, whose subject is the
+    resume, not the launcher, are forks (the drills below start the job through the elastic agent)."""
     want = uninterrupted(references)
     root = tmp_path / "resumed"
-    first = run_job(root, 16)
+    first = run_job(root, 16, forked=True)
     kept = snapshot_steps(root)
     assert {13, 14} <= kept and 15 not in kept, kept
-    second = run_job(root, 21)
-    got = run_job(root, STEPS)
+    second = run_job(root, 21, forked=True)
+    got = run_job(root, STEPS, forked=True)
     assert (first["resumed_at"], second["resumed_at"], got["resumed_at"]) == (0, 15, 21)
     assert got["params"] == want["params"] and got["optim"] == want["optim"]
     assert got["guard"]["resumed_from"].endswith("step-000000020")
