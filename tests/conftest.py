@@ -210,9 +210,10 @@ def job_launcher(nproc: int, *, forked: bool) -> list[str]:
 
 # -- where the suite's CPU goes (SENTINEL_TEST_CPU=FILE) ---------------------------------------------
 # The suite is CPU-bound on 2 cores: its wall time is about its CPU seconds / 2. With the variable
-# set, each test appends {"test", "cpu_s", "wall_s"} to FILE: the CPU of the pytest worker and of
-# every child it waited for (torchrun and its ranks, daemons, clusters' clients), setup and
-# teardown included. `python tests/cpu_report.py FILE` sums it per test and per file.
+# set, each test appends {"test", "cpu_s", "wall_s", "start", "worker", "group"} to FILE: the CPU of
+# the pytest worker and of every child it waited for (torchrun and its ranks, daemons, clusters'
+# clients), setup and teardown included. `python tests/cpu_report.py FILE` sums it per test, per
+# file, per xdist group and per worker (when each worker started and ended: the run's tail).
 CPU_LOG = os.environ.get("SENTINEL_TEST_CPU")
 
 
@@ -228,9 +229,12 @@ def pytest_runtest_protocol(item, nextitem):
     if not CPU_LOG:
         yield
         return
-    cpu0, t0 = _cpu_now(), time.monotonic()
+    cpu0, t0, start = _cpu_now(), time.monotonic(), time.time()
     yield
-    row = {"test": item.nodeid, "cpu_s": round(_cpu_now() - cpu0, 2), "wall_s": round(time.monotonic() - t0, 2)}
+    mark = item.get_closest_marker("xdist_group")
+    row = {"test": item.nodeid, "cpu_s": round(_cpu_now() - cpu0, 2), "wall_s": round(time.monotonic() - t0, 2),
+           "start": round(start, 2), "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+           "group": mark.args[0] if mark and mark.args else None}
     with open(CPU_LOG, "a") as f:  # one short line per write: appends from several workers do not interleave
         f.write(json.dumps(row) + "\n")
 
