@@ -35,6 +35,10 @@ _ci_skips: list[str] = []
 KERNEL_FILES = {"test_ebpf.py", "test_kernel_signatures_e2e.py", "test_kernel_trust.py", "test_log_formats.py",
                 "test_packaging.py", "test_prometheus.py", "test_security.py", "test_signature_trust.py",
                 "test_systemd_nspawn.py", "test_image_kernel.py"}
+# ... but for these tests of such files, which neither write kernel lines nor start a daemon that
+# reads them: the kernel group is one worker's queue, a test outside it runs beside it
+KERNEL_FREE_TESTS = {  # a venv with prometheus-client at its floor runs the metric tests (their daemons: --no-kernel-log)
+    "test_packaging.py::test_the_metric_tests_pass_with_the_lowest_prometheus_client_allowed"}
 
 # Files whose tests share a costly module-scoped fixture: a module fixture lives per worker, so
 # their tests on several workers would each make it (two `podman load`s of the image were 38 s and
@@ -49,7 +53,7 @@ def xdist_group_of(item) -> str | None:
         return "slurm"
     if "kube" in names:
         return "kube"
-    if item.path.name in KERNEL_FILES:
+    if item.path.name in KERNEL_FILES and f"{item.path.name}::{item.name}" not in KERNEL_FREE_TESTS:
         return "kernel"
     if item.path.name == "test_netns_hosts.py":  # a drill of 7 hosts x ~10 processes each: one at a time
         return "netns"
@@ -69,7 +73,7 @@ LONG_FILES = ("test_netns_hosts.py", "test_drill.py", "test_trainer.py", "test_m
 
 
 # Before those, the tests outside a group that took over a minute each in a CI run (scripts/test
-# prints the 30 slowest), longest first: started last, one of them alone would be the run's tail.
+# prints the 30 slowest: ci16a/b, ci17a), longest first: started last, one of them alone would be the run's tail.
 # (A group is one unit of work: pytest-xdist hands the groups out first, the most tests first.)
 LONGEST_TESTS = ("test_peers_bench.py::test_smoke_kills_node1_at_the_same_step_for_sentinel_and_torch_elastic",
                  "test_lightning.py::test_a_stock_lightning_job_resumed_twice_across_an_epoch_end_is_bitwise_equal",
@@ -79,7 +83,8 @@ LONGEST_TESTS = ("test_peers_bench.py::test_smoke_kills_node1_at_the_same_step_f
                  "test_drill.py::test_a_hung_rank_alone_on_its_node_is_handed_over_by_the_forwarded_verdict",
                  "test_bench_smoke.py::test_bench_smoke[memory_tier]",
                  "test_bench_smoke.py::test_migration_killed_mid_run_keeps_the_finished_drills",
-                 "test_lightning.py::test_xid79_hands_a_lightning_job_to_the_spare_with_no_lost_step_and_bitwise_equal_result")
+                 "test_lightning.py::test_xid79_hands_a_lightning_job_to_the_spare_with_no_lost_step_and_bitwise_equal_result",
+                 "test_packaging.py::test_the_metric_tests_pass_with_the_lowest_prometheus_client_allowed")
 
 
 def run_order(item) -> tuple[int, int]:
