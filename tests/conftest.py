@@ -30,10 +30,21 @@ _ci_skips: list[str] = []
 # - "kernel": tests that write lines into the host's kernel log (/dev/kmsg, eBPF tracepoints) or
 #   boot a systemd whose daemon reads it; every other test's daemon runs with --no-kernel-log
 #   (start_daemon), and the drills' daemons are configured so, so none of them acts on these lines;
-# - "slurm" and "kube": the one cluster of the session (a session fixture lives per worker).
+# - "slurm" and "kube": the one cluster of the session (a session fixture lives per worker);
+# - a file of MODULE_FIXTURE_FILES (below): its module fixture.
 KERNEL_FILES = {"test_ebpf.py", "test_kernel_signatures_e2e.py", "test_kernel_trust.py", "test_log_formats.py",
                 "test_packaging.py", "test_prometheus.py", "test_security.py", "test_signature_trust.py",
                 "test_systemd_nspawn.py", "test_image_kernel.py"}
+# ... but for these tests of such files, which neither write kernel lines nor start a daemon that
+# reads them: the kernel group is one worker's queue, a test outside it runs beside it
+KERNEL_FREE_TESTS = {  # a venv with prometheus-client at its floor runs the metric tests (their daemons: --no-kernel-log)
+    "test_packaging.py::test_the_metric_tests_pass_with_the_lowest_prometheus_client_allowed"}
+
+# Files whose tests share a costly module-scoped fixture: a module fixture lives per worker, so
+# their tests on several workers would each make it (two `podman load`s of the image were 38 s and
+# 45 s of setup in one CI run). Each such file is a group of its own: one worker, one fixture.
+MODULE_FIXTURE_FILES = {"test_image.py",  # the image built and loaded into a podman store
+                        "test_topology_slurm.py"}  # a Slurm cluster with a switch tree
 
 
 def xdist_group_of(item) -> str | None:
@@ -42,10 +53,12 @@ def xdist_group_of(item) -> str | None:
         return "slurm"
     if "kube" in names:
         return "kube"
-    if item.path.name in KERNEL_FILES:
+    if item.path.name in KERNEL_FILES and f"{item.path.name}::{item.name}" not in KERNEL_FREE_TESTS:
         return "kernel"
     if item.path.name == "test_netns_hosts.py":  # a drill of 7 hosts x ~10 processes each: one at a time
         return "netns"
+    if item.path.name in MODULE_FIXTURE_FILES:
+        return item.path.stem
     return None
 
 
@@ -59,14 +72,35 @@ LONG_FILES = ("test_netns_hosts.py", "test_drill.py", "test_trainer.py", "test_m
               "test_kubelet.py", "test_image.py", "test_dashboard.py")
 
 
+# Before those, the tests outside a group that took over a minute each in a CI run (scripts/test
+# prints the 30 slowest: ci16a/b, ci17a), longest first: started last, one of them alone would be the run's tail.
+# (A group is one unit of work: pytest-xdist hands the groups out first, the most tests first.)
+LONGEST_TESTS = ("test_peers_bench.py::test_smoke_kills_node1_at_the_same_step_for_sentinel_and_torch_elastic",
+                 "test_lightning.py::test_a_stock_lightning_job_resumed_twice_across_an_epoch_end_is_bitwise_equal",
+                 "test_torchtitan.py::test_restarted_job_resumes_through_torchtitans_load_and_ends_bitwise_equal",
+                 "test_torchtitan.py::test_xid79_makes_torchtitan_save_now_and_the_spare_load_it_with_no_lost_step",
+                 "test_drill.py::test_two_nodes_fail_at_once",
+                 "test_drill.py::test_a_hung_rank_alone_on_its_node_is_handed_over_by_the_forwarded_verdict",
+                 "test_bench_smoke.py::test_bench_smoke[memory_tier]",
+                 "test_bench_smoke.py::test_migration_killed_mid_run_keeps_the_finished_drills",
+                 "test_lightning.py::test_xid79_hands_a_lightning_job_to_the_spare_with_no_lost_step_and_bitwise_equal_result",
+                 "test_packaging.py::test_the_metric_tests_pass_with_the_lowest_prometheus_client_allowed")
+
+
+def run_order(item) -> tuple[int, int]:
+    for name in (f"{item.path.name}::{item.name}", f"{item.path.name}::{getattr(item, 'originalname', item.name)}"):
+        if name in LONGEST_TESTS:  # a test by its name with its parameters, or all its parametrisations
+            return 0, LONGEST_TESTS.index(name)
+    return 1, LONG_FILES.index(item.path.name) if item.path.name in LONG_FILES else len(LONG_FILES)
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (it appends them to the node ids)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         group = xdist_group_of(item)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
-    rank = {name: i for i, name in enumerate(LONG_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))
+    items.sort(key=run_order)
 
 
 # -- two suites on one host ------------------------------------------------------------------------
@@ -169,11 +203,22 @@ def made_once(tmp_path_factory, name: str, make) -> Path:
     return made
 
 
+def job_launcher(nproc: int, *, forked: bool) -> list[str]:
+    """The command that starts a job script's ``nproc`` ranks: plain ``torchrun --standalone``
+    (nproc + 1 interpreters that each import torch and the job's libraries), or, where the
+    launcher is not what a test is about, tests/workers/forkrun.py (the script imported once, each
+    rank a fork with torchrun's environment: about half the CPU)."""
+    if forked:
+        return [sys.executable, str(REPO / "tests" / "workers" / "forkrun.py"), "--nproc", str(nproc)]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+
+
 # -- where the suite's CPU goes (SENTINEL_TEST_CPU=FILE) ---------------------------------------------
 # The suite is CPU-bound on 2 cores: its wall time is about its CPU seconds / 2. With the variable
-# set, each test appends {"test", "cpu_s", "wall_s"} to FILE: the CPU of the pytest worker and of
-# every child it waited for (torchrun and its ranks, daemons, clusters' clients), setup and
-# teardown included. `python tests/cpu_report.py FILE` sums it per test and per file.
+# set, each test appends {"test", "cpu_s", "wall_s", "start", "worker", "group"} to FILE: the CPU of
+# the pytest worker and of every child it waited for (torchrun and its ranks, daemons, clusters'
+# clients), setup and teardown included. `python tests/cpu_report.py FILE` sums it per test, per
+# file, per xdist group and per worker (when each worker started and ended: the run's tail).
 CPU_LOG = os.environ.get("SENTINEL_TEST_CPU")
 
 
@@ -189,9 +234,12 @@ def pytest_runtest_protocol(item, nextitem):
     if not CPU_LOG:
         yield
         return
-    cpu0, t0 = _cpu_now(), time.monotonic()
+    cpu0, t0, start = _cpu_now(), time.monotonic(), time.time()
     yield
-    row = {"test": item.nodeid, "cpu_s": round(_cpu_now() - cpu0, 2), "wall_s": round(time.monotonic() - t0, 2)}
+    mark = item.get_closest_marker("xdist_group")
+    row = {"test": item.nodeid, "cpu_s": round(_cpu_now() - cpu0, 2), "wall_s": round(time.monotonic() - t0, 2),
+           "start": round(start, 2), "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+           "group": mark.args[0] if mark and mark.args else None}
     with open(CPU_LOG, "a") as f:  # one short line per write: appends from several workers do not interleave
         f.write(json.dumps(row) + "\n")
 

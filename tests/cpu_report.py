@@ -1,5 +1,7 @@
 """Where the suite's CPU went: ``python tests/cpu_report.py FILE [N]`` reads what the suite wrote
-with ``SENTINEL_TEST_CPU=FILE`` (tests/conftest.py) and prints the N costliest files and tests."""
+with ``SENTINEL_TEST_CPU=FILE`` (tests/conftest.py) and prints the N costliest files and tests, each
+xdist group's sum (a group runs on one worker: its wall sum bounds the run from below), and each
+worker's span (the last to end is the run's tail, and the tests it ran last)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,30 @@ def main(path: str, top: int = 25) -> None:
     print(f"\n{'test':100} {'CPU-s':>7} {'wall-s':>7}")
     for row in sorted(rows, key=lambda r: -r["cpu_s"])[:top]:
         print(f"{row['test'][:100]:100} {row['cpu_s']:7.1f} {row['wall_s']:7.1f}")
+    if all("start" in r for r in rows):  # written since the rows carry their start, worker and group
+        timeline(rows)
+
+
+def timeline(rows: list[dict]) -> None:
+    t0 = min(r["start"] for r in rows)
+    groups: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
+    for row in rows:
+        g = groups[row.get("group") or "(none)"]
+        g[0] += row["cpu_s"]
+        g[1] += row["wall_s"]
+        g[2] += 1
+    print(f"\n{'xdist group':48} {'tests':>5} {'CPU-s':>7} {'wall-s':>7}")
+    for name, (cpu, wall, n) in sorted(groups.items(), key=lambda kv: -kv[1][1]):
+        print(f"{name:48} {n:5d} {cpu:7.1f} {wall:7.1f}")
+    workers: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        workers[row["worker"]].append(row)
+    print(f"\n{'worker':10} {'tests':>5} {'busy-s':>7} {'ends at':>8}  its last three tests (start s, wall s)")
+    for name, mine in sorted(workers.items()):
+        mine.sort(key=lambda r: r["start"])
+        end = max(r["start"] + r["wall_s"] for r in mine) - t0
+        last = ", ".join(f"{r['test'].split('::')[-1][:40]} ({r['start'] - t0:.0f}, {r['wall_s']:.0f})" for r in mine[-3:])
+        print(f"{name:10} {len(mine):5d} {sum(r['wall_s'] for r in mine):7.0f} {end:8.0f}  {last}")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torchtitan  # noqa: F401 - the test extra installs it: a missing one fails here, never skips
 
-from conftest import REPO, session_shared_dir
+from conftest import REPO, job_launcher, made_once, session_shared_dir
 from test_drill import drill, why
 
 pytestmark = [pytest.mark.needs_torch, pytest.mark.slow]
@@ -31,25 +31,40 @@ pytestmark = [pytest.mark.needs_torch, pytest.mark.slow]
 JOB = REPO / "examples" / "torchtitan_job.py"
 
 
-def run_job(root: Path, *, stop_after: int = 0, async_mode: str = "async") -> dict:
+def run_job(root: Path, *, stop_after: int = 0, async_mode: str = "async", forked: bool = False) -> dict:
+    """The job on 2 ranks under plain torchrun (or, ``forked``, as two forks of one interpreter that
+    imported torchtitan once: conftest.job_launcher); its final digests."""
     final = root / f"final-{stop_after}.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "SENTINEL_FINAL_FILE": str(final)}
     env.pop("SENTINEL_PROGRESS_FILE", None)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(JOB),
+    r = subprocess.run([*job_launcher(2, forked=forked), str(JOB),
                         "--steps", "25", "--interval", "5", "--stop-after", str(stop_after), "--async-mode", async_mode,
                         "--root", str(root / "run")], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(final.read_text()) if final.exists() else {}
 
 
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory) -> dict:
+    """The job's 25 steps without a stop, once per session for both save modes: the mode changes
+    how checkpoints are written, never what is trained (each test's restarted run saves and loads
+    in its own mode). Shared by the xdist workers (conftest.made_once)."""
+    def make(d: Path) -> None:
+        (d / "final.json").write_text(json.dumps(run_job(d, async_mode="disabled")))
+
+    return json.loads((made_once(tmp_path_factory, "torchtitan-uninterrupted", make) / "final.json").read_text())
+
+
 @pytest.mark.parametrize("async_mode", ["disabled", "async"])
-def test_restarted_job_resumes_through_torchtitans_load_and_ends_bitwise_equal(tmp_path, async_mode):
-    want = run_job(tmp_path / "uninterrupted", async_mode=async_mode)
+def test_restarted_job_resumes_through_torchtitans_load_and_ends_bitwise_equal(tmp_path, async_mode, uninterrupted):
+    """The reference runs under plain torchrun; the stopped and the restarted run, whose subject is
+    the restart, not the launcher, are forks (the drills below start the job through the agent)."""
+    want = uninterrupted
     root = tmp_path / "restarted"
-    run_job(root, stop_after=17, async_mode=async_mode)
+    run_job(root, stop_after=17, async_mode=async_mode, forked=True)
     saved = sorted(int(p.name[5:]) for p in (root / "run" / "checkpoint").glob("step-*") if (p / ".metadata").is_file())
     assert saved[-1] == 15, saved  # torchtitan's own interval (5); step 17 was never saved
-    got = run_job(root, async_mode=async_mode)
+    got = run_job(root, async_mode=async_mode, forked=True)
     assert got["resumed_at"] == 16 and got["guard"]["resumed_from"].endswith("step-15")
     assert (got["params"], got["optim"]) == (want["params"], want["optim"])
 
