@@ -34,7 +34,10 @@ def verdict(drill, result, outcome) -> bool:
 
 
 FAULT = Fault("power-off", "a host powers off (--hosts netns): all its processes SIGKILLed at once, its link and tmpfs "
-              "gone, no goodbye", inject, verdict=verdict, follow_up=replace, sudden=True, needs_hosts=True)
+              "gone, no goodbye", inject, verdict=verdict, follow_up=replace, sudden=True, needs_hosts=True,
+              rdzv_default="sentinel",
+              rdzv_default_why="the waiting spare of the slot rendezvous tells a host that answers nothing from its "
+                               "silence (no reset needed: a powered-off host sends none)")
 
 
 # -- the etcd leader lost during the replacement (issue #42) --------------------------------------
