@@ -374,8 +374,7 @@ class SlotRendezvousHandler(RendezvousHandler):
         while True:
             t = self._store.add(self._k("spares"), 1)
             vkey = self._k("vacancy", t)
-            self._wait_key(vkey, deadline, f"a vacancy for spare ticket {t}", between=watch,
-                           fast=lambda: True, chunk=self._watch_every)
+            self._wait_key(vkey, deadline, f"a vacancy for spare ticket {t}", watch, self._watch_every)
             vac = json.loads(self._store.get(vkey))
             self.slot = vac["slot"]
             f = vac["gen"]
@@ -388,33 +387,25 @@ class SlotRendezvousHandler(RendezvousHandler):
             self.slot = None
 
     # -- waiting, recovery ------------------------------------------------------------------------------
-    def _wait_key(self, key: str, deadline: float, what: str, between: Callable[[], None] | None = None,
-                  fast: Callable[[], bool] | None = None, chunk: float | None = None) -> None:
-        """Wait for ``key`` in chunks of ``admission_timeout``, ``between()`` after each; while
-        ``fast()``, in chunks of ``chunk`` (the probe interval) with ``between()`` before each,
-        the closed check still once per ``admission_timeout``."""
+    def _wait_key(self, key: str, deadline: float, what: str, between: Callable[[], None], chunk: float) -> None:
+        """Wait for ``key`` in chunks of ``chunk`` s, ``between()`` before each; the closed check
+        once per ``admission_timeout``."""
         next_check = time.monotonic() + self.admission_timeout
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RendezvousTimeoutError(f"rendezvous {self.run_id}: no {what} within {self.join_timeout:g} s")
-            quick = between is not None and fast is not None and fast()
-            if quick:
-                between()
+            between()
             try:
-                self._store.wait([key], timedelta(seconds=min(left, (chunk or self._probe_every) if quick
-                                                              else self.admission_timeout)))
+                self._store.wait([key], timedelta(seconds=min(left, chunk)))
                 return
             except RuntimeError as exc:
                 if not _is_timeout(exc):
                     raise
-            if quick and time.monotonic() < next_check:
-                continue
-            next_check = time.monotonic() + self.admission_timeout
-            if self.is_closed():
-                raise RendezvousClosedError(f"rendezvous {self.run_id} is closed")
-            if between is not None and not quick:
-                between()
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + self.admission_timeout
+                if self.is_closed():
+                    raise RendezvousClosedError(f"rendezvous {self.run_id} is closed")
 
     def _await(self, f: int, deadline: float) -> dict:
         key = self._k(f"g{f}")
