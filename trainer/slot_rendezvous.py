@@ -145,6 +145,7 @@ class SlotRendezvousHandler(RendezvousHandler):
         self._probe_every = max(suspects.PROBE_SECONDS, nodes * 0.0005)  # a probe pass is O(N) checks
         self.silence_window = silence_window  # a waiting spare's silence rule (#41)
         self._watch_every = max(silence.INTERVAL_SECONDS, nodes * 0.0005)
+        self._quiet = silence.SilenceWatch(silence_window, self._watch_every)  # no socket until its first pass
         self.recovery = Recovery(self._store, store, self._k, nodes, self.admission_timeout, self._post_vacancy,
                                  on_vacant=suspects.record_vacancy, here=self._here)
 
@@ -342,7 +343,6 @@ class SlotRendezvousHandler(RendezvousHandler):
         seen: dict[int, bytes | None] = {}
         start = time.monotonic()
         next_pass = start + self.admission_timeout
-        quiet = silence.SilenceWatch(self.silence_window, self._watch_every)
 
         def probing() -> bool:
             # a spare is admitted because a node is gone (or going): for one timeout it probes the
@@ -358,9 +358,9 @@ class SlotRendezvousHandler(RendezvousHandler):
             nonlocal seen, next_pass
             if self._store.check([self._k("latest")]):
                 f = int(self._store.get(self._k("latest"))) + 1
-                if probing():
-                    self.recovery.probe_pass(f, "a spare was admitted")
-                self.recovery.silence_pass(f, quiet, closed=self.is_closed)
+                self.recovery.silence_pass(f, self._quiet, closed=self.is_closed)
+                if probing():  # a short connect: a silent slot must not hold the silence pass back
+                    self.recovery.probe_pass(f, "a spare was admitted", probe=lambda a: suspects.probe(a, 0.1))
                 if not probing() and time.monotonic() >= next_pass:
                     next_pass = time.monotonic() + self.admission_timeout
                     seen = self.recovery.keepalive_pass(f, seen)
@@ -368,7 +368,20 @@ class SlotRendezvousHandler(RendezvousHandler):
         try:
             return self._spare_claim(deadline, watch)
         finally:
-            quiet.close()
+            self._quiet.close()
+
+    def watch_silence(self) -> float:
+        """One silence pass (#41) by a warm spare still waiting for its admission (``trainer.elastic``
+        calls it while it waits): the count it starts goes on once the spare is admitted. A slot
+        found silent is declared vacant (its vacancy waits for a spare's ticket). Returns the
+        seconds until the next pass. Never raises: a store error waits for the next pass."""
+        try:
+            if self._store.check([self._k("latest")]):
+                f = int(self._store.get(self._k("latest"))) + 1
+                self.recovery.silence_pass(f, self._quiet, closed=self.is_closed)
+        except (RuntimeError, OSError, ValueError) as exc:
+            log.debug("silence pass before the admission: %s", exc)
+        return self._watch_every
 
     def _spare_claim(self, deadline: float, watch: Callable[[], None]) -> str:
         while True:
