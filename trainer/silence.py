@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import select
 import socket
+import struct
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -59,18 +60,21 @@ class _Slot:
 
 class SilenceWatch:
     """Non-blocking probes of many agents' liveness sockets; :meth:`step` once per ``interval``.
-    ``clock`` and ``connect`` are injectable (tests); ``connect(sock, sockaddr)`` is the
-    socket's own ``connect_ex``. Never raises on a probe's error; owns every socket it opens."""
+    ``clock``, ``connect`` (``connect(sock, sockaddr)``: the socket's own ``connect_ex``) and
+    ``rtt`` (a connected probe's handshake round trip, seconds) are injectable (tests). Never
+    raises on a probe's error; owns every socket it opens."""
 
     def __init__(self, window: float = WINDOW_SECONDS, interval: float = INTERVAL_SECONDS,
                  clock: Callable[[], float] = time.monotonic,
-                 connect: Callable[[socket.socket, tuple], int] | None = None) -> None:
+                 connect: Callable[[socket.socket, tuple], int] | None = None,
+                 rtt: Callable[[socket.socket], float | None] | None = None) -> None:
         if window <= 0 or interval <= 0:
             raise ValueError("the silence window and the probe interval must be > 0")
         self.window = window
         self.interval = interval
         self._clock = clock
         self._connect = connect or (lambda sock, addr: sock.connect_ex(addr))
+        self._rtt = rtt or _handshake_rtt
         self._slots: dict[tuple[int, str], _Slot] = {}
         self.sent = 0  # probes started, all slots (costs)
 
@@ -150,21 +154,24 @@ class SilenceWatch:
             st = owner[fd]
             sock, sent = st.inflight.pop(fd)
             err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            rtt = self._rtt(sock) if err == 0 else None
             sock.close()
-            self._settle(st, sent, self._clock(), err)
+            self._settle(st, sent, self._clock(), err, rtt)
         for st in owner.values():
             for fd, (sock, sent) in list(st.inflight.items()):
                 if now - sent >= self.window_of(st):
                     del st.inflight[fd]
                     sock.close()
 
-    def _settle(self, st: _Slot, sent: float, now: float, err: int) -> None:
+    def _settle(self, st: _Slot, sent: float, now: float, err: int, rtt: float | None = None) -> None:
         """One probe's outcome: an answer ends the silence of every probe sent before it; no
-        answer (a timeout, no route) keeps it pending; any other error says nothing of the host."""
+        answer (a timeout, no route) keeps it pending; any other error says nothing of the host.
+        ``rtt``: the kernel's own measure of the handshake (else: until the answer was seen,
+        which a prober descheduled under load overstates — the safe direction)."""
         if err in ANSWERED:
             st.answered_at = max(st.answered_at, sent)
             st.heard_at = now
-            st.rtts.append(now - sent)
+            st.rtts.append(rtt if rtt is not None else now - sent)
             while st.pending and st.pending[0] <= st.answered_at:
                 st.pending.popleft()
         elif err not in NO_ANSWER and sent in st.pending:
@@ -178,6 +185,16 @@ class SilenceWatch:
         """Close every probe in flight."""
         for key in list(self._slots):
             self._forget(key)
+
+
+def _handshake_rtt(sock: socket.socket) -> float | None:
+    """The round trip of a connected socket's handshake as its kernel measured it (``TCP_INFO``'s
+    ``tcpi_rtt``, microseconds at byte 68: Linux), in seconds; None where it cannot be read."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_INFO"), 104)
+        return struct.unpack_from("I", info, 68)[0] / 1e6 if len(info) >= 72 else None
+    except (OSError, AttributeError, struct.error):
+        return None
 
 
 def _resolve(address: str) -> tuple | None:
