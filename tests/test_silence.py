@@ -54,7 +54,10 @@ class Mute:
         self.fill = []
 
     def close(self) -> None:
-        self.speak()
+        if self.sock.fileno() != -1:  # (a handler that took it as its liveness socket closed it already)
+            self.speak()
+        for c in self.fill:
+            c.close()
         self.sock.close()
 
 
@@ -194,4 +197,57 @@ def test_the_silence_pass_declares_the_silent_slot_once_and_names_the_rule():
     finally:
         watch.close()
         live.close()
+        mute.close()
+
+
+def test_a_warm_spare_declares_a_silent_node_before_its_admission_and_takes_its_slot_once_admitted():
+    """Through real slot handlers on a real TCPStore: a 2-node job, one node's agent answers no
+    probe (its liveness socket's queue full: a host whose power went). A warm spare's passes while
+    it waits for its admission (``watch_silence``, as trainer.elastic calls them) declare that
+    slot by silence; admitted, the spare takes it in the same generation as the survivor."""
+    import threading
+
+    import torch.distributed as dist
+
+    from trainer.slot_rendezvous import SlotRendezvousHandler
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    conf = {"keep_alive_interval": 1.0, "admission_timeout": 30.0, "join_timeout": 60.0, "local_addr": "127.0.0.1",
+            "silence_window": 0.5}
+
+    def client() -> SlotRendezvousHandler:
+        return SlotRendezvousHandler(dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                                                   timeout=timedelta(seconds=60)), "job", 2, **conf)
+
+    mute = Mute()
+    live, dead, spare = client(), client(), client()
+    mute.sock.setblocking(False)  # as a liveness socket is (its heartbeat thread drains it, never waits on it)
+    dead.liveness._tried, dead.liveness._sock = True, mute.sock  # its arrival record names the mute socket
+    out: dict = {}
+
+    def join(name: str, h: SlotRendezvousHandler) -> None:
+        out[name] = h.next_rendezvous()
+
+    try:
+        threads = [threading.Thread(target=join, args=(n, h), daemon=True) for n, h in (("live", live), ("dead", dead))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        dead._stop_heartbeats()  # the host is gone: no beat, no drain of its queue either
+        time.sleep(0.2)
+        mute.mute()  # whatever its last drain took
+        start = time.monotonic()
+        while time.monotonic() - start < 10 and not spare.recovery.declared:
+            time.sleep(spare.watch_silence())
+        assert [(e["slot"], e["how"], e["generation"]) for e in spare.recovery.declared] == [(dead.slot, "silence", 2)]
+        threads = [threading.Thread(target=join, args=(n, h), daemon=True) for n, h in (("live2", live), ("spare", spare))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert out["spare"].rank == dead.slot and out["live2"].rank == live.slot and spare.gen == live.gen == 2
+    finally:
+        for h in (live, dead, spare):
+            h.shutdown()
         mute.close()

@@ -143,7 +143,6 @@ class SlotRendezvousHandler(RendezvousHandler):
         self._evidence = ""  # why this node's workers failed, when a peer's process looked gone
         self._here = suspects.here()  # which loopback this node shares (a probe of one must not cross hosts)
         self._probe_every = max(suspects.PROBE_SECONDS, nodes * 0.0005)  # a probe pass is O(N) checks
-        self.silence_window = silence_window  # a waiting spare's silence rule (#41)
         self._watch_every = max(silence.INTERVAL_SECONDS, nodes * 0.0005)
         self._quiet = silence.SilenceWatch(silence_window, self._watch_every)  # no socket until its first pass
         self.recovery = Recovery(self._store, store, self._k, nodes, self.admission_timeout, self._post_vacancy,
