@@ -262,6 +262,9 @@ RATIO_MEANING = {
     "reference_contention_ratio": "(wall-clock cost - stall) / background CPU-seconds per snapshot, same job",
     "cold_over_forkserver_ratio": "cold process to ready / forkserver fork to ready",
     "nvml_calls_per_gpu_poll_reduction_ratio": "NVML calls per GPU per poll, one per field / batched",
+    "hosts_over_loopback_power_off_ratio": "power-off on namespaced hosts / kill -9 on loopback, fault -> first step",
+    "hosts_over_loopback_power_off_window_0_3_ratio": "power-off on namespaced hosts with a 0.3 s silence window / "
+                                                      "kill -9 on loopback, fault -> first step",
 }
 # quiet: other work used at most OTHER_WORK_BUSY of the CPUs while the bench ran; busy: more (not
 # reproducible); loaded: beside --loaded's fixed background job

@@ -27,7 +27,10 @@ loopback counterpart); its report is bench ``migration_hosts``;
 the extra column is the bytes that crossed the bridge into the spare's host after the fault
 (the state restored into it plus its training traffic to the end), and
 ``hosts_over_loopback_xid79_ratio`` / ``hosts_over_loopback_power_off_ratio`` divide the
-fault -> first step medians (#41: within 1.5x).
+fault -> first step medians (#41: within 1.5x). ``hosts-power-off-0.3`` (by name in ``--only``)
+is the power-off with the slot rendezvous's silence window at 0.3 s instead of its 1 s default
+(``hosts_over_loopback_power_off_window_0_3_ratio``): what a fabric with a lower round-trip bound
+would get (docs/rendezvous.md, "A host that answers nothing").
 
     python bench/migration.py [--runs 5] [--interval-steps 10] [--etcd] [--trainer lightning|torchtitan] [--json PATH] [--smoke]
 
@@ -94,9 +97,13 @@ PATHS = {
     "hosts-xid79": ("hosts: Xid 79, warm spare", ["--hosts", "netns", "--fault", "xid79"]),
     "loopback-kill": ("loopback: kill -9, memory tier", ["--fault", "kill"]),
     "hosts-power-off": ("hosts: power-off, memory tier", ["--hosts", "netns", "--fault", "power-off"]),
+    # the silence rule's window at 0.3 s (a fabric whose round trips stay far below it; docs/rendezvous.md)
+    "hosts-power-off-0.3": ("hosts: power-off, 0.3 s silence window", ["--hosts", "netns", "--fault", "power-off",
+                                                                        "--silence-window", "0.3"]),
     "hosts-partition": ("hosts: partition, fenced", ["--hosts", "netns", "--fault", "partition"]),
 }
 HOST_PATHS = ("loopback-xid79", "hosts-xid79", "loopback-kill", "hosts-power-off", "hosts-partition")
+BY_NAME = ("warm-etcd", "lightning", "torchtitan", "hosts-power-off-0.3")  # only when named in --only (or --etcd)
 FIGURE_PREFIX = {"warm": "migration_", "warm-etcd": "etcd_migration_", "one3": "one_of_three_", "two": "two_victims_",
                  "two-memory": "two_adjacent_memory_ack_",
                  "lightning": "lightning_migration_", "torchtitan": "torchtitan_migration_",
@@ -104,6 +111,7 @@ FIGURE_PREFIX = {"warm": "migration_", "warm-etcd": "etcd_migration_", "one3": "
                  "kill": "sudden_kill_", "kill-two": "sudden_kill_two_", "kill-snap": "sudden_kill_snapshot_",
                  "loopback-kill": "loopback_kill_",
                  "hosts-xid79": "hosts_xid79_", "hosts-power-off": "hosts_power_off_",
+                 "hosts-power-off-0.3": "hosts_power_off_window_0_3_",
                  "hosts-partition": "hosts_partition_"}
 
 
@@ -162,10 +170,13 @@ RATIOS = (
      "loopback_xid79_fault_to_first_step_seconds", "Xid 79: namespaced hosts / loopback (fault -> first step)"),
     ("hosts_over_loopback_power_off_ratio", "hosts_power_off_fault_to_first_step_seconds",
      "loopback_kill_fault_to_first_step_seconds", "power-off on hosts / kill -9 on loopback (fault -> first step)"),
+    ("hosts_over_loopback_power_off_window_0_3_ratio", "hosts_power_off_window_0_3_fault_to_first_step_seconds",
+     "loopback_kill_fault_to_first_step_seconds",
+     "power-off on hosts, 0.3 s silence window / kill -9 on loopback (fault -> first step)"),
 )
 
 
-SUDDEN = ("kill", "kill-two", "kill-snap", "loopback-kill", "hosts-power-off")
+SUDDEN = ("kill", "kill-two", "kill-snap", "loopback-kill", "hosts-power-off", "hosts-power-off-0.3")
 KILL_SNAP_STEP = 29  # with --interval-steps 10 the disk snapshots are of steps 9, 19, 29, ...
 
 
@@ -258,7 +269,7 @@ def main() -> None:
     if args.trainer and not args.only:
         args.only = f"warm,{args.trainer}"
     default = HOST_PATHS if args.hosts == "netns" else [n for n in PATHS if n not in HOST_PATHS
-                                                        and n not in ("lightning", "torchtitan")]
+                                                        and (n not in BY_NAME or n == "warm-etcd")]
     names = args.only.split(",") if args.only else [n for n in default if n != "warm-etcd" or args.etcd]
     unknown = set(names) - set(PATHS)
     if unknown:

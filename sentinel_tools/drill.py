@@ -95,7 +95,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "Default: c10d; sentinel for --fault partition (its generations fence the cut-off host) and "
                         "for --fault kill and rank-crash with --agent warm (the survivors' own connection errors "
                         "tell a dead node within a second, and a crashed rank's live node is never declared: "
-                        "docs/rendezvous.md)")
+                        "docs/rendezvous.md), and for power-off (the waiting spare tells a silent host)")
+    p.add_argument("--silence-window", type=float, default=None, metavar="S",
+                   help="the slot rendezvous's silence window (--rdzv-conf silence_window; default 1 s): a host "
+                        "whose agent answers no probe of the waiting spare for S s is vacant; below the largest "
+                        "round trip of a live host it evicts that host (docs/rendezvous.md)")
     p.add_argument("--start-method", choices=["spawn", "fork", "forkserver"], default="spawn",
                    help="torchrun worker start method (--agent torchrun; a -m module ignores it)")
     p.add_argument("--timeout", type=float, default=180.0)
@@ -157,6 +161,11 @@ def run_drill(args: argparse.Namespace) -> int:
         return 2
     if args.slurm_conf is not None:
         print("sentinel drill: --slurm-conf needs --scheduler slurm", file=sys.stderr)
+        return 2
+    window = getattr(args, "silence_window", None)
+    if window is not None and (not args.rdzv_backend.startswith("sentinel") or not 0 < window < 3600):
+        print("sentinel drill: --silence-window needs a slot rendezvous (--rdzv-backend sentinel, sentinel-etcd) "
+              "and 0 < S < 3600", file=sys.stderr)
         return 2
     if getattr(args, "user", ""):
         print("sentinel drill: --user needs --scheduler slurm (the local drill runs its agents as root)", file=sys.stderr)

@@ -161,6 +161,8 @@ class Drill:
         rdzv_conf = {"etcd-v2": "protocol=http,", drill_etcd.BACKEND: self.etcd.rdzv_conf() if self.etcd else ""}.get(
             a.rdzv_backend, "is_host=false,read_timeout=10,") + (
             f"keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2,join_timeout={int(a.timeout)}")
+        if getattr(a, "silence_window", None) and a.rdzv_backend.startswith("sentinel"):
+            rdzv_conf += f",silence_window={a.silence_window:g}"
         py = self.python
         launch = [py, "-m", "sentinel", "launch", "--pidfile", str(node.local(node.pidfile)), "--state-dir",
                   str(node.state_dir)]

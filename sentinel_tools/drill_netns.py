@@ -164,7 +164,7 @@ class NetnsDrill(Drill):
 
     def power_off(self, node: Node) -> None:
         assert self.cluster is not None
-        self.cluster.power_off(node.name)
+        self.cluster.power_off(node.name, silent=True)  # link down first: no FIN/RST leaves, as when power goes
 
     def partition(self, node: Node) -> None:
         assert self.cluster is not None

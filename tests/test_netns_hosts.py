@@ -190,9 +190,15 @@ def test_xid79_on_hosts_hands_over_with_no_lost_step_bitwise(host_drill):
 
 
 def test_power_off_resumes_from_peer_replicas_pulled_over_the_bridge(host_drill):
+    """The host goes silent (link down, then every process killed: no FIN, no RST leaves it). The
+    waiting spare declares its slot by the silence rule (#41: its probes unanswered over the
+    window while the others answered), not by keep-alive expiry; no step is lost twice over."""
     r = host_drill("--fault", "power-off", "--verify", *TWO_RANKS)
     assert r["ok"] and r["rc"] == 0, why(r)
     assert len(r["recomputed_steps"]) <= 1 and r["verify"]["bitwise_equal"], why(r)
+    assert r["power_off"]["declared_by"] == "silence", why(r)
+    assert r["power_off"]["declared_evidence"].startswith("no answer from 198.18."), why(r)
+    assert r["power_off"]["same_rank_twice"] == [], why(r)
     # the lost host's two shards came from their replicas on another host, pulled into the spare's
     assert r["restore"]["tier"] == "memory" and len(r["restore"]["peer"]) == 2, why(r)
     assert r["power_off"]["bytes_into_spare_hosts"] > 0 and r["bridge_bytes_since_fault"]["node1"]["to_host"] == 0

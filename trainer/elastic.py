@@ -517,8 +517,9 @@ def _wait_admitted(ours: argparse.Namespace, rdzv: Rendezvous, signals: "_Signal
             write_json_atomic(ours.ready_file, {"pid": os.getpid(), "time": time.time(),
                                                 "warm_seconds": round(time.monotonic() - t0, 3)})
         log.info("warm spare ready in %.2f s; waiting outside the rendezvous for SIGUSR1", time.monotonic() - t0)
+        watch = getattr(rdzv.handler, "watch_silence", None)  # the slot rendezvous's silence rule (#41)
         while not signals.got:
-            signals.wait(WARM_WAIT_BEAT)
+            signals.wait(WARM_WAIT_BEAT if watch is None else watch())
         log.info("admitted: joining the rendezvous")
     stops = [g for g in signals.got if g != "admit"]
     if stops:

@@ -12,6 +12,10 @@ that has not committed:
   peer's process is gone (its workers died of a lost connection): a slot that did not arrive and
   whose agent's liveness socket **refuses** a connect is vacant at once. An agent that accepts
   (alive, however slow) or does not answer (decides nothing) is left to the keep-alive pass.
+* :meth:`Recovery.silence_pass` — the waiting spare's pass (issue #41, :mod:`trainer.silence`),
+  every probe interval, needing no evidence: a slot whose agent answered none of the probes sent
+  over its silence window (a host powered off or cut off: no reset, no answer), while another
+  agent answered and its heartbeat stood still, is vacant.
 
 Both write the same thing: ``g<f>/s<slot>`` from absent to ``LEFT:<node id>#<nonce>`` (one
 ``compare_set``: an arrival and a declaration, or two declarations, cannot both win), then a
@@ -29,6 +33,7 @@ from typing import Any, Callable
 
 from trainer import suspects
 from trainer.counting_store import CountingStore
+from trainer.silence import SilenceWatch
 
 log = logging.getLogger("sentinel.rendezvous")
 
@@ -173,3 +178,36 @@ class Recovery:
                             f, s, holder.get("probe"), evidence)
                 declared += 1
         return declared
+
+    # -- the silence pass ---------------------------------------------------------------------------
+    def silence_pass(self, f: int, watch: SilenceWatch, closed: Callable[[], bool] = lambda: False) -> int:
+        """The waiting spare's pass over generation ``f`` (the one after the committed ``f - 1``):
+        probe every agent of ``f - 1`` that can be probed from here (``watch.step``) and declare
+        vacant each slot that went silent and has not arrived in ``f``. ``closed()`` is asked only
+        before a declaration (a job that ended tears its hosts down). Returns slots declared."""
+        if f < 2:
+            return 0
+        if any(g < f for g, _ in self._holders):
+            self._holders = {k: v for k, v in self._holders.items() if k[0] >= f}
+        targets = {}
+        for s in range(self.nodes):
+            holder = self._holder(f, s)
+            if "asked" not in holder:
+                holder["asked"] = bool(holder.get("probe")) and suspects.reachable_from_here(
+                    holder["probe"], holder.get("where"), self.here)
+            if holder["asked"]:
+                targets[s] = holder["probe"]
+        declared = 0
+        for s, address, window in watch.step(targets, self._beat):
+            if closed():
+                return declared
+            why = f"no answer from {address} for {window:g} s"
+            if self._declare(f, s, LEFT + str(self._holder(f, s).get("id", "unknown")), "silence", why):
+                log.warning("generation %d: slot %d's host answers nothing (%s, its heartbeat still): vacant",
+                            f, s, why)
+                declared += 1
+        return declared
+
+    def _beat(self, slot: int) -> bytes | None:
+        key = self._k("hb", slot)
+        return self._store.get(key) if self._store.check([key]) else None

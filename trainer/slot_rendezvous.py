@@ -30,7 +30,9 @@ whose workers died of a lost connection arrives with that evidence (:meth:`suspe
 one to do so probes, every ``PROBE_SECONDS`` for one timeout, the agents of the slots that did not
 arrive: one whose liveness socket refuses a connect (its process is gone) is vacant at once; one
 that accepts (alive, however slow) or does not answer is left to the heartbeat rule
-(:mod:`trainer.slot_recovery`).
+(:mod:`trainer.slot_recovery`). A host that answers nothing at all (powered off, cut off: no
+reset, so no evidence) is told by the waiting spare, which probes every agent all the time and
+declares a slot whose probes went unanswered over ``silence_window`` (#41, :mod:`trainer.silence`).
 
 A node whose slot was given away (it was declared dead, or replaced, and came back) is refused
 with :class:`SlotTakenError` (a ``RendezvousGracefulExitError``: its agent exits, the job goes on);
@@ -74,7 +76,7 @@ from torch.distributed.elastic.rendezvous.api import (
     rendezvous_handler_registry,
 )
 
-from trainer import suspects, worker_store
+from trainer import silence, suspects, worker_store
 from trainer.counting_store import CountingStore, OpStats  # noqa: F401 (re-exported: bench/replacement_scale.py)
 from trainer.slot_recovery import LEFT, NO_BEAT_PASSES, Recovery  # noqa: F401 (re-exported)
 
@@ -101,7 +103,7 @@ class SlotRendezvousHandler(RendezvousHandler):
                  join_timeout: float = 600.0, keep_alive_interval: float = 5.0, keep_alive_max_attempt: int = 3,
                  admission_timeout: float | None = None, node_id: str | None = None,
                  server_factory: Callable[[str], Any] | None = None, backend: str = BACKEND,
-                 liveness: bool = True) -> None:
+                 liveness: bool = True, silence_window: float = silence.WINDOW_SECONDS) -> None:
         if not run_id:
             raise ValueError("the run id must be a non-empty string")
         if nodes < 1:
@@ -141,6 +143,8 @@ class SlotRendezvousHandler(RendezvousHandler):
         self._evidence = ""  # why this node's workers failed, when a peer's process looked gone
         self._here = suspects.here()  # which loopback this node shares (a probe of one must not cross hosts)
         self._probe_every = max(suspects.PROBE_SECONDS, nodes * 0.0005)  # a probe pass is O(N) checks
+        self._watch_every = max(silence.INTERVAL_SECONDS, nodes * 0.0005)
+        self._quiet = silence.SilenceWatch(silence_window, self._watch_every)  # no socket until its first pass
         self.recovery = Recovery(self._store, store, self._k, nodes, self.admission_timeout, self._post_vacancy,
                                  on_vacant=suspects.record_vacancy, here=self._here)
 
@@ -337,6 +341,7 @@ class SlotRendezvousHandler(RendezvousHandler):
         self._prepare_server()  # in case the slot is 0
         seen: dict[int, bytes | None] = {}
         start = time.monotonic()
+        next_pass = start + self.admission_timeout
 
         def probing() -> bool:
             # a spare is admitted because a node is gone (or going): for one timeout it probes the
@@ -344,21 +349,44 @@ class SlotRendezvousHandler(RendezvousHandler):
             return time.monotonic() - start < self.admission_timeout
 
         def watch() -> None:
-            # An admitted spare watches the committed generation while it waits: a node that is cut
-            # off (or died) with its survivors still blocked in their collectives has nobody else
-            # to declare it; its vacancy, then this spare's arrival, is what makes them restart.
-            nonlocal seen
+            # The spare watches the committed generation while it waits: a node that is cut off
+            # (or died) with its survivors still blocked in their collectives has nobody else to
+            # declare it; its vacancy, then this spare's arrival, is what makes them restart. Every
+            # chunk: the silence pass (#41); while just admitted: the probe pass (#48); once per
+            # admission timeout: the keep-alive pass.
+            nonlocal seen, next_pass
             if self._store.check([self._k("latest")]):
                 f = int(self._store.get(self._k("latest"))) + 1
-                if probing():
-                    self.recovery.probe_pass(f, "a spare was admitted")
-                else:
+                self.recovery.silence_pass(f, self._quiet, closed=self.is_closed)
+                if probing():  # a short connect: a silent slot must not hold the silence pass back
+                    self.recovery.probe_pass(f, "a spare was admitted", probe=lambda a: suspects.probe(a, 0.1))
+                if not probing() and time.monotonic() >= next_pass:
+                    next_pass = time.monotonic() + self.admission_timeout
                     seen = self.recovery.keepalive_pass(f, seen)
 
+        try:
+            return self._spare_claim(deadline, watch)
+        finally:
+            self._quiet.close()
+
+    def watch_silence(self) -> float:
+        """One silence pass (#41) by a warm spare still waiting for its admission (``trainer.elastic``
+        calls it while it waits): the count it starts goes on once the spare is admitted. A slot
+        found silent is declared vacant (its vacancy waits for a spare's ticket). Returns the
+        seconds until the next pass. Never raises: a store error waits for the next pass."""
+        try:
+            if self._store.check([self._k("latest")]):
+                f = int(self._store.get(self._k("latest"))) + 1
+                self.recovery.silence_pass(f, self._quiet, closed=self.is_closed)
+        except (RuntimeError, OSError, ValueError) as exc:
+            log.debug("silence pass before the admission: %s", exc)
+        return self._watch_every
+
+    def _spare_claim(self, deadline: float, watch: Callable[[], None]) -> str:
         while True:
             t = self._store.add(self._k("spares"), 1)
             vkey = self._k("vacancy", t)
-            self._wait_key(vkey, deadline, f"a vacancy for spare ticket {t}", between=watch, fast=probing)
+            self._wait_key(vkey, deadline, f"a vacancy for spare ticket {t}", watch, self._watch_every)
             vac = json.loads(self._store.get(vkey))
             self.slot = vac["slot"]
             f = vac["gen"]
@@ -371,29 +399,25 @@ class SlotRendezvousHandler(RendezvousHandler):
             self.slot = None
 
     # -- waiting, recovery ------------------------------------------------------------------------------
-    def _wait_key(self, key: str, deadline: float, what: str, between: Callable[[], None] | None = None,
-                  fast: Callable[[], bool] | None = None) -> None:
-        """Wait for ``key`` in chunks of ``admission_timeout``, ``between()`` after each; while
-        ``fast()``, in chunks of the probe interval with ``between()`` before each."""
+    def _wait_key(self, key: str, deadline: float, what: str, between: Callable[[], None], chunk: float) -> None:
+        """Wait for ``key`` in chunks of ``chunk`` s, ``between()`` before each; the closed check
+        once per ``admission_timeout``."""
+        next_check = time.monotonic() + self.admission_timeout
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RendezvousTimeoutError(f"rendezvous {self.run_id}: no {what} within {self.join_timeout:g} s")
-            quick = between is not None and fast is not None and fast()
-            if quick:
-                between()
+            between()
             try:
-                self._store.wait([key], timedelta(seconds=min(left, self._probe_every if quick else self.admission_timeout)))
+                self._store.wait([key], timedelta(seconds=min(left, chunk)))
                 return
             except RuntimeError as exc:
                 if not _is_timeout(exc):
                     raise
-            if quick:
-                continue
-            if self.is_closed():
-                raise RendezvousClosedError(f"rendezvous {self.run_id} is closed")
-            if between is not None:
-                between()
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + self.admission_timeout
+                if self.is_closed():
+                    raise RendezvousClosedError(f"rendezvous {self.run_id} is closed")
 
     def _await(self, f: int, deadline: float) -> dict:
         key = self._k(f"g{f}")
@@ -548,6 +572,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         join_timeout=_seconds(params, "join_timeout", 600.0),
         keep_alive_interval=_seconds(params, "keep_alive_interval", 5.0),
         keep_alive_max_attempt=_count(params, "keep_alive_max_attempt", 3),
+        silence_window=_seconds(params, "silence_window", silence.WINDOW_SECONDS),
         admission_timeout=_seconds(params, "admission_timeout", 0.0) if params.get("admission_timeout") else None)
 
 

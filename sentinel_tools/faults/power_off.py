@@ -20,21 +20,35 @@ def inject(drill, victim) -> None:
 
 
 def verdict(drill, result, outcome) -> bool:
-    """At most one recomputed step (the disk interval without the memory tier); with it, the state
-    from memory with the lost host's shards from peers, and bytes into the spare's host over the bridge."""
-    ok = outcome.base_ok and len(outcome.lost) <= outcome.bound
+    """At most one recomputed step (the disk interval without the memory tier), no two processes
+    stepping as one rank; with the memory tier, the state from memory with the lost host's shards
+    from peers, and bytes into the spare's host over the bridge. Records how the lost host's slot
+    was declared (``silence``: the waiting spare's rule, #41; ``keep-alive``: expiry; none: c10d)."""
+    steps = [e for e in outcome.events if e["event"] == "step" and e["time"] >= outcome.t_fault]
+    by_rank_step: dict[tuple[int, int], set[int]] = {}
+    for e in steps:
+        by_rank_step.setdefault((e["rank"], e["step"]), set()).add(e["pid"])
+    twins = sorted(k for k, pids in by_rank_step.items() if len(pids) > 1 and k[1] not in outcome.lost)
+    vacant = [e for e in outcome.events if e["event"] == "vacant" and e["time"] >= outcome.t_fault]
+    first = min(vacant, key=lambda e: e["time"], default={})
+    result["power_off"] = {"declared_by": first.get("how"), "declared_evidence": first.get("evidence"),
+                           "same_rank_twice": twins}
+    ok = outcome.base_ok and len(outcome.lost) <= outcome.bound and not twins
     if drill.args.memory_interval_steps <= 0:
         return ok
     restore = result["restore"]
     spares = [n.name for n in drill.nodes if n.spare and n.name in outcome.final_nodes]
     into_spares = sum(result.get("bridge_bytes_since_fault", {}).get(n, {}).get("to_host", 0) for n in spares)
-    result["power_off"] = {"peer_shards": restore.get("peer", []), "bytes_into_spare_hosts": into_spares,
-                           "spare_hosts": spares}
+    result["power_off"].update(peer_shards=restore.get("peer", []), bytes_into_spare_hosts=into_spares,
+                               spare_hosts=spares)
     return ok and restore.get("tier") == "memory" and bool(restore.get("peer")) and into_spares > 0
 
 
 FAULT = Fault("power-off", "a host powers off (--hosts netns): all its processes SIGKILLed at once, its link and tmpfs "
-              "gone, no goodbye", inject, verdict=verdict, follow_up=replace, sudden=True, needs_hosts=True)
+              "gone, no goodbye", inject, verdict=verdict, follow_up=replace, sudden=True, needs_hosts=True,
+              rdzv_default="sentinel",
+              rdzv_default_why="the waiting spare of the slot rendezvous tells a host that answers nothing from its "
+                               "silence (no reset needed: a powered-off host sends none)")
 
 
 # -- the etcd leader lost during the replacement (issue #42) --------------------------------------

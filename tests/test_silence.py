@@ -1,0 +1,253 @@
+"""A host that answers nothing, told by the waiting spare's probes (#41): trainer/silence.py and
+the silence pass of trainer/slot_recovery.py. The hosts are real sockets: an agent that answers
+(a SIGSTOPped process, beside two CPU-bound ones: the kernel completes the handshake for it), and
+one that answers nothing (a listener whose accept queue is full: the kernel drops every SYN, as
+for a host whose power went). The end-to-end case, a namespaced host powered off with its link,
+is tests/test_netns_hosts.py."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import signal
+import time
+from datetime import timedelta
+
+import pytest
+
+from trainer import silence, suspects
+from trainer.counting_store import CountingStore
+from trainer.slot_recovery import Recovery
+
+
+class Mute:
+    """A listener on 127.0.0.1 that answers no connect: its accept queue (backlog 0) is full."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(0)
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.fill: list[socket.socket] = []
+        self.mute()
+
+    def mute(self) -> None:
+        for _ in range(2):
+            c = socket.socket()
+            c.setblocking(False)
+            c.connect_ex(self.sock.getsockname())
+            self.fill.append(c)
+        time.sleep(0.05)
+
+    def speak(self) -> None:
+        """Empty the queue: connects are answered again (until it fills)."""
+        self.sock.setblocking(False)
+        while True:
+            try:
+                self.sock.accept()[0].close()
+            except BlockingIOError:
+                break
+        for c in self.fill:
+            c.close()
+        self.fill = []
+
+    def close(self) -> None:
+        if self.sock.fileno() != -1:  # (a handler that took it as its liveness socket closed it already)
+            self.speak()
+        for c in self.fill:
+            c.close()
+        self.sock.close()
+
+
+@pytest.fixture
+def stopped_agent():
+    """A listening process, SIGSTOPped (its kernel still answers for it), beside two CPU burners."""
+    code = ("import socket, time; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(1024); "
+            "print(s.getsockname()[1], flush=True); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        address = f"127.0.0.1:{int(proc.stdout.readline())}"
+        proc.send_signal(signal.SIGSTOP)
+        yield address
+    finally:
+        for p in [proc, *burners]:
+            p.kill()
+            p.wait(10)
+
+
+def watch_for(watch: silence.SilenceWatch, targets: dict[int, str], seconds: float, beat=lambda slot: b"1",
+              between=lambda: None) -> tuple[list, float]:
+    """Passes every interval for ``seconds``: (the first pass's silent slots that were not empty, when)."""
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:
+        silent = watch.step(targets, beat)
+        if silent:
+            return silent, time.monotonic() - start
+        between()
+        time.sleep(watch.interval)
+    return [], time.monotonic() - start
+
+
+def test_a_host_that_answers_nothing_is_silent_after_its_window_and_a_stopped_one_never(stopped_agent):
+    mute = Mute()
+    watch = silence.SilenceWatch(window=1.0, interval=0.1)
+    try:
+        silent, after = watch_for(watch, {0: stopped_agent, 1: mute.address}, 10.0)
+        assert [(slot, address) for slot, address, _ in silent] == [(1, mute.address)]
+        assert after >= 1.0  # never before its window (its probes were unanswered all along)
+        # the stopped agent was asked as often, and answered every time (the kernel did)
+        for _ in range(10):
+            assert all(slot == 1 for slot, _, _ in watch.step({0: stopped_agent, 1: mute.address}, lambda s: b"1"))
+            time.sleep(0.1)
+    finally:
+        watch.close()
+        mute.close()
+
+
+def test_a_silent_slot_whose_heartbeat_moves_or_a_prober_that_hears_nobody_declares_nothing():
+    live, mute, other = suspects.Liveness("127.0.0.1"), Mute(), Mute()
+    beats = iter(range(10**6))
+    try:
+        # the heartbeat moves (the host reaches the store: it is our path to it that is broken)
+        watch = silence.SilenceWatch(window=0.5, interval=0.1)
+        silent, _ = watch_for(watch, {0: live.address, 1: mute.address}, 2.0,
+                              beat=lambda slot: str(next(beats)).encode(), between=live.drain)
+        assert silent == []
+        watch.close()
+        # every slot silent: the prober may be the one cut off
+        watch = silence.SilenceWatch(window=0.5, interval=0.1)
+        silent, _ = watch_for(watch, {0: mute.address, 1: other.address}, 2.0)
+        assert silent == []
+        watch.close()
+    finally:
+        live.close()
+        mute.close()
+        other.close()
+
+
+def test_a_cut_shorter_than_the_window_evicts_nobody():
+    live, mute = suspects.Liveness("127.0.0.1"), Mute()
+    watch = silence.SilenceWatch(window=1.0, interval=0.1)
+    try:
+        silent, _ = watch_for(watch, {0: live.address, 1: mute.address}, 0.6, between=live.drain)
+        assert silent == []
+        mute.speak()  # the link is back: the next probe is answered, the count starts again
+        silent, _ = watch_for(watch, {0: live.address, 1: mute.address}, 2.0, between=lambda: (live.drain(), mute.speak()))
+        assert silent == []
+    finally:
+        watch.close()
+        live.close()
+        mute.close()
+
+
+def test_a_slow_round_trip_widens_the_slots_window():
+    """A host whose handshakes took 0.5 s (a saturated, shaped link: the kernel's own measure,
+    here injected) gets max(window, 4 x 0.5 s): its silence must last 2 s, not 1 s."""
+    live, target = suspects.Liveness("127.0.0.1"), Mute()
+    target.speak()
+    port = target.sock.getsockname()[1]
+    watch = silence.SilenceWatch(window=1.0, interval=0.1,
+                                 rtt=lambda sock: 0.5 if sock.getpeername()[1] == port else 0.0001)
+    try:
+        for _ in range(3):  # answered, each after 0.5 s
+            assert watch.step({0: live.address, 1: target.address}, lambda s: b"1") == []
+            live.drain(), target.speak()
+            time.sleep(0.1)
+        target.mute()
+        silent, after = watch_for(watch, {0: live.address, 1: target.address}, 6.0, between=live.drain)
+        assert [slot for slot, _, _ in silent] == [1] and silent[0][2] == 2.0
+        assert after >= 2.0
+    finally:
+        watch.close()
+        live.close()
+        target.close()
+
+
+def test_the_silence_pass_declares_the_silent_slot_once_and_names_the_rule():
+    """Through the recovery on a real TCPStore: the committed generation's arrival records name
+    each agent's liveness socket; the silent one's slot is vacant in the next generation, with
+    ``how`` = "silence" and the vacancy posted; a slot that arrived is never declared."""
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    live, mute = suspects.Liveness("127.0.0.1"), Mute()
+    store = CountingStore(server)
+    for slot, (name, address) in enumerate([("a", live.address), ("b", mute.address), ("c", mute.address)]):
+        store.set(f"r/g1/s{slot}", json.dumps({"id": name, "probe": address, "where": suspects.here()}))
+        store.set(f"r/hb/{slot}", f"{name}:1")
+    store.set("r/g2/s2", json.dumps({"id": "c"}))  # c arrived in generation 2: not vacant whatever its probe says
+    posted: list = []
+    recovery = Recovery(store, server, lambda *p: "/".join(["r", *map(str, p)]), 3, 30.0,
+                        lambda slot, f, mark: posted.append((slot, f, mark)), here=suspects.here())
+    watch = silence.SilenceWatch(window=0.5, interval=0.1)
+    try:
+        start = time.monotonic()
+        while time.monotonic() - start < 5.0 and not posted:
+            recovery.silence_pass(2, watch)
+            live.drain()
+            time.sleep(0.1)
+        for _ in range(3):  # still silent: declared once only
+            recovery.silence_pass(2, watch)
+        assert [(slot, f, mark.split("#")[0]) for slot, f, mark in posted] == [(1, 2, "LEFT:b")]
+        assert [(e["slot"], e["how"]) for e in recovery.declared] == [(1, "silence")]
+        assert recovery.declared[0]["evidence"].startswith(f"no answer from {mute.address}")
+    finally:
+        watch.close()
+        live.close()
+        mute.close()
+
+
+def test_a_warm_spare_declares_a_silent_node_before_its_admission_and_takes_its_slot_once_admitted():
+    """Through real slot handlers on a real TCPStore: a 2-node job, one node's agent answers no
+    probe (its liveness socket's queue full: a host whose power went). A warm spare's passes while
+    it waits for its admission (``watch_silence``, as trainer.elastic calls them) declare that
+    slot by silence; admitted, the spare takes it in the same generation as the survivor."""
+    import threading
+
+    import torch.distributed as dist
+
+    from trainer.slot_rendezvous import SlotRendezvousHandler
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    conf = {"keep_alive_interval": 1.0, "admission_timeout": 30.0, "join_timeout": 60.0, "local_addr": "127.0.0.1",
+            "silence_window": 0.5}
+
+    def client() -> SlotRendezvousHandler:
+        return SlotRendezvousHandler(dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                                                   timeout=timedelta(seconds=60)), "job", 2, **conf)
+
+    mute = Mute()
+    live, dead, spare = client(), client(), client()
+    mute.sock.setblocking(False)  # as a liveness socket is (its heartbeat thread drains it, never waits on it)
+    dead.liveness._tried, dead.liveness._sock = True, mute.sock  # its arrival record names the mute socket
+    out: dict = {}
+
+    def join(name: str, h: SlotRendezvousHandler) -> None:
+        out[name] = h.next_rendezvous()
+
+    try:
+        threads = [threading.Thread(target=join, args=(n, h), daemon=True) for n, h in (("live", live), ("dead", dead))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        dead._stop_heartbeats()  # the host is gone: no beat, no drain of its queue either
+        time.sleep(0.2)
+        mute.mute()  # whatever its last drain took
+        start = time.monotonic()
+        while time.monotonic() - start < 10 and not spare.recovery.declared:
+            time.sleep(spare.watch_silence())
+        assert [(e["slot"], e["how"], e["generation"]) for e in spare.recovery.declared] == [(dead.slot, "silence", 2)]
+        threads = [threading.Thread(target=join, args=(n, h), daemon=True) for n, h in (("live2", live), ("spare", spare))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert out["spare"].rank == dead.slot and out["live2"].rank == live.slot and spare.gen == live.gen == 2
+    finally:
+        for h in (live, dead, spare):
+            h.shutdown()
+        mute.close()
