@@ -314,8 +314,9 @@ def test_the_etcd_leaders_host_powering_off_loses_no_step_bitwise(host_drill):
 
 
 def test_the_etcd_leader_lost_during_a_replacement_loses_no_step_bitwise(host_drill):
-    """A host with no etcd member powers off; the moment the spare joins the rendezvous, the
-    member that leads is SIGKILLed: the round commits under the new leader (two of three left)."""
+    """A host with no etcd member powers off; as the replacement begins (before the spare's
+    admission) the member that leads is SIGKILLed: the vacancy, the admission and the round
+    commit under the new leader (two of three left)."""
     r = host_drill("--fault", "power-off-leader-replacing", "--verify")
     assert r["ok"] and r["rc"] == 0, why(r)
     assert len(r["recomputed_steps"]) <= 1 and r["verify"]["bitwise_equal"], why(r)

@@ -103,7 +103,7 @@ class SlotRendezvousHandler(RendezvousHandler):
                  join_timeout: float = 600.0, keep_alive_interval: float = 5.0, keep_alive_max_attempt: int = 3,
                  admission_timeout: float | None = None, node_id: str | None = None,
                  server_factory: Callable[[str], Any] | None = None, backend: str = BACKEND,
-                 liveness: bool = True, silence_window: float = silence.WINDOW_SECONDS) -> None:
+                 liveness: bool = True, silence_window: float | None = None) -> None:
         if not run_id:
             raise ValueError("the run id must be a non-empty string")
         if nodes < 1:
@@ -144,7 +144,8 @@ class SlotRendezvousHandler(RendezvousHandler):
         self._here = suspects.here()  # which loopback this node shares (a probe of one must not cross hosts)
         self._probe_every = max(suspects.PROBE_SECONDS, nodes * 0.0005)  # a probe pass is O(N) checks
         self._watch_every = max(silence.INTERVAL_SECONDS, nodes * 0.0005)
-        self._quiet = silence.SilenceWatch(silence_window, self._watch_every)  # no socket until its first pass
+        # opt-in (--rdzv-conf silence_window=S): a full liveness queue reads as silence (docs/security.md)
+        self._quiet = silence.SilenceWatch(silence_window, self._watch_every) if silence_window else None
         self.recovery = Recovery(self._store, store, self._k, nodes, self.admission_timeout, self._post_vacancy,
                                  on_vacant=suspects.record_vacancy, here=self._here)
 
@@ -357,7 +358,8 @@ class SlotRendezvousHandler(RendezvousHandler):
             nonlocal seen, next_pass
             if self._store.check([self._k("latest")]):
                 f = int(self._store.get(self._k("latest"))) + 1
-                self.recovery.silence_pass(f, self._quiet, closed=self.is_closed)
+                if self._quiet is not None:
+                    self.recovery.silence_pass(f, self._quiet, closed=self.is_closed)
                 if probing():  # a short connect: a silent slot must not hold the silence pass back
                     self.recovery.probe_pass(f, "a spare was admitted", probe=lambda a: suspects.probe(a, 0.1))
                 if not probing() and time.monotonic() >= next_pass:
@@ -367,13 +369,16 @@ class SlotRendezvousHandler(RendezvousHandler):
         try:
             return self._spare_claim(deadline, watch)
         finally:
-            self._quiet.close()
+            if self._quiet is not None:
+                self._quiet.close()
 
     def watch_silence(self) -> float:
         """One silence pass (#41) by a warm spare still waiting for its admission (``trainer.elastic``
         calls it while it waits): the count it starts goes on once the spare is admitted. A slot
         found silent is declared vacant (its vacancy waits for a spare's ticket). Returns the
         seconds until the next pass. Never raises: a store error waits for the next pass."""
+        if self._quiet is None:
+            return 0.5  # the rule is off: nothing to watch
         try:
             if self._store.check([self._k("latest")]):
                 f = int(self._store.get(self._k("latest"))) + 1
@@ -572,7 +577,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         join_timeout=_seconds(params, "join_timeout", 600.0),
         keep_alive_interval=_seconds(params, "keep_alive_interval", 5.0),
         keep_alive_max_attempt=_count(params, "keep_alive_max_attempt", 3),
-        silence_window=_seconds(params, "silence_window", silence.WINDOW_SECONDS),
+        silence_window=_seconds(params, "silence_window", silence.WINDOW_SECONDS) if params.get("silence_window") else None,
         admission_timeout=_seconds(params, "admission_timeout", 0.0) if params.get("admission_timeout") else None)
 
 
