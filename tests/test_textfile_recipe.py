@@ -171,8 +171,9 @@ def test_a_holder_carrying_a_foreign_group_reads_nothing_with_that_group(attacke
     os.chown(secret, 0, 4242)
     secret.chmod(0o640)
     holder = shm / f"sentinel-{attacker.uid}"
-    as_user(attacker, ["sh", "-c", f"mkdir -m 700 {setgid}/h && mv {setgid}/h {holder}"])
-    assert holder.stat().st_gid == 4242 and holder.stat().st_uid == attacker.uid
+    # (it takes the set-group-id bit too: its owner clears it, the group stays)
+    as_user(attacker, ["sh", "-c", f"mkdir {setgid}/h && chmod 700 {setgid}/h && mv {setgid}/h {holder}"])
+    assert (holder.stat().st_gid, holder.stat().st_uid, holder.stat().st_mode & 0o7777) == (4242, attacker.uid, 0o700)
     stop = shared_tmp / "stop"
     swapper = attacker.popen([SYSTEM_PYTHON, "-c", f"""
 import os, time
