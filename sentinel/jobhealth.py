@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from sentinel.channel import MAX_RANK, MAX_STEP
 from sentinel.families import counter, gauge
 from sentinel.policy import NODE, Trip
 from sentinel.readings import GpuReading
@@ -30,6 +31,10 @@ from sentinel.straggler import GpuEvidence, StragglerSettings, causes, decide
 # host) is far below what a real job pays; a real job's restart (rendezvous, process group,
 # restore) grows with its size (docs/goodput.md). 60 s is the conservative default.
 DEFAULT_HANDOVER_SECONDS = 60.0
+# A straggler score or step time past these is no measurement (the channel's JSON carries any
+# float, NaN and Infinity included, and integers of thousands of digits): the report is malformed.
+MAX_SCORE = 1e6
+MAX_STEP_SECONDS = 1e6
 
 JOB_REPORTS = counter("sentinel_job_reports", "Reports the job's ranks sent this daemon, by kind (hang verdicts, straggler scores)",
                       "kind")
@@ -125,7 +130,7 @@ class JobHealth:
         raw_hosts, raw_culprits = d.get("hosts"), d.get("culprits")
         hosts = [printable(h[:253]) for h in (raw_hosts if isinstance(raw_hosts, list) else [])[:64] if isinstance(h, str)]
         culprits = [c for c in (raw_culprits if isinstance(raw_culprits, list) else [])[:64]
-                    if isinstance(c, int) and not isinstance(c, bool)]
+                    if isinstance(c, int) and not isinstance(c, bool) and 0 <= c <= MAX_RANK]
         evidence = printable(str(d.get("evidence", ""))[:400])
         self.hang = {"time": now, "kind": printable(str(d.get("kind", ""))[:32]), "culprits": culprits, "hosts": hosts,
                      "evidence": evidence, "here": self.node in hosts, "reported_by": rep.rank, "step": rep.step}
@@ -155,15 +160,19 @@ class JobHealth:
             relative = float(d["relative"])
             individual = float(d.get("individual", 1.0))
             step_seconds = float(d["step_seconds"])
-        except (KeyError, TypeError, ValueError):
+            if not (0 < relative <= MAX_SCORE and 0 < individual <= MAX_SCORE and 0 <= step_seconds <= MAX_STEP_SECONDS):
+                raise ValueError("out of range")  # NaN fails every comparison
+        except (KeyError, TypeError, ValueError, OverflowError):
             self.counts["straggler_malformed"] = self.counts.get("straggler_malformed", 0) + 1
-            return None
-        if not (math.isfinite(relative) and relative > 0 and math.isfinite(step_seconds) and step_seconds >= 0):
             return None
         steps_left = d.get("steps_left")
         steps_left = steps_left if isinstance(steps_left, int) and not isinstance(steps_left, bool) else None
+        if steps_left is not None and not 0 <= steps_left <= MAX_STEP:
+            self.counts["straggler_malformed"] = self.counts.get("straggler_malformed", 0) + 1
+            return None
         link = d.get("link_relative")  # a slow link: this node's link time over the job's median
-        link = float(link) if isinstance(link, (int, float)) and not isinstance(link, bool) and math.isfinite(link) else None
+        link = (float(link) if isinstance(link, (int, float)) and not isinstance(link, bool) and 0 < link <= MAX_SCORE
+                else None)
         why = causes(self._evidence, self.settings) + ([f"network link {link:.1f}x slower than the job's median"]
                                                         if link is not None else [])
         verdict = decide(relative, step_seconds, steps_left, self.handover_seconds)

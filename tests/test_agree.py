@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import socket
+import time
 from datetime import timedelta
 
 import pytest
@@ -59,3 +60,54 @@ def test_every_rank_gets_the_max_of_every_rank_agreement_after_agreement(world):
 
 def test_one_rank_needs_no_group():
     assert agree_max([3, -1], None, 1) == [3, -1]
+
+
+GROUP_TIMEOUT = 6.0
+
+
+def _rank_beside_a_lost_one(rank: int, world: int, port: int, how: str, out: dict) -> None:
+    import os
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                           timeout=timedelta(seconds=60))
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=GROUP_TIMEOUT))
+    agree_max([rank], group, world)  # every pair connected: the loss is mid-job, not at setup
+    if rank == world - 1:
+        if how == "dead":
+            os._exit(0)
+        while len(out) < world - 1:  # alive, never agreeing (stopped, swapped out): the sockets stay open
+            time.sleep(0.1)
+        os._exit(0)
+    t0 = time.monotonic()
+    try:
+        agree_max([rank], group, world)
+        out[rank] = ("agreed without the lost rank", time.monotonic() - t0)
+    except Exception as exc:  # noqa: BLE001 - what the group raises is the result
+        out[rank] = (type(exc).__name__, time.monotonic() - t0)
+    os._exit(0)  # destroy_process_group would wait on the lost rank
+
+
+@pytest.mark.parametrize("how", ["dead", "hung"])
+def test_a_lost_rank_ends_every_other_ranks_agreement_within_the_groups_timeout(how):
+    """A rank gone (its sockets closed) or hung (its sockets open, never sending) mid-job: every other
+    rank's agreement raises, and within about the group's timeout: each round's wait has the
+    group's timeout and a failure is never a late success that starts another full wait."""
+    world = 5
+    with mp.get_context("fork").Manager() as manager:
+        out = manager.dict()
+        ctx = mp.start_processes(_rank_beside_a_lost_one, args=(world, _port(), how, out), nprocs=world,
+                                 join=False, start_method="fork")
+        try:
+            deadline = time.monotonic() + 10 * GROUP_TIMEOUT
+            while not ctx.join(timeout=1):
+                assert time.monotonic() < deadline, f"ranks still waiting: {dict(out)}"
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        got = dict(out)
+    assert sorted(got) == list(range(world - 1))
+    for rank, (result, seconds) in got.items():
+        assert result != "agreed without the lost rank", rank
+        assert seconds < 2 * GROUP_TIMEOUT, (rank, result, seconds)

@@ -205,3 +205,24 @@ def test_a_hang_report_cannot_write_escape_sequences_or_unbounded_text():
     jh.observe([decode(Report("hang", 0, 42, {"kind": "stopped\x1b[2J", "hosts": ["node1"]}, pid=1).encode())], 2.0)
     (line,) = jobhealth.status_lines(jh.status())  # a kind that is no verdict: recorded (escaped), no trip
     assert "\x1b" not in line and "stopped" in line, line
+
+
+def test_numbers_a_rank_reports_out_of_any_real_range_are_refused_not_shown_nor_raised():
+    """The channel's JSON takes any integer up to 4,300 digits and NaN/Infinity. A culprit rank past
+    a 31-bit rank raised OverflowError in the hang trip (the whole poll's reports were dropped, a
+    real verdict from another rank with them) and showed in status; a NaN or huge straggler score
+    reached the gauges and a 300-character status line. Such numbers are refused like a malformed report."""
+    big = int("1" + "0" * 400)
+    real = hang(["node1"])
+    jh = JobHealth("node1")
+    forged = Report("hang", 1, 41, {"kind": "stopped", "culprits": [big], "hosts": ["node1"], "evidence": "x"})
+    trips = jh.observe([forged, real], 1.0)  # raised before: no trip, the real verdict lost with it
+    assert [t.rule for t in trips] == ["hang"] and str(big) not in trips[0].message
+    assert jh.hang["culprits"] == [3]  # the newest verdict, read after the forged one
+    for detail in ({"relative": 1.5, "individual": float("nan"), "step_seconds": 1.0},
+                   {"relative": 1e308, "step_seconds": 1.0},
+                   {"relative": 1.5, "step_seconds": 1e300},
+                   {"relative": 1.5, "step_seconds": 1.0, "steps_left": big}):
+        jh = JobHealth("node1")
+        assert jh.observe([decode(Report("straggler", 0, 5, detail).encode())], 1.0) == [], detail
+        assert jh.gauges() == {} and jh.counts.get("straggler_malformed") == 1, detail

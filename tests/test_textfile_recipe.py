@@ -118,3 +118,83 @@ while time.monotonic() < end and not os.path.exists({str(stop)!r}):
     finally:
         stop.touch()
         swapper.wait(timeout=90)
+
+
+def test_a_user_cannot_grow_the_export_without_bound_nor_repeat_a_series(attacker, shared_tmp):
+    """Root's output is every user's: one user's holders (it may make as many as it likes, each
+    named sentinel-<uid>-<hex>) and files must not make it as large as they like (a scrape over
+    Prometheus' sample_limit fails the whole node's target, and each file read is a process and
+    up to its time limit), nor repeat a series (two holders with the same rank: node_exporter
+    drops the repeat as an error). Per uid at most 64 files and 256 series are exported, each
+    series once; the job's own lines are exported whatever the attacker planted."""
+    shm = shared_tmp / "shm"
+    shm.mkdir()
+    shm.chmod(0o1777)
+    out = shared_tmp / "textfile"
+    out.mkdir()
+    a = attacker.uid
+    as_user(None, ["sh", "-c", f"mkdir -m 700 {shm}/sentinel-{JOB_UID} && printf '{LINE % (0, 111)}' > {shm}/sentinel-{JOB_UID}/metrics-rank0.prom"])
+    plant = (f"for h in sentinel-{a} sentinel-{a}-01 sentinel-{a}-02; do mkdir -m 700 {shm}/$h; "
+             f"for i in $(seq 0 99); do printf 'sentinel_trainer_memory_snapshot_bytes{{rank=\"0\",copy=\"own\"}} 5\\n"
+             f"sentinel_trainer_memory_snapshot_bytes{{rank=\"%d%d\",copy=\"own\"}} 5\\n"
+             f"sentinel_trainer_memory_snapshot_bytes{{rank=\"%d%d\",copy=\"replica\"}} 5\\n' $i ${{#h}} $i ${{#h}} "
+             f"> {shm}/$h/metrics-rank$i.prom; done; done")
+    as_user(attacker, ["sh", "-c", plant])
+    r = subprocess.run([str(SCRIPT), str(out)], capture_output=True, text=True, timeout=300,
+                       env={"PATH": "/usr/bin:/bin", "SENTINEL_SHM": str(shm),
+                            "SENTINEL_RUN_USER": str(shared_tmp / "none")})
+    assert r.returncode == 0, r.stderr
+    samples = [line for line in (out / "sentinel_memory.prom").read_text().splitlines() if not line.startswith("#")]
+    series = [line.rsplit(" ", 1)[0] for line in samples]
+    assert len(series) == len(set(series)), "a series is exported twice"
+    mine = [s for s in series if f'uid="{a}"' in s]
+    assert 0 < len(mine) <= 256
+    assert f'sentinel_trainer_memory_snapshot_bytes{{uid="{JOB_UID}",rank="0",copy="own"}} 111' in samples
+
+
+def test_a_holder_carrying_a_foreign_group_reads_nothing_with_that_group(attacker, shared_tmp):
+    """A directory made in a world-writable setgid directory (here one of group 4242, which the
+    attacker is not in) takes that group, and its owner may move it to /dev/shm as its holder. The
+    recipe read each file with the holder's group: a file swapped for a link to a group-4242-only
+    file after the checks was read with a group its owner does not have. It reads as nogroup."""
+    shm = shared_tmp / "shm"
+    shm.mkdir()
+    shm.chmod(0o1777)
+    out = shared_tmp / "textfile"
+    out.mkdir()
+    setgid = shared_tmp / "setgid-dir"
+    setgid.mkdir()
+    os.chown(setgid, 0, 4242)
+    setgid.chmod(0o2777)
+    secret = shared_tmp / "group-only.prom"
+    secret.write_text(LINE % (9, 434343))
+    os.chown(secret, 0, 4242)
+    secret.chmod(0o640)
+    holder = shm / f"sentinel-{attacker.uid}"
+    # (it takes the set-group-id bit too: its owner clears it, the group stays)
+    as_user(attacker, ["sh", "-c", f"mkdir {setgid}/h && chmod 700 {setgid}/h && mv {setgid}/h {holder}"])
+    assert (holder.stat().st_gid, holder.stat().st_uid, holder.stat().st_mode & 0o7777) == (4242, attacker.uid, 0o700)
+    stop = shared_tmp / "stop"
+    swapper = attacker.popen([SYSTEM_PYTHON, "-c", f"""
+import os, time
+d, f = {str(holder)!r}, {str(holder / 'metrics-rank0.prom')!r}
+end = time.monotonic() + 60
+while time.monotonic() < end and not os.path.exists({str(stop)!r}):
+    with open(d + "/tmp", "w") as t:
+        t.write({LINE % (0, 1)!r})
+    os.replace(d + "/tmp", f)
+    os.symlink({str(secret)!r}, d + "/lnk")
+    os.replace(d + "/lnk", f)
+"""])
+    try:
+        leaked = 0
+        for _ in range(40):
+            r = subprocess.run([str(SCRIPT), str(out)], capture_output=True, text=True, timeout=60,
+                               env={"PATH": "/usr/bin:/bin", "SENTINEL_SHM": str(shm),
+                                    "SENTINEL_RUN_USER": str(shared_tmp / "none")})
+            assert r.returncode == 0, r.stderr
+            leaked += "434343" in (out / "sentinel_memory.prom").read_text()
+        assert leaked == 0, f"a group-only file's line was exported through a swapped link in {leaked} of 40 runs"
+    finally:
+        stop.touch()
+        swapper.wait(timeout=90)
