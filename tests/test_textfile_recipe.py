@@ -29,6 +29,37 @@ def as_user(user, argv):
     return r
 
 
+def swapped_link_leaks(attacker, shared_tmp, holder, secret, marker: str, *, make_holder: bool) -> int:
+    """Runs the recipe 40 times while the attacker swaps its holder's file for a link to ``secret``
+    as fast as it can; how many of the exports carried ``marker`` (``secret``'s value)."""
+    shm, out, stop = shared_tmp / "shm", shared_tmp / "textfile", shared_tmp / "stop"
+    mkdir = "os.mkdir(d, 0o700)" if make_holder else ""
+    swapper = attacker.popen([SYSTEM_PYTHON, "-c", f"""
+import os, time
+d, f = {str(holder)!r}, {str(holder / 'metrics-rank0.prom')!r}
+{mkdir}
+end = time.monotonic() + 60
+while time.monotonic() < end and not os.path.exists({str(stop)!r}):
+    with open(d + "/tmp", "w") as t:
+        t.write({LINE % (0, 1)!r})
+    os.replace(d + "/tmp", f)
+    os.symlink({str(secret)!r}, d + "/lnk")
+    os.replace(d + "/lnk", f)
+"""])
+    try:
+        leaked = 0
+        for _ in range(40):
+            r = subprocess.run([str(SCRIPT), str(out)], capture_output=True, text=True, timeout=60,
+                               env={"PATH": "/usr/bin:/bin", "SENTINEL_SHM": str(shm),
+                                    "SENTINEL_RUN_USER": str(shared_tmp / "none")})
+            assert r.returncode == 0, r.stderr
+            leaked += marker in (out / "sentinel_memory.prom").read_text()
+        return leaked
+    finally:
+        stop.touch()
+        swapper.wait(timeout=90)
+
+
 def test_the_recipe_exports_only_holders_their_users_own(attacker, shared_tmp):
     shm = shared_tmp / "shm"
     shm.mkdir()
@@ -93,31 +124,8 @@ def test_a_file_swapped_for_a_link_after_the_checks_is_read_with_the_users_right
     secret = secret_dir / "x.prom"
     secret.write_text(LINE % (9, 424242))
     holder = shm / f"sentinel-{attacker.uid}"
-    stop = shared_tmp / "stop"
-    swapper = attacker.popen([SYSTEM_PYTHON, "-c", f"""
-import os, time
-d, f = {str(holder)!r}, {str(holder / 'metrics-rank0.prom')!r}
-os.mkdir(d, 0o700)
-end = time.monotonic() + 60
-while time.monotonic() < end and not os.path.exists({str(stop)!r}):
-    with open(d + "/tmp", "w") as t:
-        t.write({LINE % (0, 1)!r})
-    os.replace(d + "/tmp", f)
-    os.symlink({str(secret)!r}, d + "/lnk")
-    os.replace(d + "/lnk", f)
-"""])
-    try:
-        leaked = 0
-        for _ in range(40):
-            r = subprocess.run([str(SCRIPT), str(out)], capture_output=True, text=True, timeout=60,
-                               env={"PATH": "/usr/bin:/bin", "SENTINEL_SHM": str(shm),
-                                    "SENTINEL_RUN_USER": str(shared_tmp / "none")})
-            assert r.returncode == 0, r.stderr
-            leaked += "424242" in (out / "sentinel_memory.prom").read_text()
-        assert leaked == 0, f"root exported a root-only file's line through a swapped link in {leaked} of 40 runs"
-    finally:
-        stop.touch()
-        swapper.wait(timeout=90)
+    leaked = swapped_link_leaks(attacker, shared_tmp, holder, secret, "424242", make_holder=True)
+    assert leaked == 0, f"root exported a root-only file's line through a swapped link in {leaked} of 40 runs"
 
 
 def test_a_user_cannot_grow_the_export_without_bound_nor_repeat_a_series(attacker, shared_tmp):
@@ -174,27 +182,5 @@ def test_a_holder_carrying_a_foreign_group_reads_nothing_with_that_group(attacke
     # (it takes the set-group-id bit too: its owner clears it, the group stays)
     as_user(attacker, ["sh", "-c", f"mkdir {setgid}/h && chmod 700 {setgid}/h && mv {setgid}/h {holder}"])
     assert (holder.stat().st_gid, holder.stat().st_uid, holder.stat().st_mode & 0o7777) == (4242, attacker.uid, 0o700)
-    stop = shared_tmp / "stop"
-    swapper = attacker.popen([SYSTEM_PYTHON, "-c", f"""
-import os, time
-d, f = {str(holder)!r}, {str(holder / 'metrics-rank0.prom')!r}
-end = time.monotonic() + 60
-while time.monotonic() < end and not os.path.exists({str(stop)!r}):
-    with open(d + "/tmp", "w") as t:
-        t.write({LINE % (0, 1)!r})
-    os.replace(d + "/tmp", f)
-    os.symlink({str(secret)!r}, d + "/lnk")
-    os.replace(d + "/lnk", f)
-"""])
-    try:
-        leaked = 0
-        for _ in range(40):
-            r = subprocess.run([str(SCRIPT), str(out)], capture_output=True, text=True, timeout=60,
-                               env={"PATH": "/usr/bin:/bin", "SENTINEL_SHM": str(shm),
-                                    "SENTINEL_RUN_USER": str(shared_tmp / "none")})
-            assert r.returncode == 0, r.stderr
-            leaked += "434343" in (out / "sentinel_memory.prom").read_text()
-        assert leaked == 0, f"a group-only file's line was exported through a swapped link in {leaked} of 40 runs"
-    finally:
-        stop.touch()
-        swapper.wait(timeout=90)
+    leaked = swapped_link_leaks(attacker, shared_tmp, holder, secret, "434343", make_holder=False)
+    assert leaked == 0, f"a group-only file's line was exported through a swapped link in {leaked} of 40 runs"
