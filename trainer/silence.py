@@ -199,11 +199,5 @@ def _handshake_rtt(sock: socket.socket) -> float | None:
 
 def _resolve(address: str) -> tuple | None:
     """``(family, sockaddr)`` of a liveness address, or None (malformed, unresolvable)."""
-    where = suspects.parse_address(address)
-    if where is None:
-        return None
-    try:
-        infos = socket.getaddrinfo(where[0], where[1], type=socket.SOCK_STREAM)
-    except OSError:
-        return None
+    infos = suspects.resolve(address)
     return (infos[0][0], infos[0][4]) if infos else None

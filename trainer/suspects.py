@@ -140,17 +140,25 @@ def here() -> str:
         return ""
 
 
+def resolve(address: Any) -> list:
+    """``getaddrinfo``'s stream entries for a ``host:port`` liveness address; [] when it is
+    malformed or does not resolve."""
+    where = parse_address(address)
+    if where is None:
+        return []
+    try:
+        return socket.getaddrinfo(where[0], where[1], type=socket.SOCK_STREAM)
+    except OSError:
+        return []
+
+
 def reachable_from_here(address: Any, there: Any, mine: str) -> bool:
     """Whether a probe of ``address`` from here asks the right host: an address that is (or
     resolves here to) a loopback one reaches this host's own loopback, so it is probed only when
     the node said it is on this host (``there``, its :func:`here`, equal to ``mine``); a refusal
     from the wrong host would declare a live node dead. Any other address: yes."""
-    where = parse_address(address)
-    if where is None:
-        return False
-    try:
-        infos = socket.getaddrinfo(where[0], where[1], type=socket.SOCK_STREAM)
-    except OSError:
+    infos = resolve(address)
+    if not infos:
         return False
     loopback = any(ipaddress.ip_address(info[4][0].split("%", 1)[0]).is_loopback for info in infos)
     return not loopback or (bool(mine) and there == mine)
