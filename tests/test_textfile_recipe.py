@@ -29,6 +29,15 @@ def as_user(user, argv):
     return r
 
 
+def recipe_dirs(shared_tmp):
+    """A stand-in /dev/shm (1777, as the real one) and the textfile directory the recipe writes."""
+    shm, out = shared_tmp / "shm", shared_tmp / "textfile"
+    shm.mkdir()
+    shm.chmod(0o1777)
+    out.mkdir()
+    return shm, out
+
+
 def swapped_link_leaks(attacker, shared_tmp, holder, secret, marker: str, *, make_holder: bool) -> int:
     """Runs the recipe 40 times while the attacker swaps its holder's file for a link to ``secret``
     as fast as it can; how many of the exports carried ``marker`` (``secret``'s value)."""
@@ -61,13 +70,9 @@ while time.monotonic() < end and not os.path.exists({str(stop)!r}):
 
 
 def test_the_recipe_exports_only_holders_their_users_own(attacker, shared_tmp):
-    shm = shared_tmp / "shm"
-    shm.mkdir()
-    shm.chmod(0o1777)  # as /dev/shm
+    shm, out = recipe_dirs(shared_tmp)
     run_user = shared_tmp / "run-user"
     run_user.mkdir()
-    out = shared_tmp / "textfile"
-    out.mkdir()
     a = attacker.uid
     # the job's own holder (what trainer.memory creates) and its /run/user one
     as_user(None, ["sh", "-c", f"mkdir -m 700 {shm}/sentinel-{JOB_UID} && printf '{LINE % (0, 111)}{SKIPPED % (0, 7)}' > {shm}/sentinel-{JOB_UID}/metrics-rank0.prom"])
@@ -114,11 +119,7 @@ def test_a_file_swapped_for_a_link_after_the_checks_is_read_with_the_users_right
     checks and its read. Root then read the link's target: here a root-only file whose line
     would be exported (a /dev/zero or FIFO there would have grown or stalled root's job). The
     file is read as its owner, at most 4 KiB, with a time limit."""
-    shm = shared_tmp / "shm"
-    shm.mkdir()
-    shm.chmod(0o1777)
-    out = shared_tmp / "textfile"
-    out.mkdir()
+    shm, out = recipe_dirs(shared_tmp)
     secret_dir = shared_tmp / "root-only"
     secret_dir.mkdir(mode=0o700)
     secret = secret_dir / "x.prom"
@@ -135,11 +136,7 @@ def test_a_user_cannot_grow_the_export_without_bound_nor_repeat_a_series(attacke
     up to its time limit), nor repeat a series (two holders with the same rank: node_exporter
     drops the repeat as an error). Per uid at most 64 files and 256 series are exported, each
     series once; the job's own lines are exported whatever the attacker planted."""
-    shm = shared_tmp / "shm"
-    shm.mkdir()
-    shm.chmod(0o1777)
-    out = shared_tmp / "textfile"
-    out.mkdir()
+    shm, out = recipe_dirs(shared_tmp)
     a = attacker.uid
     as_user(None, ["sh", "-c", f"mkdir -m 700 {shm}/sentinel-{JOB_UID} && printf '{LINE % (0, 111)}' > {shm}/sentinel-{JOB_UID}/metrics-rank0.prom"])
     plant = (f"for h in sentinel-{a} sentinel-{a}-01 sentinel-{a}-02; do mkdir -m 700 {shm}/$h; "
@@ -165,11 +162,7 @@ def test_a_holder_carrying_a_foreign_group_reads_nothing_with_that_group(attacke
     attacker is not in) takes that group, and its owner may move it to /dev/shm as its holder. The
     recipe read each file with the holder's group: a file swapped for a link to a group-4242-only
     file after the checks was read with a group its owner does not have. It reads as nogroup."""
-    shm = shared_tmp / "shm"
-    shm.mkdir()
-    shm.chmod(0o1777)
-    out = shared_tmp / "textfile"
-    out.mkdir()
+    shm, out = recipe_dirs(shared_tmp)
     setgid = shared_tmp / "setgid-dir"
     setgid.mkdir()
     os.chown(setgid, 0, 4242)
