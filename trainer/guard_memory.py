@@ -97,9 +97,10 @@ class MemorySteps:
                              state_dict: Any) -> None:
         job.done.wait(self.memory.timeout)
         job.ok = self._memory_agreed(step)
-        if job.ok and self.migrate_ack == "memory":
+        memory_ack = job.ok and self.migrate_ack == "memory"
+        if memory_ack:
             requests, ids, hold = self._join_late(requests, ids, hold)
-        if job.ok and self.migrate_ack == "memory" and not self._leaving_with_every_copy(step):
+        if memory_ack and not self._leaving_with_every_copy(step):
             self._commit_in_memory(step, requests, ids)
             self._persist(step, MIGRATE, {}, ids, job.slot, state_dict)
         elif job.ok:  # durable: acknowledged once the disk copy commits (memory is restorable too)
