@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, session_shared_dir
+from conftest import REPO, session_shared_dir, wait_for
 from sentinel_tools import netns
 
 pytestmark = [pytest.mark.needs_root, pytest.mark.slow]
@@ -74,6 +74,13 @@ def serve_once(host: netns.Host, address: str, port: int) -> subprocess.Popen:
     return p
 
 
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def connect(host: netns.Host, address: str, port: int) -> int:
     """connect_ex from ``host`` (0: connected; an errno otherwise), sending 1000 bytes when connected."""
     code = (f"import socket; s=socket.socket(); s.settimeout(3); e=s.connect_ex(({address!r}, {port})); "
@@ -104,6 +111,10 @@ def test_hosts_reach_each_other_only_over_the_bridge_with_memory_of_their_own(cl
     assert not Path("/run/sentinel/status").exists() and subprocess.run(
         a.wrap(["cat", "/dev/shm/mine"]), capture_output=True, text=True).stdout == "a"
     sleeper = subprocess.Popen(a.wrap(["sleep", "300"]))
+    # powered off once it runs inside the host (nsenter has joined both namespaces and exec'd sleep):
+    # before that, nsenter fails on the host's gone mount namespace and exits 1 (seen at load ~8)
+    wait_for(lambda: sleeper.pid in netns.netns_pids(a.netns) and _comm(sleeper.pid) == "sleep", 30,
+             what="the sleeper to run inside host a")
     c.power_off("a")
     assert sleeper.wait(timeout=10) == -signal.SIGKILL
     assert netns.netns_pids(a.netns) == [] and a.link not in netns.list_links(c.prefix)
