@@ -170,6 +170,11 @@ def _verdict(drill: "Drill", result: dict[str, Any], events: list[dict[str, Any]
     # sudden losses: at most one step with the memory tier (unless every copy of a shard was
     # lost: then the disk snapshot, up to its interval); without it, up to the disk interval
     bound = max(1, a.interval_steps) if not memory or result["restore"]["tier"] == "disk" else 1
+    newest = None
+    if result["restore"]["tier"] == "disk":  # an async save still in flight at the fault is lost with it
+        last, newest = _last_step_and_disk_snapshot(drill, events, t_fault)
+        result["restore"]["newest_complete_at_fault"] = newest
+        bound = max(bound, last - newest)
     if a.fail_snapshot and fault.replaces_node:
         # The migrate snapshot failed: the job resumes from the newest snapshot that did
         # commit and recomputes the steps from there to the step it held at. How many that
@@ -181,9 +186,28 @@ def _verdict(drill: "Drill", result: dict[str, Any], events: list[dict[str, Any]
     else:
         outcome = faults.Outcome(events, mig, victim, t_fault, s.t_first, s.lost, bound, s.final_nodes, ok)
         ok = fault.verdict(drill, result, outcome)
+        if newest is not None:  # and from that snapshot, not an older one
+            ok = ok and (result["restore"].get("step") or 0) >= newest
     if "verify" in result:
         ok = ok and result["verify"]["bitwise_equal"]
     return ok
+
+
+def _last_step_and_disk_snapshot(drill: "Drill", events: list[dict[str, Any]], t_fault: float) -> tuple[int, int]:
+    """The old world's last step, and the newest disk snapshot complete before the fault (what a
+    resume from disk must load; the steps between are recomputed): from the job's snapshot lines,
+    or, for TorchTitan, its folder (``step-N`` is complete once DCP wrote ``.metadata``, last)."""
+    # the old world's last step: it may be logged just after the fault, never after the restart
+    restart = min((e["time"] for e in events if e["event"] == "resumed" and e["time"] >= t_fault), default=t_fault)
+    done = [e["step"] for e in events if e["event"] == "step" and e["time"] < restart]
+    complete = [e["step"] for e in events if e["event"] == "snapshot" and e.get("ok") and e["time"] < t_fault
+                and not str(e.get("path") or "").startswith("memory:")]
+    if drill.trainer == "torchtitan":
+        for meta in (drill.job_dir / "torchtitan" / "checkpoint").glob("step-*/.metadata"):
+            step = meta.parent.name[len("step-"):]
+            if step.isdigit() and meta.stat().st_mtime < t_fault:
+                complete.append(int(step))
+    return max(done, default=0), max(complete, default=0)
 
 
 def restore_report(drill: "Drill", events: list[dict[str, Any]], t_fault: float) -> dict[str, Any]:
