@@ -23,55 +23,87 @@ from trainer.slot_recovery import Recovery
 
 
 class Mute:
-    """A listener on 127.0.0.1 that answers no connect: its accept queue (backlog 0) is full."""
+    """A unit stand-in for a host that answers nothing, on 127.0.0.1: a "liveness socket" and a
+    "kernel-answer port" that are both listeners with a full accept queue (backlog 0), so neither
+    answers a connect. (A real kernel-answer port always answers: a real host that answers
+    nothing, powered off on its own network namespace, is in test_a_powered_off_host_...; a real
+    agent whose queue a local user fills is in test_a_local_user_filling_...) ``speak`` empties
+    both queues: both answer, as a reachable host's do."""
 
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(0)
+    def __init__(self, muted: bool = True) -> None:
+        self.sock, self.kernel_sock = socket.socket(), socket.socket()
+        for s in (self.sock, self.kernel_sock):
+            s.bind(("127.0.0.1", 0))
+            s.listen(0)
         self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.kernel = f"127.0.0.1:{self.kernel_sock.getsockname()[1]}"
+        self.pair = (self.address, self.kernel)
         self.fill: list[socket.socket] = []
-        self.mute()
+        if muted:
+            self.mute()
 
     def mute(self) -> None:
-        for _ in range(2):
-            c = socket.socket()
-            c.setblocking(False)
-            c.connect_ex(self.sock.getsockname())
-            self.fill.append(c)
+        for s in (self.sock, self.kernel_sock):
+            for _ in range(2):
+                c = socket.socket()
+                c.setblocking(False)
+                c.connect_ex(s.getsockname())
+                self.fill.append(c)
         time.sleep(0.05)
 
     def speak(self) -> None:
-        """Empty the queue: connects are answered again (until it fills)."""
-        self.sock.setblocking(False)
-        while True:
-            try:
-                self.sock.accept()[0].close()
-            except BlockingIOError:
-                break
+        """Empty the queues: connects are answered again (until they fill)."""
+        for s in (self.sock, self.kernel_sock):
+            if s.fileno() == -1:
+                continue
+            s.setblocking(False)
+            while True:
+                try:
+                    s.accept()[0].close()
+                except BlockingIOError:
+                    break
         for c in self.fill:
             c.close()
         self.fill = []
 
     def close(self) -> None:
-        if self.sock.fileno() != -1:  # (a handler that took it as its liveness socket closed it already)
-            self.speak()
-        for c in self.fill:
-            c.close()
+        self.speak()
         self.sock.close()
+        self.kernel_sock.close()
+
+
+def pair(live: suspects.Liveness) -> tuple[str, str]:
+    return live.address, live.kernel_address
+
+
+def greet(watch: silence.SilenceWatch, targets: dict, *mutes: Mute, live=None) -> None:
+    """The watcher hears each target's kernel-answer port once (a silence needs that proof of the
+    path), then the mutes fall silent."""
+    for m in mutes:
+        m.speak()
+    for _ in range(5):
+        assert watch.step(targets, lambda s: b"1") == []
+        for m in mutes:
+            m.speak()
+        if live is not None:
+            live.drain()
+        time.sleep(0.05)
+    for m in mutes:
+        m.mute()
 
 
 @pytest.fixture
 def stopped_agent():
     """A listening process, SIGSTOPped (its kernel still answers for it), beside two CPU burners."""
     code = ("import socket, time; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(1024); "
-            "print(s.getsockname()[1], flush=True); time.sleep(600)")
+            "k = socket.socket(); k.bind(('127.0.0.1', 0)); "
+            "print(s.getsockname()[1], k.getsockname()[1], flush=True); time.sleep(600)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
-        address = f"127.0.0.1:{int(proc.stdout.readline())}"
+        port, kernel = proc.stdout.readline().split()
         proc.send_signal(signal.SIGSTOP)
-        yield address
+        yield (f"127.0.0.1:{int(port)}", f"127.0.0.1:{int(kernel)}")
     finally:
         for p in [proc, *burners]:
             p.kill()
@@ -94,13 +126,15 @@ def watch_for(watch: silence.SilenceWatch, targets: dict[int, str], seconds: flo
 def test_a_host_that_answers_nothing_is_silent_after_its_window_and_a_stopped_one_never(stopped_agent):
     mute = Mute()
     watch = silence.SilenceWatch(window=1.0, interval=0.1)
+    targets = {0: stopped_agent, 1: mute.pair}
     try:
-        silent, after = watch_for(watch, {0: stopped_agent, 1: mute.address}, 10.0)
+        greet(watch, targets, mute)
+        silent, after = watch_for(watch, targets, 10.0)
         assert [(slot, address) for slot, address, _ in silent] == [(1, mute.address)]
         assert after >= 1.0  # never before its window (its probes were unanswered all along)
         # the stopped agent was asked as often, and answered every time (the kernel did)
         for _ in range(10):
-            assert all(slot == 1 for slot, _, _ in watch.step({0: stopped_agent, 1: mute.address}, lambda s: b"1"))
+            assert all(slot == 1 for slot, _, _ in watch.step(targets, lambda s: b"1"))
             time.sleep(0.1)
     finally:
         watch.close()
@@ -113,13 +147,15 @@ def test_a_silent_slot_whose_heartbeat_moves_or_a_prober_that_hears_nobody_decla
     try:
         # the heartbeat moves (the host reaches the store: it is our path to it that is broken)
         watch = silence.SilenceWatch(window=0.5, interval=0.1)
-        silent, _ = watch_for(watch, {0: live.address, 1: mute.address}, 2.0,
+        greet(watch, {0: pair(live), 1: mute.pair}, mute, live=live)
+        silent, _ = watch_for(watch, {0: pair(live), 1: mute.pair}, 2.0,
                               beat=lambda slot: str(next(beats)).encode(), between=live.drain)
         assert silent == []
         watch.close()
         # every slot silent: the prober may be the one cut off
         watch = silence.SilenceWatch(window=0.5, interval=0.1)
-        silent, _ = watch_for(watch, {0: mute.address, 1: other.address}, 2.0)
+        greet(watch, {0: mute.pair, 1: other.pair}, mute, other)
+        silent, _ = watch_for(watch, {0: mute.pair, 1: other.pair}, 2.0)
         assert silent == []
         watch.close()
     finally:
@@ -131,11 +167,13 @@ def test_a_silent_slot_whose_heartbeat_moves_or_a_prober_that_hears_nobody_decla
 def test_a_cut_shorter_than_the_window_evicts_nobody():
     live, mute = suspects.Liveness("127.0.0.1"), Mute()
     watch = silence.SilenceWatch(window=1.0, interval=0.1)
+    targets = {0: pair(live), 1: mute.pair}
     try:
-        silent, _ = watch_for(watch, {0: live.address, 1: mute.address}, 0.6, between=live.drain)
+        greet(watch, targets, mute, live=live)
+        silent, _ = watch_for(watch, targets, 0.6, between=live.drain)
         assert silent == []
         mute.speak()  # the link is back: the next probe is answered, the count starts again
-        silent, _ = watch_for(watch, {0: live.address, 1: mute.address}, 2.0, between=lambda: (live.drain(), mute.speak()))
+        silent, _ = watch_for(watch, targets, 2.0, between=lambda: (live.drain(), mute.speak()))
         assert silent == []
     finally:
         watch.close()
@@ -146,18 +184,18 @@ def test_a_cut_shorter_than_the_window_evicts_nobody():
 def test_a_slow_round_trip_widens_the_slots_window():
     """A host whose handshakes took 0.5 s (a saturated, shaped link: the kernel's own measure,
     here injected) gets max(window, 4 x 0.5 s): its silence must last 2 s, not 1 s."""
-    live, target = suspects.Liveness("127.0.0.1"), Mute()
-    target.speak()
+    live, target = suspects.Liveness("127.0.0.1"), Mute(muted=False)
     port = target.sock.getsockname()[1]
     watch = silence.SilenceWatch(window=1.0, interval=0.1,
                                  rtt=lambda sock: 0.5 if sock.getpeername()[1] == port else 0.0001)
+    targets = {0: pair(live), 1: target.pair}
     try:
         for _ in range(3):  # answered, each after 0.5 s
-            assert watch.step({0: live.address, 1: target.address}, lambda s: b"1") == []
+            assert watch.step(targets, lambda s: b"1") == []
             live.drain(), target.speak()
             time.sleep(0.1)
         target.mute()
-        silent, after = watch_for(watch, {0: live.address, 1: target.address}, 6.0, between=live.drain)
+        silent, after = watch_for(watch, targets, 6.0, between=live.drain)
         assert [slot for slot, _, _ in silent] == [1] and silent[0][2] == 2.0
         assert after >= 2.0
     finally:
@@ -173,10 +211,10 @@ def test_the_silence_pass_declares_the_silent_slot_once_and_names_the_rule():
     import torch.distributed as dist
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    live, mute = suspects.Liveness("127.0.0.1"), Mute()
+    live, mute = suspects.Liveness("127.0.0.1"), Mute(muted=False)
     store = CountingStore(server)
-    for slot, (name, address) in enumerate([("a", live.address), ("b", mute.address), ("c", mute.address)]):
-        store.set(f"r/g1/s{slot}", json.dumps({"id": name, "probe": address, "where": suspects.here()}))
+    for slot, (name, (address, kernel)) in enumerate([("a", pair(live)), ("b", mute.pair), ("c", mute.pair)]):
+        store.set(f"r/g1/s{slot}", json.dumps({"id": name, "probe": address, "kernel": kernel, "where": suspects.here()}))
         store.set(f"r/hb/{slot}", f"{name}:1")
     store.set("r/g2/s2", json.dumps({"id": "c"}))  # c arrived in generation 2: not vacant whatever its probe says
     posted: list = []
@@ -184,6 +222,11 @@ def test_the_silence_pass_declares_the_silent_slot_once_and_names_the_rule():
                         lambda slot, f, mark: posted.append((slot, f, mark)), here=suspects.here())
     watch = silence.SilenceWatch(window=0.5, interval=0.1)
     try:
+        for _ in range(5):  # the prober hears each kernel-answer port, then b's host falls silent
+            assert recovery.silence_pass(2, watch) == 0
+            live.drain(), mute.speak()
+            time.sleep(0.05)
+        mute.mute()
         start = time.monotonic()
         while time.monotonic() - start < 5.0 and not posted:
             recovery.silence_pass(2, watch)
@@ -219,10 +262,11 @@ def test_a_warm_spare_declares_a_silent_node_before_its_admission_and_takes_its_
         return SlotRendezvousHandler(dist.TCPStore("127.0.0.1", server.port, is_master=False,
                                                    timeout=timedelta(seconds=60)), "job", 2, **conf)
 
-    mute = Mute()
+    mute = Mute(muted=False)
     live, dead, spare = client(), client(), client()
     mute.sock.setblocking(False)  # as a liveness socket is (its heartbeat thread drains it, never waits on it)
-    dead.liveness._tried, dead.liveness._sock = True, mute.sock  # its arrival record names the mute socket
+    # its arrival record names the mute sockets
+    dead.liveness._tried, dead.liveness._sock, dead.liveness._kernel = True, mute.sock, mute.kernel_sock
     out: dict = {}
 
     def join(name: str, h: SlotRendezvousHandler) -> None:
@@ -234,6 +278,10 @@ def test_a_warm_spare_declares_a_silent_node_before_its_admission_and_takes_its_
             t.start()
         for t in threads:
             t.join(60)
+        for _ in range(5):  # the spare hears every host (its kernel-answer port) while it waits
+            time.sleep(spare.watch_silence())
+            mute.speak()
+        assert spare.recovery.declared == []
         dead._stop_heartbeats()  # the host is gone: no beat, no drain of its queue either
         time.sleep(0.2)
         mute.mute()  # whatever its last drain took
