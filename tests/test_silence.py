@@ -16,6 +16,7 @@ import time
 from datetime import timedelta
 
 import pytest
+from conftest import SYSTEM_PYTHON
 
 from trainer import silence, suspects
 from trainer.counting_store import CountingStore
@@ -299,3 +300,81 @@ def test_a_warm_spare_declares_a_silent_node_before_its_admission_and_takes_its_
         for h in (live, dead, spare):
             h.shutdown()
         mute.close()
+
+
+FLOOD = """
+import resource, socket, sys, time
+resource.setrlimit(resource.RLIMIT_NOFILE, (20000, 20000))
+host, port = sys.argv[1].rsplit(":", 1)
+held, said = [], False
+while True:  # connects that complete wait in the accept queue; keep it full whatever is drained
+    c = socket.socket()
+    c.setblocking(False)
+    c.connect_ex((host.strip("[]"), int(port)))
+    held.append(c)
+    if len(held) >= 1500 and not said:
+        print("full", flush=True)
+        said = True
+    if len(held) >= 15000:
+        for c in held[:5000]:
+            c.close()
+        del held[:5000]
+    time.sleep(0.0005 if said else 0)
+"""
+
+
+def flood_as_nobody(address: str) -> subprocess.Popen:
+    """An unprivileged local user (``nobody``) filling the accept queue of the liveness socket
+    at ``address`` and keeping it full; returns once >= 1,500 connects were made."""
+    # the system interpreter: the test runner's may live under /root (0700)
+    proc = subprocess.Popen(["runuser", "-u", "nobody", "--", SYSTEM_PYTHON, "-c", FLOOD, address],
+                            stdout=subprocess.PIPE, text=True, cwd="/")
+    assert proc.stdout.readline().strip() == "full"
+    return proc
+
+
+def test_a_local_user_filling_a_live_agents_liveness_queue_does_not_get_its_host_declared_vacant():
+    """The attack of the session-17 security review, through real slot handlers: ``nobody``
+    fills the live victim's liveness accept queue (the kernel then drops the spare's SYNs: its
+    probes go unanswered while the other agent answers, and the heartbeat beats every 5 s).
+    The victim's kernel-answer port still refuses every probe: the waiting spare declares
+    nothing, and the probe pass never calls it gone."""
+    import threading
+
+    import torch.distributed as dist
+
+    from trainer.slot_rendezvous import SlotRendezvousHandler
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    conf = {"keep_alive_interval": 5.0, "admission_timeout": 30.0, "join_timeout": 60.0, "local_addr": "127.0.0.1",
+            "silence_window": 0.5}
+
+    def client() -> SlotRendezvousHandler:
+        return SlotRendezvousHandler(dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                                                   timeout=timedelta(seconds=60)), "job", 2, **conf)
+
+    live, victim, spare = client(), client(), client()
+    flooder = None
+    try:
+        threads = [threading.Thread(target=h.next_rendezvous, daemon=True) for h in (live, victim)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert live.gen == victim.gen == 1
+        for _ in range(5):
+            time.sleep(spare.watch_silence())
+        flooder = flood_as_nobody(victim.liveness.address)
+        assert suspects.probe(victim.liveness.address, 0.3) == suspects.UNKNOWN  # the queue is full: no answer
+        start = time.monotonic()
+        while time.monotonic() - start < 8 * 0.5:  # 8 windows
+            time.sleep(spare.watch_silence())
+        assert spare.recovery.declared == []
+        assert spare.recovery.probe_pass(2, "test", probe=lambda a: suspects.probe(a, 0.1)) == 0
+        assert flooder.poll() is None  # the flood held all along
+    finally:
+        if flooder is not None:
+            flooder.kill()
+            flooder.wait(10)
+        for h in (live, victim, spare):
+            h.shutdown()
