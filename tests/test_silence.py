@@ -378,3 +378,102 @@ def test_a_local_user_filling_a_live_agents_liveness_queue_does_not_get_its_host
             flooder.wait(10)
         for h in (live, victim, spare):
             h.shutdown()
+
+
+AGENT = """
+import sys, time
+from trainer import suspects
+live = suspects.Liveness(sys.argv[1])
+print(live.address, live.kernel_address, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def far_host():
+    """A real host on its own network namespace (sentinel_tools.netns), reached from this test's
+    namespace over its bridge (a /30 of its own on the bridge and on the host), running an
+    agent's liveness socket and kernel-answer port. Everything removed whatever happened."""
+    import secrets
+    from pathlib import Path
+
+    from sentinel_tools import netns
+
+    if netns.missing():
+        pytest.skip(netns.missing())
+    c = netns.NetnsCluster(["far"])
+    agent = None
+    try:
+        c.start()
+        host, net = c.hosts["far"], f"198.19.{secrets.randbelow(250)}.{4 * secrets.randbelow(60)}"
+        mine, theirs = net.rsplit(".", 1)[0] + f".{int(net.rsplit('.', 1)[1]) + 1}", \
+            net.rsplit(".", 1)[0] + f".{int(net.rsplit('.', 1)[1]) + 2}"
+        subprocess.run(["ip", "addr", "add", f"{mine}/30", "dev", c.bridge], check=True)
+        subprocess.run(["ip", "-n", host.netns, "addr", "add", f"{theirs}/30", "dev", "eth0"], check=True)
+        repo = str(Path(__file__).resolve().parents[1])
+        agent = subprocess.Popen(host.wrap(["env", f"PYTHONPATH={repo}", sys.executable, "-c", AGENT, theirs]),
+                                 stdout=subprocess.PIPE, text=True)
+        address, kernel = agent.stdout.readline().split()
+        yield c, host, (address, kernel)
+    finally:
+        if agent is not None:
+            agent.kill()
+            agent.wait(10)
+        assert c.teardown() == []
+        assert netns.leftovers(c.prefix) == {"netns": [], "links": [], "processes": []}
+
+
+def test_a_powered_off_host_is_silent_and_its_flooded_queue_under_abort_on_overflow_is_neither_silent_nor_gone(far_host):
+    """The real stand-in of a dead host: a namespaced host whose link goes down and whose
+    processes are killed (``power_off``: no FIN, no RST leaves it). Before that, the same host
+    alive with ``net.ipv4.tcp_abort_on_overflow=1`` (its namespace's own) and ``nobody`` keeping
+    its agent's liveness queue full (the kernel then drops SYNs and resets handshakes it cannot
+    queue): the waiting spare's silence pass declares nothing, the probe pass never reads "gone"
+    (a reset after the handshake is not a refusal of the connect). Powered off: declared by
+    silence, not before its window."""
+    import torch.distributed as dist
+
+    c, host, (address, kernel) = far_host
+    subprocess.run(host.wrap(["sysctl", "-qw", "net.ipv4.tcp_abort_on_overflow=1"]), check=True)
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    live = suspects.Liveness("127.0.0.1")
+    store = CountingStore(server)
+    for slot, (name, (probe, k)) in enumerate([("near", pair(live)), ("far", (address, kernel))]):
+        store.set(f"r/g1/s{slot}", json.dumps({"id": name, "probe": probe, "kernel": k, "where": suspects.here()}))
+        store.set(f"r/hb/{slot}", f"{name}:1")
+    recovery = Recovery(store, server, lambda *p: "/".join(["r", *map(str, p)]), 2, 30.0,
+                        lambda slot, f, mark: None, here=suspects.here())
+    watch = silence.SilenceWatch(window=0.5, interval=0.1)
+    flooder = None
+
+    def passes(seconds: float) -> float:
+        start = time.monotonic()
+        while time.monotonic() - start < seconds and not recovery.declared:
+            recovery.silence_pass(2, watch)
+            live.drain()
+            time.sleep(0.1)
+        return time.monotonic() - start
+
+    try:
+        passes(0.5)
+        assert recovery.declared == [] and watch._slots[(1, (address, kernel))].kernel_answered
+        flooder = flood_as_nobody(address)
+        answers = [suspects.probe(address, 0.2) for _ in range(20)]
+        assert suspects.GONE not in answers and suspects.UNKNOWN in answers  # the flood holds; never "gone"
+        passes(8 * 0.5)
+        assert recovery.declared == []
+        assert recovery.probe_pass(2, "test", probe=lambda a: suspects.probe(a, 0.1)) == 0
+        assert flooder.poll() is None
+        flooder.kill()
+        flooder.wait(10)
+        flooder = None
+        c.power_off("far", silent=True)
+        after = passes(10.0)
+        assert [(e["slot"], e["how"]) for e in recovery.declared] == [(1, "silence")]
+        assert after >= 0.5
+    finally:
+        if flooder is not None:
+            flooder.kill()
+            flooder.wait(10)
+        watch.close()
+        live.close()
