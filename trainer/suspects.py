@@ -115,7 +115,10 @@ def parse_address(address: Any) -> tuple[str, int] | None:
 def probe(address: Any, timeout: float = PROBE_TIMEOUT) -> str:
     """Is the agent behind ``address`` alive? :data:`ALIVE` (the connect was accepted),
     :data:`GONE` (refused: nothing listens there any more, its host answered) or :data:`UNKNOWN`
-    (no answer, no route, a malformed address). Never raises."""
+    (no answer, no route, a malformed address). Never raises. Only a refusal of the SYN itself is
+    GONE: a listener whose queue another user keeps full drops SYNs (UNKNOWN), and under
+    ``net.ipv4.tcp_abort_on_overflow=1`` resets a handshake it cannot queue only after its SYN-ACK
+    (the connect completed: ALIVE; tests/test_silence.py)."""
     where = parse_address(address)
     if where is None:
         return UNKNOWN
