@@ -42,7 +42,7 @@ from typing import Callable
 from trainer import suspects
 
 WINDOW_SECONDS = 1.0  # default silence window (--rdzv-conf silence_window): above the drill's 0.8 s shaped RTT
-INTERVAL_SECONDS = 0.1  # one probe per slot per interval (O(N) connects per pass: N x 0.5 ms at most)
+INTERVAL_SECONDS = 0.1  # one probe pair per slot per interval (O(N) connects per pass: N x 1 ms at most)
 MIN_PROBES = 3  # unanswered probes a silence needs (one lost SYN is not a dead host)
 RTT_FACTOR = 4  # a slot's window is at least this times its largest recent round trip
 RTT_KEPT = 50  # round trips remembered per slot
