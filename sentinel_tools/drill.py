@@ -97,7 +97,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "tell a dead node within a second, and a crashed rank's live node is never declared: "
                         "docs/rendezvous.md), and for power-off (the waiting spare tells a silent host)")
     p.add_argument("--silence-window", type=float, default=None, metavar="S",
-                   help="the slot rendezvous's silence window (--rdzv-conf silence_window; opt-in, 1 s for power-off): a host "
+                   help="the slot rendezvous's silence window (--rdzv-conf silence_window; default 1 s): a host "
                         "whose agent answers no probe of the waiting spare for S s is vacant; below the largest "
                         "round trip of a live host it evicts that host (docs/rendezvous.md)")
     p.add_argument("--start-method", choices=["spawn", "fork", "forkserver"], default="spawn",
@@ -167,8 +167,6 @@ def run_drill(args: argparse.Namespace) -> int:
         print("sentinel drill: --silence-window needs a slot rendezvous (--rdzv-backend sentinel, sentinel-etcd) "
               "and 0 < S < 3600", file=sys.stderr)
         return 2
-    if window is None and args.fault.startswith("power-off") and args.rdzv_backend.startswith("sentinel"):
-        args.silence_window = 1.0  # the rule is opt-in for a job; the power-off drill is what it is for
     if getattr(args, "user", ""):
         print("sentinel drill: --user needs --scheduler slurm (the local drill runs its agents as root)", file=sys.stderr)
         return 2

@@ -300,6 +300,10 @@ def params(**conf) -> RendezvousParameters:
 def test_registry_gives_the_slot_handler_and_falls_back_to_torch_for_a_range_or_slots_off(server):
     slot_rendezvous.register()
     endpoint = f"127.0.0.1:{server.port}"
+    # the silence rule (#41) is on by default, at 1 s; silence_window=off turns it off
+    assert get_rendezvous_handler(params(endpoint=endpoint))._quiet.window == 1.0
+    assert get_rendezvous_handler(params(endpoint=endpoint, silence_window="0.3"))._quiet.window == 0.3
+    assert get_rendezvous_handler(params(endpoint=endpoint, silence_window="off"))._quiet is None
     assert isinstance(get_rendezvous_handler(params(endpoint=endpoint)), SlotRendezvousHandler)
     assert isinstance(get_rendezvous_handler(params(endpoint=endpoint, nnodes=(1, 2))), DynamicRendezvousHandler)
     assert isinstance(get_rendezvous_handler(params(endpoint=endpoint, slots="off")), DynamicRendezvousHandler)
@@ -310,6 +314,7 @@ def test_registry_gives_the_slot_handler_and_falls_back_to_torch_for_a_range_or_
     # a value that is a number to float() but no usable setting is refused naming its key, never
     # a rendezvous whose deadlines never pass (nan) or that declares every node dead (0 attempts)
     for key, bad in (("join_timeout", "nan"), ("keep_alive_interval", "inf"), ("admission_timeout", "nan"),
-                     ("admission_timeout", "soon"), ("keep_alive_max_attempt", "0.5"), ("keep_alive_max_attempt", "0")):
+                     ("admission_timeout", "soon"), ("keep_alive_max_attempt", "0.5"), ("keep_alive_max_attempt", "0"),
+                     ("silence_window", "0"), ("silence_window", "nan")):
         with pytest.raises(ValueError, match=f"--rdzv-conf {key}="):
             get_rendezvous_handler(params(endpoint=endpoint, **{key: bad}))

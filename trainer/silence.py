@@ -6,14 +6,20 @@ their collectives simply block, and the liveness probe of :mod:`trainer.suspects
 watcher passes: 3-9 s in the netns drill). Here the **waiting spare** (idle by definition, and the
 one that will take the slot) watches the committed generation's agents all the time:
 
-* every ``interval`` it starts a non-blocking TCP connect to each agent's liveness socket (one in
-  flight per slot and interval; a connect stays open up to the slot's window, so a late SYN-ACK
-  still counts as an answer);
+* every ``interval`` it starts a non-blocking TCP connect to each agent's liveness socket and one
+  to its **kernel-answer port** (:class:`trainer.suspects.Liveness`: bound, never listening; one
+  pair in flight per slot and interval; a connect stays open up to the slot's window, so a late
+  answer still counts);
 * any answer — the handshake completed (the kernel does it for a stopped or CPU-starved process)
-  or a refusal (the host's kernel answered) — ends that slot's silence;
+  or a refusal (the host's kernel answered; the kernel-answer port always refuses) — ends that
+  slot's silence. Any local user can fill the liveness socket's accept queue (the kernel then
+  drops its SYNs), nobody can fill or take the kernel-answer port: while the host is on and
+  reachable, it answers;
 * a slot is **silent** once every probe sent to it over its window went unanswered (no answer, a
   timeout, no route), at least ``MIN_PROBES`` of them, while the prober heard from another slot
-  in that window (it is not the one cut off) and the slot's heartbeat did not move.
+  in that window (it is not the one cut off), the slot's heartbeat did not move, and its
+  kernel-answer port answered this prober before (a port that never answered — none advertised,
+  or refusals filtered on the path — proves nothing: that slot is left to keep-alive expiry).
 
 The window is ``max(window, RTT_FACTOR x the slot's largest recent round trip)``: it must exceed
 the round trip of any live host, queueing included — a live host whose answers queue behind a
@@ -36,7 +42,7 @@ from typing import Callable
 from trainer import suspects
 
 WINDOW_SECONDS = 1.0  # default silence window (--rdzv-conf silence_window): above the drill's 0.8 s shaped RTT
-INTERVAL_SECONDS = 0.1  # one probe per slot per interval (O(N) connects per pass: N x 0.5 ms at most)
+INTERVAL_SECONDS = 0.1  # one probe pair per slot per interval (O(N) connects per pass: N x 1 ms at most)
 MIN_PROBES = 3  # unanswered probes a silence needs (one lost SYN is not a dead host)
 RTT_FACTOR = 4  # a slot's window is at least this times its largest recent round trip
 RTT_KEPT = 50  # round trips remembered per slot
@@ -48,7 +54,9 @@ ANSWERED = (0, errno.EISCONN, errno.ECONNREFUSED)
 class _Slot:
     """What the watcher knows of one slot's agent at one address."""
     where: tuple | None  # (family, sockaddr); None: it could not be resolved (never silent)
-    inflight: dict[int, tuple[socket.socket, float]] = field(default_factory=dict)  # fd -> (socket, sent)
+    kernel: tuple | None = None  # its kernel-answer port, resolved; None: none (never silent)
+    kernel_answered: bool = False  # that port answered this prober once (its path delivers refusals)
+    inflight: dict[int, tuple[socket.socket, float, bool]] = field(default_factory=dict)  # fd -> (socket, sent, kernel?)
     pending: deque = field(default_factory=deque)  # send times of the probes sent after the newest answered one
     answered_at: float = -1e18  # newest send time of a probe that got an answer
     heard_at: float = -1e18  # when the newest answer was seen
@@ -81,17 +89,20 @@ class SilenceWatch:
     def window_of(self, slot: _Slot) -> float:
         return max(self.window, RTT_FACTOR * max(slot.rtts, default=0.0))
 
-    def step(self, targets: dict[int, str], beat: Callable[[int], bytes | None]) -> list[tuple[int, str, float]]:
-        """One pass over ``targets`` (slot -> liveness address, already checked as probeable from
-        here): collect answers, start the probes that are due, and return the slots now silent as
-        ``(slot, address, window)``. ``beat(slot)`` reads a slot's heartbeat (a store read, only
-        for a slot whose probe went unanswered for two intervals)."""
+    def step(self, targets: dict[int, tuple[str, str]], beat: Callable[[int], bytes | None]) -> list[tuple[int, str, float]]:
+        """One pass over ``targets`` (slot -> its agent's (liveness address, kernel-answer
+        address), already checked as probeable from here): collect answers, start the probes that
+        are due, and return the slots now silent as ``(slot, liveness address, window)``.
+        ``beat(slot)`` reads a slot's heartbeat (a store read, only for a slot whose probes went
+        unanswered for two intervals). A slot with no kernel-answer port, or whose port never
+        answered this prober, is never silent: a full accept queue alone would look the same."""
         now = self._clock()
+        targets = {slot: (t, "") if isinstance(t, str) else tuple(t) for slot, t in targets.items()}
         for key in [k for k in self._slots if targets.get(k[0]) != k[1]]:  # a slot's holder changed
             self._forget(key)
-        for slot, address in targets.items():
-            if (slot, address) not in self._slots:
-                self._slots[(slot, address)] = _Slot(where=_resolve(address))
+        for slot, pair in targets.items():
+            if (slot, pair) not in self._slots:
+                self._slots[(slot, pair)] = _Slot(where=_resolve(pair[0]), kernel=_resolve(pair[1]))
         self._collect(now, 0.0)
         for key, st in self._slots.items():
             if st.where is not None and now - st.last_sent >= self.interval:
@@ -101,7 +112,7 @@ class SilenceWatch:
 
     def _silent(self, now: float, beat: Callable[[int], bytes | None]) -> list[tuple[int, str, float]]:
         out = []
-        for (slot, address), st in self._slots.items():
+        for (slot, (address, _)), st in self._slots.items():
             if not st.pending:
                 st.suspected, st.beat = False, None
                 continue
@@ -109,11 +120,11 @@ class SilenceWatch:
             if not st.suspected and now - since >= 2 * self.interval:
                 st.suspected, st.beat = True, beat(slot)  # read once per suspicion
             window = self.window_of(st)
-            if not st.suspected or now - since < window:
+            if not st.suspected or now - since < window or not st.kernel_answered:
                 continue
             if sum(1 for t in st.pending if now - t >= self.interval) < MIN_PROBES:
                 continue
-            others = [o for k, o in self._slots.items() if k != (slot, address) and o.where is not None]
+            others = [o for o in self._slots.values() if o is not st and o.where is not None]
             if others and not any(o.heard_at >= since for o in others):
                 continue  # nobody answered this prober meanwhile: it may be the one cut off
             if beat(slot) == st.beat:
@@ -121,23 +132,27 @@ class SilenceWatch:
         return out
 
     def _start(self, st: _Slot, now: float) -> None:
-        family, addr = st.where
-        try:
-            sock = socket.socket(family, socket.SOCK_STREAM)
-        except OSError:
-            return
-        sock.setblocking(False)
+        """One probe of the liveness socket and one of the kernel-answer port, both sent ``now``:
+        an answer from either is an answer of the host."""
         st.last_sent = now
-        self.sent += 1
         st.pending.append(now)
         while len(st.pending) > 4 * RTT_KEPT:
             st.pending.popleft()
-        err = self._connect(sock, addr)
-        if err == errno.EINPROGRESS:
-            st.inflight[sock.fileno()] = (sock, now)
-            return
-        sock.close()
-        self._settle(st, now, now, err)
+        for where, kernel in ((st.where, False), (st.kernel, True)):
+            if where is None:
+                continue
+            try:
+                sock = socket.socket(where[0], socket.SOCK_STREAM)
+            except OSError:
+                continue
+            sock.setblocking(False)
+            self.sent += 1
+            err = self._connect(sock, where[1])
+            if err == errno.EINPROGRESS:
+                st.inflight[sock.fileno()] = (sock, now, kernel)
+                continue
+            sock.close()
+            self._settle(st, now, now, err, kernel=kernel)
 
     def _collect(self, now: float, wait: float) -> None:
         """Answers to the probes in flight (waiting up to ``wait`` s for one); a probe older than
@@ -152,23 +167,25 @@ class SilenceWatch:
             return
         for fd, _ in poller.poll(int(wait * 1000)):
             st = owner[fd]
-            sock, sent = st.inflight.pop(fd)
+            sock, sent, kernel = st.inflight.pop(fd)
             err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
             rtt = self._rtt(sock) if err == 0 else None
             sock.close()
-            self._settle(st, sent, self._clock(), err, rtt)
+            self._settle(st, sent, self._clock(), err, rtt, kernel)
         for st in owner.values():
-            for fd, (sock, sent) in list(st.inflight.items()):
+            for fd, (sock, sent, _) in list(st.inflight.items()):
                 if now - sent >= self.window_of(st):
                     del st.inflight[fd]
                     sock.close()
 
-    def _settle(self, st: _Slot, sent: float, now: float, err: int, rtt: float | None = None) -> None:
+    def _settle(self, st: _Slot, sent: float, now: float, err: int, rtt: float | None = None,
+                kernel: bool = False) -> None:
         """One probe's outcome: an answer ends the silence of every probe sent before it; no
         answer (a timeout, no route) keeps it pending; any other error says nothing of the host.
         ``rtt``: the kernel's own measure of the handshake (else: until the answer was seen,
         which a prober descheduled under load overstates — the safe direction)."""
         if err in ANSWERED:
+            st.kernel_answered = st.kernel_answered or kernel
             st.answered_at = max(st.answered_at, sent)
             st.heard_at = now
             st.rtts.append(rtt if rtt is not None else now - sent)
@@ -178,7 +195,7 @@ class SilenceWatch:
             st.pending.remove(sent)
 
     def _forget(self, key: tuple[int, str]) -> None:
-        for sock, _ in self._slots.pop(key).inflight.values():
+        for sock, _, _ in self._slots.pop(key).inflight.values():
             sock.close()
 
     def close(self) -> None:
@@ -198,6 +215,6 @@ def _handshake_rtt(sock: socket.socket) -> float | None:
 
 
 def _resolve(address: str) -> tuple | None:
-    """``(family, sockaddr)`` of a liveness address, or None (malformed, unresolvable)."""
-    infos = suspects.resolve(address)
+    """``(family, sockaddr)`` of a liveness address, or None (empty, malformed, unresolvable)."""
+    infos = suspects.resolve(address) if address else []
     return (infos[0][0], infos[0][4]) if infos else None

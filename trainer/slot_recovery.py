@@ -14,8 +14,9 @@ that has not committed:
   (alive, however slow) or does not answer (decides nothing) is left to the keep-alive pass.
 * :meth:`Recovery.silence_pass` — the waiting spare's pass (issue #41, :mod:`trainer.silence`),
   every probe interval, needing no evidence: a slot whose agent answered none of the probes sent
-  over its silence window (a host powered off or cut off: no reset, no answer), while another
-  agent answered and its heartbeat stood still, is vacant.
+  over its silence window, on its liveness socket nor on its kernel-answer port (a host powered
+  off or cut off: no reset, no answer), while another agent answered and its heartbeat stood
+  still, is vacant.
 
 Both write the same thing: ``g<f>/s<slot>`` from absent to ``LEFT:<node id>#<nonce>`` (one
 ``compare_set``: an arrival and a declaration, or two declarations, cannot both win), then a
@@ -196,7 +197,7 @@ class Recovery:
                 holder["asked"] = bool(holder.get("probe")) and suspects.reachable_from_here(
                     holder["probe"], holder.get("where"), self.here)
             if holder["asked"]:
-                targets[s] = holder["probe"]
+                targets[s] = (holder["probe"], suspects.kernel_of(holder))
         declared = 0
         for s, address, window in watch.step(targets, self._beat):
             if closed():

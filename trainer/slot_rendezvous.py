@@ -103,7 +103,7 @@ class SlotRendezvousHandler(RendezvousHandler):
                  join_timeout: float = 600.0, keep_alive_interval: float = 5.0, keep_alive_max_attempt: int = 3,
                  admission_timeout: float | None = None, node_id: str | None = None,
                  server_factory: Callable[[str], Any] | None = None, backend: str = BACKEND,
-                 liveness: bool = True, silence_window: float | None = None) -> None:
+                 liveness: bool = True, silence_window: float | None = silence.WINDOW_SECONDS) -> None:
         if not run_id:
             raise ValueError("the run id must be a non-empty string")
         if nodes < 1:
@@ -144,7 +144,7 @@ class SlotRendezvousHandler(RendezvousHandler):
         self._here = suspects.here()  # which loopback this node shares (a probe of one must not cross hosts)
         self._probe_every = max(suspects.PROBE_SECONDS, nodes * 0.0005)  # a probe pass is O(N) checks
         self._watch_every = max(silence.INTERVAL_SECONDS, nodes * 0.0005)
-        # opt-in (--rdzv-conf silence_window=S): a full liveness queue reads as silence (docs/security.md)
+        # on by default (--rdzv-conf silence_window=S, =off); None: off (docs/security.md, "The silence rule")
         self._quiet = silence.SilenceWatch(silence_window, self._watch_every) if silence_window else None
         self.recovery = Recovery(self._store, store, self._k, nodes, self.admission_timeout, self._post_vacancy,
                                  on_vacant=suspects.record_vacancy, here=self._here)
@@ -236,7 +236,7 @@ class SlotRendezvousHandler(RendezvousHandler):
         arrives with (if any); slot 0 adds the workers' store it hosts for generation ``f``."""
         info: dict[str, Any] = {"id": self.node_id}
         if self.liveness.address:
-            info.update(probe=self.liveness.address, where=self._here)
+            info.update(probe=self.liveness.address, kernel=self.liveness.kernel_address, where=self._here)
         if self._evidence:
             info["evidence"] = self._evidence
         if self.slot == 0:
@@ -577,7 +577,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         join_timeout=_seconds(params, "join_timeout", 600.0),
         keep_alive_interval=_seconds(params, "keep_alive_interval", 5.0),
         keep_alive_max_attempt=_count(params, "keep_alive_max_attempt", 3),
-        silence_window=_seconds(params, "silence_window", silence.WINDOW_SECONDS) if params.get("silence_window") else None,
+        silence_window=None if params.get("silence_window") == "off" else _seconds(params, "silence_window", silence.WINDOW_SECONDS),
         admission_timeout=_seconds(params, "admission_timeout", 0.0) if params.get("admission_timeout") else None)
 
 

@@ -115,7 +115,10 @@ def parse_address(address: Any) -> tuple[str, int] | None:
 def probe(address: Any, timeout: float = PROBE_TIMEOUT) -> str:
     """Is the agent behind ``address`` alive? :data:`ALIVE` (the connect was accepted),
     :data:`GONE` (refused: nothing listens there any more, its host answered) or :data:`UNKNOWN`
-    (no answer, no route, a malformed address). Never raises."""
+    (no answer, no route, a malformed address). Never raises. Only a refusal of the SYN itself is
+    GONE: a listener whose queue another user keeps full drops SYNs (UNKNOWN), and under
+    ``net.ipv4.tcp_abort_on_overflow=1`` resets a handshake it cannot queue only after its SYN-ACK
+    (the connect completed: ALIVE; tests/test_silence.py)."""
     where = parse_address(address)
     if where is None:
         return UNKNOWN
@@ -152,6 +155,14 @@ def resolve(address: Any) -> list:
         return []
 
 
+def kernel_of(holder: Mapping[str, Any]) -> str:
+    """An arrival record's kernel-answer address (``kernel``): "" unless well formed and on the
+    same host as its liveness address (``probe``), which :func:`reachable_from_here` checked."""
+    kernel, probe_at = holder.get("kernel"), parse_address(holder.get("probe"))
+    where = parse_address(kernel)
+    return kernel if where is not None and probe_at is not None and where[0] == probe_at[0] else ""
+
+
 def reachable_from_here(address: Any, there: Any, mine: str) -> bool:
     """Whether a probe of ``address`` from here asks the right host: an address that is (or
     resolves here to) a loopback one reaches this host's own loopback, so it is probed only when
@@ -169,11 +180,20 @@ class Liveness:
     kernel even while the process is stopped; refused once the process is gone). Nothing is ever
     read or written; :meth:`drain` accepts and closes what queued (the heartbeat thread calls it).
     Opened on first use; ``address`` is "" when no socket could be opened (then nobody can tell
-    this node dead early: keep-alive expiry still does)."""
+    this node dead early: keep-alive expiry still does).
+
+    Beside it, the **kernel-answer port** (``kernel_address``, #41): a TCP port bound on the same
+    interfaces but never listening. A connect to it is refused by the host's kernel at once, from
+    the first packet, whatever the agent's state: no queue to fill (any user can fill the listening
+    socket's accept queue, then the kernel drops SYNs and the host looks silent), and no other
+    socket can take the port (bound without SO_REUSEADDR/SO_REUSEPORT: any later bind of it, any
+    user, any address family, fails with EADDRINUSE). Only a host that is off or cut off leaves it
+    unanswered (docs/security.md, "The silence rule")."""
 
     def __init__(self, addr: str | None) -> None:
         self.addr = addr or ""
         self._sock: socket.socket | None = None
+        self._kernel: socket.socket | None = None
         self._tried = addr is None  # None: no socket (this node is told dead by keep-alive expiry only)
 
     @property
@@ -182,16 +202,26 @@ class Liveness:
         workers' store it hosts), resolved by each prober as it resolves that one."""
         if not self._tried:
             self._tried = True
-            self._sock = self._open()
-        if self._sock is None or not self.addr:
+            self._sock = self._open(listen=True)
+            self._kernel = self._open(listen=False) if self._sock is not None else None
+        return self._named(self._sock)
+
+    @property
+    def kernel_address(self) -> str:
+        """The kernel-answer port's ``<address>:<port>``; "" when it could not be bound."""
+        return self._named(self._kernel) if self.address else ""
+
+    def _named(self, sock: socket.socket | None) -> str:
+        if sock is None or not self.addr:
             return ""
-        port = self._sock.getsockname()[1]
+        port = sock.getsockname()[1]
         return f"[{self.addr}]:{port}" if ":" in self.addr else f"{self.addr}:{port}"
 
     @staticmethod
-    def _open() -> socket.socket | None:
+    def _open(listen: bool) -> socket.socket | None:
         """On every interface (dual-stack where the host has IPv6): the advertised name may
-        resolve to any of them, as the workers' store's does."""
+        resolve to any of them, as the workers' store's does. No SO_REUSEADDR, no SO_REUSEPORT:
+        nothing else can bind the port while this socket holds it."""
         for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
             try:
                 sock = socket.socket(family, socket.SOCK_STREAM)
@@ -201,7 +231,8 @@ class Liveness:
                 if family == socket.AF_INET6:
                     sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
                 sock.bind((host, 0))
-                sock.listen(BACKLOG)
+                if listen:
+                    sock.listen(BACKLOG)
                 sock.setblocking(False)
                 return sock
             except OSError as exc:
@@ -226,6 +257,7 @@ class Liveness:
         return n
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        for sock in (self._sock, self._kernel):
+            if sock is not None:
+                sock.close()
+        self._sock = self._kernel = None
