@@ -382,11 +382,11 @@ def peers_table(conds: dict[str, dict[str, float]]) -> list[str]:
     for cond, both in conds.items():
         # bench/peers.py's loaded phase (beside its own busy loops) is the same names after "peers_loaded_"
         phases = {"": {k: v for k, v in both.items() if not k.startswith("peers_loaded_")},
-                  "loaded phase, ": {"peers_" + k[len("peers_loaded_"):]: v for k, v in both.items()
+                  "loaded phase beside the bench's own busy loops": {"peers_" + k[len("peers_loaded_"):]: v for k, v in both.items()
                                      if k.startswith("peers_loaded_")}}
         for phase, fig in phases.items():
             if any(k != "peers_load_average_ratio" for k in fig):
-                out += peers_phase_table(f"{cond}, {phase}" if phase else cond, fig)
+                out += peers_phase_table(f"{cond} report, {phase}" if phase else cond, fig)
     return out
 
 
