@@ -379,28 +379,46 @@ def peers_table(conds: dict[str, dict[str, float]]) -> list[str]:
     first step (s), steps recomputed, degraded steps, bitwise-equal fraction; steady-state step
     time over the loop with no fault tolerance; extra peak memory."""
     out = []
-    for cond, fig in conds.items():
-        faults = [f for f in ("kill", "xid79", "rank_crash") if any(k.startswith("peers_") and f"_{f}_" in k for k in fig)]
-        out += [f"Systems side by side ({cond}; medians; per fault: fault -> first step s / recomputed / degraded / "
-                "bitwise fraction; for the peers xid79 is a kill at the same step, none of them can see it):", "",
-                "| system | " + " | ".join(faults) + " | step time / no FT | extra peak memory |",
-                "|---|" + "---|" * (len(faults) + 2)]
-        for key, label in PEER_ROWS:
-            if not any(k.startswith(f"peers_{key}_") for k in fig):
-                continue  # a system this report did not run (a variant added later)
-            cols = []
-            for f in faults:
-                p = f"peers_{key}_{f}_"
-                if p + "fault_to_first_step_seconds" in fig:
-                    cols.append(f"{fig[p + 'fault_to_first_step_seconds']:.4g} / {fig[p + 'recomputed_steps']:g} / "
-                                f"{fig.get(p + 'degraded_steps', 0):g} / {fig.get(p + 'bitwise_equal_fraction', 0):.2g}")
-                else:
-                    cols.append("did not run (see the notes)" if p + "runs_count" in fig else "not measured")
-            ratio = fig.get(f"peers_{key}_step_over_baseline_ratio")
-            mem = fig.get(f"peers_{key}_extra_peak_rss_bytes")
-            out.append(f"| {label} | " + " | ".join(cols) + f" | {f'{ratio:.3g}x' if ratio else '-'} | "
-                       + (f"{mem / 1e6:,.0f} MB" if mem is not None else "-") + " |")
-        out.append("")
+    for cond, both in conds.items():
+        # bench/peers.py's loaded phase (beside its own busy loops) is the same names after "peers_loaded_"
+        phases = {"": {k: v for k, v in both.items() if not k.startswith("peers_loaded_")},
+                  "loaded phase beside the bench's own busy loops": {"peers_" + k[len("peers_loaded_"):]: v for k, v in both.items()
+                                     if k.startswith("peers_loaded_")}}
+        for phase, fig in phases.items():
+            if any(k != "peers_load_average_ratio" for k in fig):
+                out += peers_phase_table(f"{cond} report, {phase}" if phase else cond, fig)
+    return out
+
+
+def peers_phase_table(title: str, fig: dict[str, float]) -> list[str]:
+    """One phase's rows = systems; its load average in the heading where the report has it."""
+    out = []
+    faults = [f for f in ("kill", "xid79", "rank_crash") if any(k.startswith("peers_") and f"_{f}_" in k for k in fig)]
+    load = fig.get("peers_load_average_ratio")
+    title += f"; 1-minute load average {load:.1f}" if load is not None else ""
+    out += [f"Systems side by side ({title}; medians; per fault: fault -> first step s / recomputed / degraded / "
+            "bitwise fraction; (Nx): fault -> first step over Sentinel's in the same phase of the same run; for "
+            "the peers xid79 is a kill at the same step, none of them can see it):", "",
+            "| system | " + " | ".join(faults) + " | step time / no FT | extra peak memory |",
+            "|---|" + "---|" * (len(faults) + 2)]
+    for key, label in PEER_ROWS:
+        if not any(k.startswith(f"peers_{key}_") for k in fig):
+            continue  # a system this report did not run (a variant added later)
+        cols = []
+        for f in faults:
+            p = f"peers_{key}_{f}_"
+            if p + "fault_to_first_step_seconds" in fig:
+                x = fig.get(f"peers_{key}_over_sentinel_{f}_fault_to_first_step_ratio")
+                cols.append(f"{fig[p + 'fault_to_first_step_seconds']:.4g}{f' ({x:.3g}x)' if x else ''} / "
+                            f"{fig[p + 'recomputed_steps']:g} / "
+                            f"{fig.get(p + 'degraded_steps', 0):g} / {fig.get(p + 'bitwise_equal_fraction', 0):.2g}")
+            else:
+                cols.append("did not run (see the notes)" if p + "runs_count" in fig else "not measured")
+        ratio = fig.get(f"peers_{key}_step_over_baseline_ratio")
+        mem = fig.get(f"peers_{key}_extra_peak_rss_bytes")
+        out.append(f"| {label} | " + " | ".join(cols) + f" | {f'{ratio:.3g}x' if ratio else '-'} | "
+                   + (f"{mem / 1e6:,.0f} MB" if mem is not None else "-") + " |")
+    out.append("")
     return out
 
 

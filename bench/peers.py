@@ -31,6 +31,14 @@ timeout at 1 s instead of its 5 s default (its quorum timeout that a sudden loss
 (scripts/peers-venvs; $SENTINEL_PEERS_VENVS, default /var/cache/sentinel-peers); a peer that
 cannot start is tried in every round, and its row shows the error line.
 
+Quiet and loaded: each round measures the systems twice, first quiet, then (``--load N``, default
+one per two CPUs, 0 with --smoke) beside N busy loops the harness starts itself (a Python process
+each spinning on one CPU, ended with the phase and whenever the harness ends; each also ends by
+itself once the harness is gone): the faults of --loaded-faults (default kill,xid79, the two the
+acceptance compares on), no steady-state runs (the bitwise references are the quiet phase's).
+Each phase has its own table, its own load average, and its ratios taken against Sentinel in
+the same phase of the same round; the loaded figures are named ``peers_loaded_...``.
+
 ``--smoke``: one round of ``kill`` for Sentinel and torch elastic + DCP (and any installed peer
 named with --systems), 16 steps, the fault at step 6. --json: bench/_report.py's shape, written
 after every cell.
@@ -55,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(REPO))
 import _report  # noqa: E402
 from peer_jobs import systems  # noqa: E402
-from peer_jobs.account import account, loss_deviation, losses, slug, summarise  # noqa: E402
+from peer_jobs.account import PHASES, account, loss_deviation, losses, slug, summarise  # noqa: E402
 
 ALL_SYSTEMS = ("sentinel", "elastic_dcp", "torchft", "torchft_tuned", "nvrx", "dlrover")
 LABELS = {"sentinel": "Sentinel (warm spare, memory tier)", **{n: p.label for n, p in systems.PEERS.items()}}
@@ -164,8 +172,36 @@ def steady(system: str, args: argparse.Namespace, work: Path) -> dict:
         run.cleanup()
 
 
-def one_round(args: argparse.Namespace, results: _report.Results, refs: dict[str, dict]) -> None:
-    for system in ["none", "none_fsdp", *args.systems] if args.steady else []:
+# a busy loop that ends by itself once the harness (its parent) is gone, whatever killed it
+# (the parent's pid is its argument: read at its start, it could already be the one it was handed to)
+BUSY_LOOP = ("import os, sys, time\nparent = int(sys.argv[1])\nwhile os.getppid() == parent:\n"
+             "    end = time.monotonic() + 0.5\n    while time.monotonic() < end:\n        pass\n")
+
+
+class BusyLoops:
+    """``n`` processes spinning on a CPU each, for a loaded phase; ended on exit, also on failure."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.procs = n, []
+
+    def __enter__(self) -> "BusyLoops":
+        for _ in range(self.n):
+            self.procs.append(subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(os.getpid())], start_new_session=True,
+                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.wait(timeout=30)
+        self.procs = []
+
+
+def one_round(args: argparse.Namespace, results: _report.Results, refs: dict[str, dict],
+              phase: str = "quiet") -> None:
+    faults = args.faults if phase == "quiet" else args.loaded_faults
+    for system in ["none", "none_fsdp", *args.systems] if args.steady and phase == "quiet" else []:
         if system not in systems.STEADY:
             continue
         with tempfile.TemporaryDirectory(prefix=f"peers-{system}-", dir=args.cache) as d:
@@ -173,10 +209,10 @@ def one_round(args: argparse.Namespace, results: _report.Results, refs: dict[str
         losses = r.pop("losses", None)  # kept once per system (the reference), not in every round's record
         if r.get("digest"):
             refs.setdefault(system, {"digest": r["digest"], "losses": losses})
-        results.add({"kind": "steady", "system": system, **r})
+        results.add({"kind": "steady", "phase": phase, "system": system, **r})
         print(f"  steady {system}: {r.get('step_seconds')} s/step, peak {r.get('peak_rss_bytes')} B {r.get('error', '')}",
               flush=True)
-    for fault in args.faults:
+    for fault in faults:
         for system in args.systems:
             d = Path(tempfile.mkdtemp(prefix=f"peers-{system}-{fault}-", dir=args.cache))
             try:
@@ -187,17 +223,28 @@ def one_round(args: argparse.Namespace, results: _report.Results, refs: dict[str
             finally:
                 if not args.keep:
                     shutil.rmtree(d, ignore_errors=True)
-            results.add({"kind": "cell", "system": system, "fault": fault, **cell})
-            print(f"  {system} {fault}: " + (f"fault -> first step {cell.get('fault_to_first_step_seconds')} s, "
+            results.add({"kind": "cell", "phase": phase, "system": system, "fault": fault, **cell})
+            print(f"  {phase} {system} {fault}: " + (f"fault -> first step {cell.get('fault_to_first_step_seconds')} s, "
                                              f"recomputed {cell.get('recomputed_steps')}, bitwise {cell.get('bitwise')}"
                                              if cell.get("ok") else f"FAILED: {cell.get('error')}"), flush=True)
 
 
+def print_tables(runs: list[dict], figures: dict, load: int) -> None:
+    print(f"\nhost: {os.cpu_count()} CPUs")
+    for phase, pre in PHASES.items():
+        rs = [r for r in runs if r.get("phase", "quiet") == phase]
+        if not rs:
+            continue
+        # the phase's own figures under the plain names, so that one table prints either
+        fig = {"peers_" + k[len(pre):]: v for k, v in figures.items() if k.startswith(pre)
+               and (pre != "peers_" or not k.startswith("peers_loaded_"))}
+        print(f"\n{phase}" + (f" (beside {load} busy loop{'s' if load != 1 else ''})" if phase == "loaded" else "")
+              + f": 1-minute load average median {fig.get('peers_load_average_ratio', 0):.1f}, "
+              f"{min(r['loadavg'][0] for r in rs):.1f} to {max(r['loadavg'][0] for r in rs):.1f} over its runs")
+        print_table(rs, fig)
+
+
 def print_table(runs: list[dict], figures: dict) -> None:
-    load = os.getloadavg()
-    print(f"\nhost: {os.cpu_count()} CPUs, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min) "
-          f"at the end; loads during the run: {min(r['loadavg'][0] for r in runs):.1f} to "
-          f"{max(r['loadavg'][0] for r in runs):.1f}")
     faults = [f for f in FAULTS if any(r.get("fault") == f for r in runs)]
     head = f"{'system':<36}" + "".join(f" | {f + ': s / recomputed / degraded / bitwise':<44}" for f in faults)
     print(head + f" | {'step overhead':>13} | {'extra peak MB':>13}")
@@ -237,6 +284,10 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300.0, help="per job (s)")
     ap.add_argument("--no-steady", dest="steady", action="store_false",
                     help="skip the no-fault runs (step time, memory; the peers' bitwise reference comes from them)")
+    ap.add_argument("--load", type=int, help="busy loops beside the loaded phase (default: one per two CPUs; "
+                                          "0 with --smoke); 0: no loaded phase")
+    ap.add_argument("--loaded-faults", help="comma-separated: the faults measured again in the loaded phase "
+                                            "(default: kill and xid79 where --faults has them)")
     ap.add_argument("--keep", action="store_true", help="keep each faulted job's work directory (logs, progress)")
     ap.add_argument("--cache", type=Path, help="work directory (default: a temporary one)")
     _report.add_json_argument(ap)
@@ -246,9 +297,12 @@ def main() -> None:
     args.systems = (args.systems or ("sentinel,elastic_dcp" if args.smoke else ",".join(ALL_SYSTEMS))).split(",")
     args.steps = args.steps or (16 if args.smoke else 40)
     args.at_step = args.at_step or (6 if args.smoke else 15)
+    args.load = args.load if args.load is not None else (0 if args.smoke else max(1, (os.cpu_count() or 2) // 2))
+    args.loaded_faults = ([] if args.load <= 0 else args.loaded_faults.split(",") if args.loaded_faults
+                          else [f for f in ("kill", "xid79") if f in args.faults])
     # a bench stopped by SIGTERM (measure_all's limit, a CI timeout) still stops every job it started
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
-    bad = (set(args.faults) - set(FAULTS)) | (set(args.systems) - set(ALL_SYSTEMS))
+    bad = (set(args.faults) - set(FAULTS)) | (set(args.loaded_faults) - set(FAULTS)) | (set(args.systems) - set(ALL_SYSTEMS))
     if bad:
         ap.error(f"unknown {sorted(bad)}")
     with tempfile.TemporaryDirectory(prefix="sentinel-peers-") as tmp:
@@ -259,7 +313,10 @@ def main() -> None:
         for i in range(args.runs):  # interleaved: every system sees the same machine noise
             print(f"round {i + 1}/{args.runs}", flush=True)
             one_round(args, results, refs)
-        print_table(results.runs, summarise(results.runs))
+            if args.loaded_faults:  # the same round again beside the busy loops
+                with BusyLoops(args.load):
+                    one_round(args, results, refs, "loaded")
+        print_tables(results.runs, summarise(results.runs), args.load)
         results.finish()
 
 

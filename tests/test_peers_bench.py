@@ -121,6 +121,65 @@ def test_the_generated_table_has_a_row_for_every_system_the_report_ran_and_none_
     assert "0.9 / 0 / 0 / 1" in rows[0] and "did not run" in rows[1]  # DLRover ran and failed: its row says so
 
 
+def test_each_phase_has_its_own_figures_ratios_and_load_average():
+    """A loaded phase's cells never mix with the quiet ones: its medians, its ratios over Sentinel
+    of the same phase, its own load average; a run without a phase is quiet."""
+    def cell(phase, system, first, load):
+        return {"kind": "cell", "phase": phase, "system": system, "fault": "kill", "ok": True,
+                "fault_to_first_step_seconds": first, "fault_to_full_world_seconds": first, "recomputed_steps": 0,
+                "degraded_steps": 0, "bitwise": True, "loadavg": [load, 0, 0]}
+
+    runs = [cell("quiet", "sentinel", 1.0, 2.0), cell("quiet", "torchft", 5.0, 2.2),
+            cell("loaded", "sentinel", 2.0, 4.0), cell("loaded", "torchft", 6.0, 4.4),
+            {"kind": "steady", "system": "none", "ok": True, "step_seconds": 0.02, "peak_rss_bytes": 1000,
+             "loadavg": [1.8, 0, 0]}]
+    fig = summarise(runs)
+    assert fig["peers_sentinel_kill_fault_to_first_step_seconds"] == 1.0
+    assert fig["peers_loaded_sentinel_kill_fault_to_first_step_seconds"] == 2.0
+    assert fig["peers_torchft_over_sentinel_kill_fault_to_first_step_ratio"] == pytest.approx(5.0)
+    assert fig["peers_loaded_torchft_over_sentinel_kill_fault_to_first_step_ratio"] == pytest.approx(3.0)
+    assert fig["peers_load_average_ratio"] == 2.0 and fig["peers_loaded_load_average_ratio"] == pytest.approx(4.2)
+    lines = measure_all.peers_table({"quiet": fig})
+    heads = [line for line in lines if line.startswith("Systems side by side")]
+    assert len(heads) == 2 and "load average 2.0" in heads[0] and "loaded phase" in heads[1] \
+        and "load average 4.2" in heads[1]
+    rows = [line for line in lines if line.startswith("| torchft 0.2.0 |")]
+    assert "5 (5x)" in rows[0] and "6 (3x)" in rows[1]
+
+
+def test_the_busy_loops_end_with_their_phase_and_with_a_killed_harness():
+    """bench/peers.py's loaded phase: its busy loops are gone when the phase ends, and when the
+    harness is SIGKILLed (no cleanup runs) each ends by itself."""
+    import subprocess
+    import time
+
+    import peers
+
+    def alive(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] not in "ZX"
+        except FileNotFoundError:
+            return False
+
+    with peers.BusyLoops(2) as loops:
+        pids = [p.pid for p in loops.procs]
+        assert all(alive(pid) for pid in pids)
+    assert not any(alive(pid) for pid in pids)
+    harness = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path[:0] = sys.argv[1:]; import peers\n"
+                                "loops = peers.BusyLoops(1).__enter__(); print(loops.procs[0].pid, flush=True); "
+                                "time.sleep(600)", str(REPO / "bench")], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(harness.stdout.readline())
+        assert alive(pid)
+    finally:
+        harness.kill()
+        harness.wait()
+    end = time.monotonic() + 30
+    while alive(pid) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not alive(pid), "a busy loop outlived its harness"
+
+
 def test_pins_are_the_extra_and_the_venv_script_the_same():
     extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["peers"]
     script = (REPO / "scripts" / "peers-venvs").read_text()

@@ -97,10 +97,29 @@ def _median(vals: list[float]) -> float | None:
 BASELINE = {"sentinel": "none_fsdp"}
 
 
+# the phases of a run, each with its own figures: quiet (the figures' plain names), loaded (beside
+# bench/peers.py --load's busy loops: the same names after "peers_loaded_")
+PHASES = {"quiet": "peers_", "loaded": "peers_loaded_"}
+
+
 def summarise(runs: list[dict]) -> dict[str, float | None]:
-    """Figures (bench/_report.py names) from every run so far: per system and fault the medians
-    of the cells that finished, per system its steady state against its baseline, and each
-    peer's figure over Sentinel's, from the same run."""
+    """Figures (bench/_report.py names) from every run so far, per phase (a run without one is
+    quiet): per system and fault the medians of the cells that finished, per system its steady
+    state against its baseline, each peer's figure over Sentinel's from the same phase of the same
+    run, and the phase's median 1-minute load average (``<prefix>load_average_ratio``)."""
+    fig: dict[str, float | None] = {}
+    for phase, pre in PHASES.items():
+        rs = [r for r in runs if r.get("phase", "quiet") == phase]
+        if rs:
+            fig.update(_phase_figures(rs, pre))
+            loads = [r["loadavg"][0] for r in rs if r.get("loadavg")]
+            if loads:
+                fig[pre + "load_average_ratio"] = _median(loads)
+    return fig
+
+
+def _phase_figures(runs: list[dict], pre: str) -> dict[str, float | None]:
+    """One phase's figures, named ``pre + <system>_...``."""
     fig: dict[str, float | None] = {}
     cells: dict[tuple[str, str], list[dict]] = {}
     for r in runs:
@@ -108,7 +127,7 @@ def summarise(runs: list[dict]) -> dict[str, float | None]:
             cells.setdefault((r["system"], r["fault"]), []).append(r)
     for (system, fault), rs in cells.items():
         ok = [r for r in rs if r.get("ok")]
-        p = f"peers_{system}_{slug(fault)}_"
+        p = f"{pre}{system}_{slug(fault)}_"
         fig[p + "ok_fraction"] = len(ok) / len(rs)
         fig[p + "runs_count"] = len(rs)
         if not ok:
@@ -129,21 +148,21 @@ def summarise(runs: list[dict]) -> dict[str, float | None]:
         if r.get("kind") == "steady" and r.get("ok"):
             steady.setdefault(r["system"], []).append(r)
     for system, rs in steady.items():
-        fig[f"peers_{system}_step_seconds"] = _median([r["step_seconds"] for r in rs])
-        fig[f"peers_{system}_peak_rss_bytes"] = _median([r["peak_rss_bytes"] for r in rs])
+        fig[f"{pre}{system}_step_seconds"] = _median([r["step_seconds"] for r in rs])
+        fig[f"{pre}{system}_peak_rss_bytes"] = _median([r["peak_rss_bytes"] for r in rs])
     for system in steady:
         base = BASELINE.get(system, "none")
         if system.startswith("none") or base not in steady:
             continue
-        fig[f"peers_{system}_step_over_baseline_ratio"] = (fig[f"peers_{system}_step_seconds"]
-                                                           / fig[f"peers_{base}_step_seconds"])
-        fig[f"peers_{system}_extra_peak_rss_bytes"] = (fig[f"peers_{system}_peak_rss_bytes"]
-                                                       - fig[f"peers_{base}_peak_rss_bytes"])
+        fig[f"{pre}{system}_step_over_baseline_ratio"] = (fig[f"{pre}{system}_step_seconds"]
+                                                           / fig[f"{pre}{base}_step_seconds"])
+        fig[f"{pre}{system}_extra_peak_rss_bytes"] = (fig[f"{pre}{system}_peak_rss_bytes"]
+                                                       - fig[f"{pre}{base}_peak_rss_bytes"])
     for (system, fault) in cells:
         if system == "sentinel":
             continue
         for what in ("fault_to_first_step_seconds", "fault_to_full_world_seconds"):
-            num, den = fig.get(f"peers_{system}_{slug(fault)}_{what}"), fig.get(f"peers_sentinel_{slug(fault)}_{what}")
+            num, den = fig.get(f"{pre}{system}_{slug(fault)}_{what}"), fig.get(f"{pre}sentinel_{slug(fault)}_{what}")
             if num and den:
-                fig[f"peers_{system}_over_sentinel_{slug(fault)}_{what.removesuffix('_seconds')}_ratio"] = num / den
+                fig[f"{pre}{system}_over_sentinel_{slug(fault)}_{what.removesuffix('_seconds')}_ratio"] = num / den
     return fig
