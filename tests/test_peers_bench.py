@@ -208,6 +208,9 @@ def test_smoke_kills_node1_at_the_same_step_for_sentinel_and_torch_elastic(tmp_p
     assert cells["sentinel"]["recomputed_steps"] <= 1
     e = cells["elastic_dcp"]
     assert e["resumed_from"] % 5 == 0 and e["fault_step"] - 10 < e["resumed_from"] <= e["fault_step"] + 1
-    assert e["recomputed"] == list(range(e["resumed_from"], e["fault_step"] + 1))
+    # exactly the steps since that checkpoint, through the fault's step or the one its ranks were
+    # finishing as the kill landed (logged just after it: account.py's in-flight step; ci18a at load ~8)
+    assert e["recomputed"] in (list(range(e["resumed_from"], e["fault_step"] + 1)),
+                               list(range(e["resumed_from"], e["fault_step"] + 2))), e
     assert isinstance(e["loss_deviation"], float), e  # the curve after the restart against its steady run's
     assert "Sentinel" in out and "torch elastic + DCP" in out
