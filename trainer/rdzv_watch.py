@@ -308,8 +308,40 @@ def stall_reports(describe: Callable[[float], str], every: float) -> Iterator[No
         done.set()
 
 
+WORLD = "sentinel_world"  # on torch's state: (round, its world size when it was marked complete)
+
+
+def world_of(state: Any, node: Any) -> tuple[int, int]:
+    """This node's rank and the world of its complete round: the size the round had when it was
+    marked complete (recorded in the same compare-and-set), not how many participants are left.
+    torch's ``_get_world`` returns ``len(state.participants)``, but a complete round loses
+    participants afterwards (``_sanitize`` evicts a node whose keep-alive lapsed, in every sync
+    and before the join sees the state), so a participant that learns of the completion after an
+    eviction, its own or one committed by another node, would get a smaller world than the others
+    got from the same round (#47: ranks 0, 1, 2 in worlds 3, 2, 3)."""
+    recorded = getattr(state, WORLD, None)
+    rank = state.participants[node]
+    if isinstance(recorded, tuple) and len(recorded) == 2 and recorded[0] == state.round:
+        return rank, int(recorded[1])
+    return rank, len(state.participants)  # completed by an agent without this watch: torch's answer
+
+
+def record_world(executor: Any) -> Callable[[], None]:
+    """The executor's ``_mark_rendezvous_complete``, which also records the round's world size in
+    the state it is about to write (one compare-and-set with ``complete`` and the ranks)."""
+    original = executor._mark_rendezvous_complete
+
+    def mark_complete() -> None:
+        original()
+        state = executor._state
+        setattr(state, WORLD, (state.round, len(state.participants)))
+
+    return mark_complete
+
+
 class DynamicWatch:
-    """What :func:`install_dynamic` set up on one handler: the counter thread, the sanitizer."""
+    """What :func:`install_dynamic` set up on one handler: the counter thread, the sanitizer, the
+    world of a complete round as recorded at its completion."""
 
     def __init__(self, handler: Any, dr: Any) -> None:
         self.handler = handler
@@ -318,6 +350,8 @@ class DynamicWatch:
                                  settings.keep_alive_interval.total_seconds())
         self.sanitizer = Sanitizer(handler._state_holder, settings, self.liveness, dr._remove_participant_epilogue)
         handler._state_holder._sanitize = self.sanitizer
+        handler._op_executor._mark_rendezvous_complete = record_world(handler._op_executor)
+        handler._get_world = lambda: world_of(handler._state_holder.state, handler._this_node)
 
     def describe(self, waited: float) -> str:
         holder = self.handler._state_holder
@@ -344,9 +378,11 @@ def install_dynamic(handler: Any, dr: Any) -> DynamicWatch | None:
     """Set the watch up on a torch ``DynamicRendezvousHandler``; None (torch's own behaviour) when
     the internals it relies on changed."""
     holder = getattr(handler, "_state_holder", None)
+    executor = getattr(handler, "_op_executor", None)
     needed = (hasattr(handler, "_settings") and hasattr(handler, "_store") and hasattr(handler, "_this_node")
               and holder is not None and hasattr(holder, "_sanitize") and hasattr(holder, "_backend")
-              and hasattr(dr, "_remove_participant_epilogue"))
+              and hasattr(dr, "_remove_participant_epilogue") and hasattr(handler, "_get_world")
+              and hasattr(executor, "_mark_rendezvous_complete"))
     return DynamicWatch(handler, dr) if needed else None
 
 
