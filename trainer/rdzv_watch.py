@@ -27,12 +27,18 @@ evicts the nodes before it, round after round (#47: no round in 3.5 minutes at l
   still moves), and whom this node evicted. ``sentinel drill`` prints each agent's last such line
   when the job does not finish.
 
+* **one world per round**: torch's ``_get_world`` answers ``len(state.participants)``, which an
+  eviction from a complete round shrinks (for an agent that learns of the completion after it);
+  the world is recorded in the state when the round is marked complete and read from there
+  (:func:`world_of`).
+
 **The slot rendezvous** (``--rdzv-backend sentinel``) keeps its own heartbeats and recovery
 (:mod:`trainer.slot_rendezvous`); only the stall line is added: which slots arrived in the forming
 generation, which are vacant, and how long each missing slot's heartbeat has not moved.
 
 Nothing here patches torch's files: the handler's state holder gets this sanitizer as its
-``_sanitize`` (an instance attribute), checked for torch 2.13 by :func:`install_dynamic`.
+``_sanitize``, its op executor the recording ``_mark_rendezvous_complete`` and the handler its
+``_get_world`` (instance attributes), checked for torch 2.13 by :func:`install_dynamic`.
 """
 
 from __future__ import annotations
