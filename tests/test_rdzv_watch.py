@@ -48,6 +48,10 @@ print("joining", flush=True)
 info = rdzv.handler.next_rendezvous()
 print(json.dumps({"rank": info.rank, "world": info.world_size, "round": rdzv.handler._state_holder.state.round}),
       flush=True)
+hold = os.environ.get("HOLD_UNTIL")  # stay a live participant (keep-alives beating) until the test says
+while hold and not os.path.exists(hold):
+    import time
+    time.sleep(0.1)
 os._exit(0)  # as trainer.elastic.exit_now: no interpreter teardown under the keep-alive threads' store calls
 """
 
@@ -63,7 +67,8 @@ CONVERGE_S = 90.0  # 10 cycles; on 0cd5d80 no round completes in them (each join
 def test_starved_agents_converge_in_one_round_and_a_stalled_round_names_who_it_waits_for(tmp_path, store):
     script = tmp_path / "join.py"
     script.write_text(JOIN)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    hold = tmp_path / "all-out"  # an agent that came out stays alive: every eviction would be of a live node
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOLD_UNTIL": str(hold)}
     logs = [tmp_path / f"agent{i}.log" for i in range(3)]
     procs: list[subprocess.Popen] = []
 
@@ -74,6 +79,9 @@ def test_starved_agents_converge_in_one_round_and_a_stalled_round_names_who_it_w
 
     def text(i: int) -> str:
         return logs[i].read_text()
+
+    def out(i: int) -> bool:
+        return any(x.startswith("{") for x in text(i).splitlines())
 
     try:
         # 1. Two of three join, the third is not there: each says, in one line, that the round of
@@ -96,7 +104,7 @@ def test_starved_agents_converge_in_one_round_and_a_stalled_round_names_who_it_w
             os.kill(procs[2].pid, signal.SIGSTOP)
         end = time.monotonic() + CONVERGE_S
         turn = 0
-        while time.monotonic() < end and any(p.poll() is None for p in procs):
+        while time.monotonic() < end and not all(out(i) for i in range(3)):
             p = procs[turn % 3]
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGCONT)
@@ -107,7 +115,7 @@ def test_starved_agents_converge_in_one_round_and_a_stalled_round_names_who_it_w
         for p in procs:
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGCONT)
-        done = [p.poll() is not None for p in procs]
+        done = [out(i) for i in range(3)]
         assert all(done), (f"no round completed in {CONVERGE_S:.0f} s of starved but live agents:\n"
                            + "\n".join(text(i)[-1500:] for i in range(3)))
         results = [json.loads(next(x for x in text(i).splitlines() if x.startswith("{"))) for i in range(3)]
@@ -115,6 +123,7 @@ def test_starved_agents_converge_in_one_round_and_a_stalled_round_names_who_it_w
         assert len({r["round"] for r in results}) == 1, results  # one round, the same for all
         assert not any("evicting" in text(i) for i in range(3)), [text(i)[-1500:] for i in range(3)]
     finally:
+        hold.touch()
         for p in procs:
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGCONT)
@@ -242,11 +251,13 @@ def test_a_late_node_is_evicted_only_when_its_counter_stood_still_over_this_node
     holder = SimpleNamespace(_state=state, _dead_nodes=[])
     live = _Counters()
     epilogues = []
-    sanitize = Sanitizer(holder, settings, live, lambda st, se: epilogues.append(st.round))
+    clock = [0.0]
+    sanitize = Sanitizer(holder, settings, live, lambda st, se: epilogues.append(st.round), clock=lambda: clock[0])
 
     def sync(slow_beats: int, own_beats: int) -> None:
         live.values["'slow'"] = live.values.get("'slow'", 0) + slow_beats
         live.beats += own_beats
+        clock[0] += 1.0
         sanitize()
 
     sync(1, 0)  # first seen late: watched from here
@@ -260,6 +271,35 @@ def test_a_late_node_is_evicted_only_when_its_counter_stood_still_over_this_node
     line = describe_dynamic(state, settings, "me", sanitize, 42.0, {"'slow'": 3})
     assert line.startswith("rendezvous stalled: job round 4 not complete after 42 s"), line
     assert "in the round 2 of 3 needed" in line and "lapsed, counter 3" in line and "'dead' x1" in line, line
+
+
+def test_a_node_paused_for_less_than_the_window_is_not_evicted_though_this_node_beat_twice_meanwhile():
+    """SIGSTOP turns: this node runs ~1 s and beats on resume and 1 s later while the other one is
+    paused; the other's counter stood still over two of this node's beats but only ~1 s by this
+    node's clock: kept. Still after window - interval (2 s) by the clock: evicted."""
+    from datetime import datetime, timedelta, timezone
+    from types import SimpleNamespace
+
+    from trainer.rdzv_watch import Sanitizer
+
+    state = SimpleNamespace(round=0, complete=False, closed=False, participants={"me": 0, "other": 0},
+                            wait_list=set(), redundancy_list=set(),
+                            last_heartbeats={"me": datetime.now(timezone.utc),
+                                             "other": datetime.now(timezone.utc) - timedelta(seconds=5)})
+    settings = SimpleNamespace(keep_alive_interval=timedelta(seconds=1), keep_alive_max_attempt=3)
+    holder = SimpleNamespace(_state=state, _dead_nodes=[])
+    live = _Counters()
+    clock = [100.0]
+    sanitize = Sanitizer(holder, settings, live, lambda st, se: None, clock=lambda: clock[0])
+    sanitize()  # first seen overdue
+    for _ in range(2):
+        live.beats += 1
+        clock[0] += 0.55
+        sanitize()
+    assert set(state.participants) == {"me", "other"} and holder._dead_nodes == []  # 2 beats in 1.1 s: kept
+    clock[0] += 0.9
+    sanitize()
+    assert set(state.participants) == {"me"} and holder._dead_nodes == ["other"]
 
 
 def test_a_complete_round_keeps_the_world_it_was_marked_complete_with_whatever_is_evicted_after():
@@ -287,10 +327,12 @@ def test_a_complete_round_keeps_the_world_it_was_marked_complete_with_whatever_i
     assert state.complete and world_of(state, "b") == (1, 3)
     holder = SimpleNamespace(_state=state, _dead_nodes=[])
     live = _Counters()
-    sanitize = Sanitizer(holder, settings, live, dr._remove_participant_epilogue)
+    clock = [0.0]
+    sanitize = Sanitizer(holder, settings, live, dr._remove_participant_epilogue, clock=lambda: clock[0])
     sanitize()
     live.beats += 2
-    sanitize()  # "c": its keep-alive and counter stood still over two of this node's beats
+    clock[0] += 2.0
+    sanitize()  # "c": its keep-alive and counter stood still over two of this node's beats and 2 s
     assert set(state.participants) == {"a", "b"} and state.complete
     assert world_of(state, "b") == (1, 3) and world_of(state, "a") == (0, 3)  # not (1, 2): the round had 3
     state.round += 1  # a later round completed by an agent without the watch: torch's answer

@@ -132,12 +132,14 @@ class Sanitizer:
     """The state holder's ``_sanitize``: torch's, except that a node whose keep-alive lapsed is
     evicted only when its counter stood still at this node's own pace (module docstring)."""
 
-    def __init__(self, holder: Any, settings: Any, liveness: Liveness, epilogue: Callable[[Any, Any], None]) -> None:
+    def __init__(self, holder: Any, settings: Any, liveness: Liveness, epilogue: Callable[[Any, Any], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.holder = holder
+        self.clock = clock
         self.settings = settings
         self.live = liveness
         self.epilogue = epilogue  # torch's _remove_participant_epilogue
-        self.seen: dict[Any, tuple[int | None, int]] = {}  # node -> (its counter, this node's beats then)
+        self.seen: dict[Any, tuple[int | None, int, float]] = {}  # node -> (its counter, this node's beats, clock)
         self.evicted: dict[str, int] = {}  # node -> evictions this agent made
         self.spared: dict[str, float] = {}  # node -> its keep-alive's age when last kept for its counter
 
@@ -148,10 +150,14 @@ class Sanitizer:
     def dead(self, state: Any) -> list[Any]:
         """Nodes to evict: keep-alive in the state older than the window, and the counter unchanged
         since this node first saw the keep-alive overdue, over ``keep_alive_max_attempt - 1`` of this
-        node's own beats (each at least an interval apart: the span scales with this node's pace)."""
+        node's own beats (each at least an interval apart: the span scales with this node's pace)
+        and over ``window - interval`` by this node's clock (first seen overdue an interval after
+        its last beat: the counter stood still for the window). Without the clock's part, two of
+        this node's beats (on resume and an interval later) could fall in one run of this node
+        while the other was paused for less than the window."""
         interval = self.settings.keep_alive_interval.total_seconds()
         attempts = self.settings.keep_alive_max_attempt
-        wall = datetime.now(timezone.utc)
+        wall, now = datetime.now(timezone.utc), self.clock()
         overdue = {n: (wall - t).total_seconds() for n, t in state.last_heartbeats.items()
                    if (wall - t).total_seconds() > interval}
         for node in list(self.seen):
@@ -163,8 +169,9 @@ class Sanitizer:
             value = self.live.counter(repr(node))
             before = self.seen.get(node)
             if value is None or before is None or before[0] != value:
-                self.seen[node] = (value, self.live.beats)
-            elif age > self.window and self.live.beats - before[1] >= max(1, attempts - 1):
+                self.seen[node] = (value, self.live.beats, now)
+            elif (age > self.window and self.live.beats - before[1] >= max(1, attempts - 1)
+                  and now - before[2] >= self.window - interval):
                 dead.append(node)
                 continue
             if age > self.window:
