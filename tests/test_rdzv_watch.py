@@ -112,9 +112,8 @@ def test_starved_agents_converge_in_one_round_and_a_stalled_round_names_who_it_w
                 os.kill(p.pid, signal.SIGSTOP)
             time.sleep(PERIOD_S - WINDOW_S)
             turn += 1
-        for p in procs:
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGCONT)
+        # every agent is stopped here: the logs read below are complete (resumed, an agent that came
+        # out could rightly evict one whose turn was > the window ago, after the round: not asserted)
         done = [out(i) for i in range(3)]
         assert all(done), (f"no round completed in {CONVERGE_S:.0f} s of starved but live agents:\n"
                            + "\n".join(text(i)[-1500:] for i in range(3)))
