@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -32,10 +33,25 @@ params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{port}", run_
                               is_host="false", read_timeout="60", keep_alive_interval="1", keep_alive_max_attempt="3",
                               join_timeout="600")
 rdzv = Rendezvous(registry.get_rendezvous_handler(params), 0.1)
+if len(sys.argv) > 3:  # a gate: the join loop's polls wait for the test (a starved join loop; the counter thread runs)
+    import time
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+    gate, delay = sys.argv[3], dr._delay
+    def gated(seconds):
+        if seconds == 1 and not os.path.exists(gate):
+            open(gate + ".waiting", "w").close()
+            while not os.path.exists(gate):
+                time.sleep(0.05)
+        delay(seconds)
+    dr._delay = gated
 print("joining", flush=True)
 info = rdzv.handler.next_rendezvous()
 print(json.dumps({"rank": info.rank, "world": info.world_size, "round": rdzv.handler._state_holder.state.round}),
       flush=True)
+hold = os.environ.get("HOLD_UNTIL")  # stay a live participant (keep-alives beating) until the test says
+while hold and not os.path.exists(hold):
+    import time
+    time.sleep(0.1)
 os._exit(0)  # as trainer.elastic.exit_now: no interpreter teardown under the keep-alive threads' store calls
 """
 
@@ -51,7 +67,8 @@ CONVERGE_S = 90.0  # 10 cycles; on 0cd5d80 no round completes in them (each join
 def test_starved_agents_converge_in_one_round_and_a_stalled_round_names_who_it_waits_for(tmp_path, store):
     script = tmp_path / "join.py"
     script.write_text(JOIN)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    hold = tmp_path / "all-out"  # an agent that came out stays alive: every eviction would be of a live node
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOLD_UNTIL": str(hold)}
     logs = [tmp_path / f"agent{i}.log" for i in range(3)]
     procs: list[subprocess.Popen] = []
 
@@ -62,6 +79,9 @@ def test_starved_agents_converge_in_one_round_and_a_stalled_round_names_who_it_w
 
     def text(i: int) -> str:
         return logs[i].read_text()
+
+    def out(i: int) -> bool:
+        return any(x.startswith("{") for x in text(i).splitlines())
 
     try:
         # 1. Two of three join, the third is not there: each says, in one line, that the round of
@@ -84,7 +104,7 @@ def test_starved_agents_converge_in_one_round_and_a_stalled_round_names_who_it_w
             os.kill(procs[2].pid, signal.SIGSTOP)
         end = time.monotonic() + CONVERGE_S
         turn = 0
-        while time.monotonic() < end and any(p.poll() is None for p in procs):
+        while time.monotonic() < end and not all(out(i) for i in range(3)):
             p = procs[turn % 3]
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGCONT)
@@ -92,10 +112,9 @@ def test_starved_agents_converge_in_one_round_and_a_stalled_round_names_who_it_w
                 os.kill(p.pid, signal.SIGSTOP)
             time.sleep(PERIOD_S - WINDOW_S)
             turn += 1
-        for p in procs:
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGCONT)
-        done = [p.poll() is not None for p in procs]
+        # every agent is stopped here: the logs read below are complete (resumed, an agent that came
+        # out could rightly evict one whose turn was > the window ago, after the round: not asserted)
+        done = [out(i) for i in range(3)]
         assert all(done), (f"no round completed in {CONVERGE_S:.0f} s of starved but live agents:\n"
                            + "\n".join(text(i)[-1500:] for i in range(3)))
         results = [json.loads(next(x for x in text(i).splitlines() if x.startswith("{"))) for i in range(3)]
@@ -103,9 +122,83 @@ def test_starved_agents_converge_in_one_round_and_a_stalled_round_names_who_it_w
         assert len({r["round"] for r in results}) == 1, results  # one round, the same for all
         assert not any("evicting" in text(i) for i in range(3)), [text(i)[-1500:] for i in range(3)]
     finally:
+        hold.touch()
         for p in procs:
             if p.poll() is None:
-                os.kill(p.pid, signal.SIGCONT)
+                p.kill()  # SIGKILL ends a stopped process as it is (resumed, it would sync once more)
+            p.wait(timeout=60)
+
+
+def _committed(port: int, run_id: str):
+    """The rendezvous state as the store holds it (what every agent's next sync reads)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    backend = C10dRendezvousBackend(client, run_id)
+
+    def read():
+        got = backend.get_state()
+        return pickle.loads(got[0]) if got is not None else None
+
+    return read
+
+
+def test_a_participant_that_learns_of_its_round_after_evictions_gets_the_world_the_round_completed_with(tmp_path, store):
+    """One round of 3 completes with A, B and C (one compare-and-set: complete, ranks 0-2). A and C
+    return and exit; B's join loop has not synced since it joined (its keep-alive counter thread
+    runs: a starved loop). A fourth agent D, there for the next round, evicts the gone A and C
+    from the complete round (their keep-alives and counters stood still) and commits that. Then B
+    syncs: it must come out with the world its round completed with, 3, as A and C did, not with
+    the participants left (torch's ``_get_world``: ``len(state.participants)``, 1 here; in CI
+    the same left an agent with world 2 beside two with world 3). Fails on dabd21c: B's world 1."""
+    script = tmp_path / "join.py"
+    script.write_text(JOIN)
+    gate = tmp_path / "gate"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    logs = {n: tmp_path / f"{n}.log" for n in "ABCD"}
+    procs: dict[str, subprocess.Popen] = {}
+    run_id = "job47split"
+
+    def start(name: str, *extra: str) -> None:
+        with open(logs[name], "w") as out:
+            procs[name] = subprocess.Popen([sys.executable, str(script), str(store), run_id, *extra], cwd=REPO,
+                                           env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def result(name: str) -> dict | None:
+        line = next((x for x in logs[name].read_text().splitlines() if x.startswith("{")), None)
+        return json.loads(line) if line else None
+
+    state = _committed(store, run_id)
+
+    def pids(s) -> set[int]:
+        return {n.pid for n in s.participants} if s is not None else set()
+
+    try:
+        start("A")
+        start("B", str(gate))
+        wait_for(lambda: pids(state()) == {procs["A"].pid, procs["B"].pid}, 120, 0.2, what="A and B in the round")
+        wait_for(lambda: Path(str(gate) + ".waiting").exists(), 60, what="B's join loop to wait at the gate")
+        start("C")
+        wait_for(lambda: result("A") and result("C"), 120, 0.2, what="A and C to come out of the round")
+        done = state()
+        assert done.complete and pids(done) == {procs[n].pid for n in "ABC"}, vars(done)
+        wait_for(lambda: procs["A"].poll() is not None and procs["C"].poll() is not None, 60, what="A and C to exit")
+        start("D")
+        wait_for(lambda: (lambda s: s.complete and pids(s) == {procs["B"].pid})(state()), 120, 0.2,
+                 what="D to evict the gone A and C from the complete round")
+        gate.touch()
+        wait_for(lambda: result("B"), 60, 0.2, what="B to come out of the round")
+        results = {n: result(n) for n in "ABC"}
+        assert {r["world"] for r in results.values()} == {3}, results  # one round, one world
+        assert sorted(r["rank"] for r in results.values()) == [0, 1, 2], results
+        assert len({r["round"] for r in results.values()}) == 1, results
+    finally:
+        gate.touch()
+        for p in procs.values():
+            if p.poll() is None:
                 p.kill()
             p.wait(timeout=60)
 
@@ -156,11 +249,13 @@ def test_a_late_node_is_evicted_only_when_its_counter_stood_still_over_this_node
     holder = SimpleNamespace(_state=state, _dead_nodes=[])
     live = _Counters()
     epilogues = []
-    sanitize = Sanitizer(holder, settings, live, lambda st, se: epilogues.append(st.round))
+    clock = [0.0]
+    sanitize = Sanitizer(holder, settings, live, lambda st, se: epilogues.append(st.round), clock=lambda: clock[0])
 
     def sync(slow_beats: int, own_beats: int) -> None:
         live.values["'slow'"] = live.values.get("'slow'", 0) + slow_beats
         live.beats += own_beats
+        clock[0] += 1.0
         sanitize()
 
     sync(1, 0)  # first seen late: watched from here
@@ -174,6 +269,72 @@ def test_a_late_node_is_evicted_only_when_its_counter_stood_still_over_this_node
     line = describe_dynamic(state, settings, "me", sanitize, 42.0, {"'slow'": 3})
     assert line.startswith("rendezvous stalled: job round 4 not complete after 42 s"), line
     assert "in the round 2 of 3 needed" in line and "lapsed, counter 3" in line and "'dead' x1" in line, line
+
+
+def test_a_node_paused_for_less_than_the_window_is_not_evicted_though_this_node_beat_twice_meanwhile():
+    """SIGSTOP turns: this node runs ~1 s and beats on resume and 1 s later while the other one is
+    paused; the other's counter stood still over two of this node's beats but only ~1 s by this
+    node's clock: kept. Still after window - interval (2 s) by the clock: evicted."""
+    from datetime import datetime, timedelta, timezone
+    from types import SimpleNamespace
+
+    from trainer.rdzv_watch import Sanitizer
+
+    state = SimpleNamespace(round=0, complete=False, closed=False, participants={"me": 0, "other": 0},
+                            wait_list=set(), redundancy_list=set(),
+                            last_heartbeats={"me": datetime.now(timezone.utc),
+                                             "other": datetime.now(timezone.utc) - timedelta(seconds=5)})
+    settings = SimpleNamespace(keep_alive_interval=timedelta(seconds=1), keep_alive_max_attempt=3)
+    holder = SimpleNamespace(_state=state, _dead_nodes=[])
+    live = _Counters()
+    clock = [100.0]
+    sanitize = Sanitizer(holder, settings, live, lambda st, se: None, clock=lambda: clock[0])
+    sanitize()  # first seen overdue
+    for _ in range(2):
+        live.beats += 1
+        clock[0] += 0.55
+        sanitize()
+    assert set(state.participants) == {"me", "other"} and holder._dead_nodes == []  # 2 beats in 1.1 s: kept
+    clock[0] += 0.9
+    sanitize()
+    assert set(state.participants) == {"me"} and holder._dead_nodes == ["other"]
+
+
+def test_a_complete_round_keeps_the_world_it_was_marked_complete_with_whatever_is_evicted_after():
+    """torch's state and its executor's own ``_mark_rendezvous_complete`` (wrapped as the watch
+    wraps it): the recorded world outlives an eviction from the complete round by the sanitizer;
+    a record from an earlier round is not used for the next one."""
+    from datetime import datetime, timedelta, timezone
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    from trainer.rdzv_watch import Sanitizer, record_world, world_of
+
+    settings = SimpleNamespace(keep_alive_interval=timedelta(seconds=1), keep_alive_max_attempt=3, run_id="job",
+                               min_nodes=3, max_nodes=3)
+    state = dr._RendezvousState()
+    now = datetime.now(timezone.utc)
+    for node in ("a", "b", "c"):
+        state.participants[node] = 0
+        state.last_heartbeats[node] = now - timedelta(seconds=10 if node == "c" else 0)
+    executor = SimpleNamespace(_state=state)
+    executor._mark_rendezvous_complete = lambda: dr._DistributedRendezvousOpExecutor._mark_rendezvous_complete(executor)
+    executor._node, executor._settings, executor._record = "a", settings, lambda *a, **k: None
+    record_world(executor)()
+    assert state.complete and world_of(state, "b") == (1, 3)
+    holder = SimpleNamespace(_state=state, _dead_nodes=[])
+    live = _Counters()
+    clock = [0.0]
+    sanitize = Sanitizer(holder, settings, live, dr._remove_participant_epilogue, clock=lambda: clock[0])
+    sanitize()
+    live.beats += 2
+    clock[0] += 2.0
+    sanitize()  # "c": its keep-alive and counter stood still over two of this node's beats and 2 s
+    assert set(state.participants) == {"a", "b"} and state.complete
+    assert world_of(state, "b") == (1, 3) and world_of(state, "a") == (0, 3)  # not (1, 2): the round had 3
+    state.round += 1  # a later round completed by an agent without the watch: torch's answer
+    assert world_of(state, "b") == (1, 2)
 
 
 def test_a_stalled_slot_generation_names_the_slots_it_waits_for_and_how_long_their_heartbeats_stood_still():

@@ -27,12 +27,18 @@ evicts the nodes before it, round after round (#47: no round in 3.5 minutes at l
   still moves), and whom this node evicted. ``sentinel drill`` prints each agent's last such line
   when the job does not finish.
 
+* **one world per round**: torch's ``_get_world`` answers ``len(state.participants)``, which an
+  eviction from a complete round shrinks (for an agent that learns of the completion after it);
+  the world is recorded in the state when the round is marked complete and read from there
+  (:func:`world_of`).
+
 **The slot rendezvous** (``--rdzv-backend sentinel``) keeps its own heartbeats and recovery
 (:mod:`trainer.slot_rendezvous`); only the stall line is added: which slots arrived in the forming
 generation, which are vacant, and how long each missing slot's heartbeat has not moved.
 
 Nothing here patches torch's files: the handler's state holder gets this sanitizer as its
-``_sanitize`` (an instance attribute), checked for torch 2.13 by :func:`install_dynamic`.
+``_sanitize``, its op executor the recording ``_mark_rendezvous_complete`` and the handler its
+``_get_world`` (instance attributes), checked for torch 2.13 by :func:`install_dynamic`.
 """
 
 from __future__ import annotations
@@ -126,12 +132,14 @@ class Sanitizer:
     """The state holder's ``_sanitize``: torch's, except that a node whose keep-alive lapsed is
     evicted only when its counter stood still at this node's own pace (module docstring)."""
 
-    def __init__(self, holder: Any, settings: Any, liveness: Liveness, epilogue: Callable[[Any, Any], None]) -> None:
+    def __init__(self, holder: Any, settings: Any, liveness: Liveness, epilogue: Callable[[Any, Any], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.holder = holder
+        self.clock = clock
         self.settings = settings
         self.live = liveness
         self.epilogue = epilogue  # torch's _remove_participant_epilogue
-        self.seen: dict[Any, tuple[int | None, int]] = {}  # node -> (its counter, this node's beats then)
+        self.seen: dict[Any, tuple[int | None, int, float]] = {}  # node -> (its counter, this node's beats, clock)
         self.evicted: dict[str, int] = {}  # node -> evictions this agent made
         self.spared: dict[str, float] = {}  # node -> its keep-alive's age when last kept for its counter
 
@@ -142,10 +150,14 @@ class Sanitizer:
     def dead(self, state: Any) -> list[Any]:
         """Nodes to evict: keep-alive in the state older than the window, and the counter unchanged
         since this node first saw the keep-alive overdue, over ``keep_alive_max_attempt - 1`` of this
-        node's own beats (each at least an interval apart: the span scales with this node's pace)."""
+        node's own beats (each at least an interval apart: the span scales with this node's pace)
+        and over ``window - interval`` by this node's clock (first seen overdue an interval after
+        its last beat: the counter stood still for the window). Without the clock's part, two of
+        this node's beats (on resume and an interval later) could fall in one run of this node
+        while the other was paused for less than the window."""
         interval = self.settings.keep_alive_interval.total_seconds()
         attempts = self.settings.keep_alive_max_attempt
-        wall = datetime.now(timezone.utc)
+        wall, now = datetime.now(timezone.utc), self.clock()
         overdue = {n: (wall - t).total_seconds() for n, t in state.last_heartbeats.items()
                    if (wall - t).total_seconds() > interval}
         for node in list(self.seen):
@@ -157,8 +169,9 @@ class Sanitizer:
             value = self.live.counter(repr(node))
             before = self.seen.get(node)
             if value is None or before is None or before[0] != value:
-                self.seen[node] = (value, self.live.beats)
-            elif age > self.window and self.live.beats - before[1] >= max(1, attempts - 1):
+                self.seen[node] = (value, self.live.beats, now)
+            elif (age > self.window and self.live.beats - before[1] >= max(1, attempts - 1)
+                  and now - before[2] >= self.window - interval):
                 dead.append(node)
                 continue
             if age > self.window:
@@ -308,8 +321,40 @@ def stall_reports(describe: Callable[[float], str], every: float) -> Iterator[No
         done.set()
 
 
+WORLD = "sentinel_world"  # on torch's state: (round, its world size when it was marked complete)
+
+
+def world_of(state: Any, node: Any) -> tuple[int, int]:
+    """This node's rank and the world of its complete round: the size the round had when it was
+    marked complete (recorded in the same compare-and-set), not how many participants are left.
+    torch's ``_get_world`` returns ``len(state.participants)``, but a complete round loses
+    participants afterwards (``_sanitize`` evicts a node whose keep-alive lapsed, in every sync
+    and before the join sees the state), so a participant that learns of the completion after an
+    eviction, its own or one committed by another node, would get a smaller world than the others
+    got from the same round (#47: ranks 0, 1, 2 in worlds 3, 2, 3)."""
+    recorded = getattr(state, WORLD, None)
+    rank = state.participants[node]
+    if isinstance(recorded, tuple) and len(recorded) == 2 and recorded[0] == state.round:
+        return rank, int(recorded[1])
+    return rank, len(state.participants)  # completed by an agent without this watch: torch's answer
+
+
+def record_world(executor: Any) -> Callable[[], None]:
+    """The executor's ``_mark_rendezvous_complete``, which also records the round's world size in
+    the state it is about to write (one compare-and-set with ``complete`` and the ranks)."""
+    original = executor._mark_rendezvous_complete
+
+    def mark_complete() -> None:
+        original()
+        state = executor._state
+        setattr(state, WORLD, (state.round, len(state.participants)))
+
+    return mark_complete
+
+
 class DynamicWatch:
-    """What :func:`install_dynamic` set up on one handler: the counter thread, the sanitizer."""
+    """What :func:`install_dynamic` set up on one handler: the counter thread, the sanitizer, the
+    world of a complete round as recorded at its completion."""
 
     def __init__(self, handler: Any, dr: Any) -> None:
         self.handler = handler
@@ -318,6 +363,8 @@ class DynamicWatch:
                                  settings.keep_alive_interval.total_seconds())
         self.sanitizer = Sanitizer(handler._state_holder, settings, self.liveness, dr._remove_participant_epilogue)
         handler._state_holder._sanitize = self.sanitizer
+        handler._op_executor._mark_rendezvous_complete = record_world(handler._op_executor)
+        handler._get_world = lambda: world_of(handler._state_holder.state, handler._this_node)
 
     def describe(self, waited: float) -> str:
         holder = self.handler._state_holder
@@ -344,9 +391,11 @@ def install_dynamic(handler: Any, dr: Any) -> DynamicWatch | None:
     """Set the watch up on a torch ``DynamicRendezvousHandler``; None (torch's own behaviour) when
     the internals it relies on changed."""
     holder = getattr(handler, "_state_holder", None)
+    executor = getattr(handler, "_op_executor", None)
     needed = (hasattr(handler, "_settings") and hasattr(handler, "_store") and hasattr(handler, "_this_node")
               and holder is not None and hasattr(holder, "_sanitize") and hasattr(holder, "_backend")
-              and hasattr(dr, "_remove_participant_epilogue"))
+              and hasattr(dr, "_remove_participant_epilogue") and hasattr(handler, "_get_world")
+              and hasattr(executor, "_mark_rendezvous_complete"))
     return DynamicWatch(handler, dr) if needed else None
 
 
