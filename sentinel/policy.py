@@ -293,6 +293,8 @@ class Policy:
         is then a lower bound, still over the limit, so the decision (over it or not) is the one
         the whole hour gives, now and later (the dropped runs are older than every kept one, so
         they would leave the hour first), and an Xid storm costs constant memory and work."""
+        if not xids and not app_xids:
+            return (), ()  # the common poll: nothing to classify, no run to age
         limit = self.cfg.app_xid_max_per_hour
         runs = tuple(r for r in app_xids if now - r[0] < APP_XID_WINDOW_SECONDS)
         counted = sum(n for _, n in runs)

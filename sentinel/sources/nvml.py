@@ -139,7 +139,9 @@ class NvmlSource:
         self._success = getattr(nvml, "NVML_SUCCESS", 0)
         self._lost_code = getattr(nvml, "NVML_ERROR_GPU_IS_LOST", 15)
         self._ull = getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG", 3)
-        self._decoders = {f.name: f.value_codec.decode for f in nvml_fields.NVML_FIELDS}
+        plain = (nvml_fields.NUMBER, nvml_fields.FLAG)  # None: the number as a float, as these decode it
+        self._decoders = {f.name: None if f.value_codec in plain else f.value_codec.decode
+                          for f in nvml_fields.NVML_FIELDS}
         self._calls: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {}  # see _resolved
         self._sweepers: list[tuple[Worker, Job | None]] = []  # sweep threads and their latest jobs
 
@@ -326,7 +328,8 @@ class NvmlSource:
             if what == "link":
                 links_out[key] = int(number)
             else:
-                values_out[key] = float(decoders[key](nvml, float(number)))
+                decode = decoders[key]
+                values_out[key] = float(number) if decode is None else float(decode(nvml, float(number)))
         read.put_many(values_out, errors_out, links_out)
         return lost
 
@@ -447,8 +450,7 @@ class NvmlSource:
         line. A GPU still inside such a call is skipped at once (``hung``) until the call returns.
         """
         deadline = self.deadline
-        budget_end = self.clock() + deadline
-        reads: list[tuple[_Gpu, Job | None, PollRead | None]] = []
+        budget_end, reads = self.clock() + deadline, []  # reads: (GPU, its job, its read)
         swept: list[int] = []  # positions in reads of the GPUs the sweep is to read
         for gpu in self.gpus:
             pending = gpu.pending
