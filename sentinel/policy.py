@@ -342,7 +342,7 @@ class Policy:
         candidates: list[Trip] = []
         failing: set[str] = set()  # conditions that currently hold (for hysteresis)
         for rule in self.gpu_rules:
-            for found in list(rule.evaluate(ctx, cfg)):  # always run to the end: the rule's memory advances
+            for found in rule.evaluate(ctx, cfg):  # always run to the end (no break): the rule's memory advances
                 if rule.name not in active:
                     continue
                 failing.add(found.cause)
