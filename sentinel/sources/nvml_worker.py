@@ -211,10 +211,11 @@ class PollRead:
             return self.finished
 
     def close(self) -> tuple[bool, dict[str, float], dict[str, int], dict[tuple[int, str], int]]:
-        """Stop the read; (finished, values, errors, nvlink) as they stand now."""
+        """Stop the read; (finished, values, errors, nvlink) as they stand now: the caller's to keep
+        (no later result is put into them: it goes to the next read)."""
         with self._lock:
             self.closed = True
-            return self.finished, dict(self.now["values"]), dict(self.now["errors"]), dict(self.now["links"])
+            return self.finished, self.now["values"], self.now["errors"], self.now["links"]
 
     def resume(self, into: PollRead, items: int) -> int:
         """For the GPU's next read, once this read's job has ended: hand over the late result and
