@@ -26,6 +26,7 @@ per snapshot taken.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -75,6 +76,21 @@ def modes(interval: int, budget: float = 0.05) -> tuple[Mode, ...]:
 
 def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
+
+
+def median_ci95(xs: list[float]) -> tuple[float, float] | None:
+    """A distribution-free 95 % confidence interval of the median of ``xs`` (order statistics: the
+    median lies between the j-th smallest and the j-th largest with probability >= 95 %, j from the
+    binomial(n, 1/2)); None under 6 values, where no such pair exists."""
+    n = len(xs)
+    tail, j = 0.0, 0
+    while tail + math.comb(n, j) / 2 ** n <= 0.025:
+        tail += math.comb(n, j) / 2 ** n
+        j += 1
+    if j == 0:
+        return None
+    ordered = sorted(xs)
+    return ordered[j - 1], ordered[n - j]
 
 
 def make_guards(selected: tuple[Mode, ...], make_state: Callable[[], dict], snapdir: Path, holder: Path, node: str,
@@ -185,8 +201,10 @@ def combine(selected: tuple[Mode, ...], everyone: list[dict[str, Any]]) -> dict[
         bg = statistics.fmean(e[m.name]["bg"] / max(1, e[m.name]["steps"]) for e in everyone) - bg_rate
         main = statistics.fmean(e[m.name]["main"] / max(1, e[m.name]["steps"]) for e in everyone) - main_rate
         overhead = median(ratios) - 1
+        ci = median_ci95(ratios)
         rows[m.name] = {
             "step": statistics.fmean(mine["times"]), "ratios": ratios, "overhead": overhead,
+            "overhead_ci95": None if ci is None else (ci[0] - 1, ci[1] - 1),
             "snapshots": taken, "late": late, "steps": mine["steps"],
             "stall": median([s for e in everyone for s in e[m.name]["stalls"]]),
             "cost": overhead * base * per if per else None,  # wall-clock seconds per snapshot
@@ -212,20 +230,23 @@ def contention(rows: dict[str, Any]) -> float | None:
 
 def print_rows(title: str, res: dict[str, Any], selected: tuple[Mode, ...]) -> None:
     print(title)
-    print(f"  {'mode':<40} {'step ms':>8} {'vs none':>8} {'(rounds)':>13} {'stall ms':>9} {'bg CPU ms':>10} "
+    print(f"  {'mode':<40} {'step ms':>8} {'vs none':>8} {'(rounds)':>13} {'(95 % CI)':>14} {'stall ms':>9} "
+          f"{'bg CPU ms':>10} "
           f"{'cost ms':>8} {'taken':>6} {'late':>5} {'replicas':>9}")
     for m in selected:
         r = res["rows"][m.name]
         spread = f"{(r['ratios'][0] - 1) * 100:+.0f}..{(r['ratios'][-1] - 1) * 100:+.0f}%"
+        ci = "" if r["overhead_ci95"] is None else "{:+.1f}..{:+.1f}%".format(*(x * 100 for x in r["overhead_ci95"]))
 
         def ms(x: float | None) -> str:
             return "" if x is None else f"{x * 1e3:.2f}"
         reps = f"{r['replicas']} (-{r['replica_skipped']})" if m.memory else ""
-        print(f"  {m.label:<40} {r['step'] * 1e3:>8.2f} {r['overhead'] * 100:>+7.1f}% {spread:>13} "
+        print(f"  {m.label:<40} {r['step'] * 1e3:>8.2f} {r['overhead'] * 100:>+7.1f}% {spread:>13} {ci:>14} "
               f"{ms(r['stall']):>9} {ms(r['background_cpu']):>10} {ms(r['cost']):>8} {r['snapshots'] if m.every else '':>6} "
               f"{r['late'] if m.memory else '':>5} {reps:>9}")
     print("  (step: mean; vs none: median over rounds of each round's ratio of mean steps to that round's\n"
-          "   no-snapshot blocks, the range in\n"
-          "   parentheses; stall: guard.step() at a due step; bg CPU: CPU-seconds per snapshot per rank off the\n"
+          "   no-snapshot blocks, the rounds' range and the median's 95 % confidence interval (order\n"
+          "   statistics; 6 rounds or more) in parentheses; stall: guard.step() at a due step;\n"
+          "   bg CPU: CPU-seconds per snapshot per rank off the\n"
           "   training thread, beyond the no-snapshot blocks'; cost: wall-clock seconds per snapshot;\n"
           "   replicas: replica rounds done (-skipped while one was in flight or the sender's budget was spent))")

@@ -157,6 +157,16 @@ def run(world: int, per_node: int, **cfg) -> dict:
         return dict(out)
 
 
+def _verdict(k1: dict) -> str:
+    """Whether the K = 1 overhead is under 5 % beyond the rounds' noise: the upper end of the
+    median's 95 % confidence interval, not the median alone."""
+    ci = k1["overhead_ci95"]
+    if ci is None:
+        return f" over {len(k1['ratios'])} rounds: too few for a 95 % interval (6 or more)"
+    return (f", 95 % CI {ci[0] * 100:+.1f}..{ci[1] * 100:+.1f}% over {len(k1['ratios'])} rounds: "
+            + ("under 5 % beyond noise" if ci[1] <= 0.05 else "not shown under 5 %"))
+
+
 def like_figures(prefix: str, res: dict, per_gb: float | None = None) -> dict[str, float | None]:
     """``<prefix>_<mode>_<what>``: each strategy's figures, measured the same way (bench/_like.py);
     with ``per_gb`` (10^9 / state bytes per rank) per GB of state instead of per snapshot."""
@@ -256,10 +266,13 @@ def reference(args: argparse.Namespace, figures: dict, holders: Path, work: Path
     ratio = mem["cost"] / disk["cost"] if mem["cost"] is not None and disk["cost"] else None
     print(f"  memory tier every {args.interval} / async disk every {args.interval}, wall-clock cost per snapshot: "
           + ("n/a" if ratio is None else f"{ratio:.2f}x") + " (target <= 0.5x); K = 1 overhead "
-          f"{k1['overhead'] * 100:+.1f}% (target <= 5 %)")
+          f"{k1['overhead'] * 100:+.1f}% (target <= 5 %)" + _verdict(k1))
     print(f"  this machine: 1 CPU-second of background work cost the step "
           + ("n/a" if cont is None else f"{cont:.2f}") + " wall-clock seconds (2 cores, 4 ranks)")
     summary = k1["summary"] or {}
+    ci = k1["overhead_ci95"] or (None, None)
+    figures.update(memory_snapshot_overhead_ci95_low_fraction=ci[0], memory_snapshot_overhead_ci95_high_fraction=ci[1],
+                   memory_snapshot_overhead_rounds_count=len(k1["ratios"]))
     figures.update(reference_step_seconds=ref["base"], memory_snapshot_overhead_fraction=k1["overhead"],
                    memory_over_async_cost_ratio=ratio, like_interval_steps=args.interval,
                    reference_contention_ratio=cont, reference_state_bytes=summary.get("state_bytes"),

@@ -293,6 +293,8 @@ class Policy:
         is then a lower bound, still over the limit, so the decision (over it or not) is the one
         the whole hour gives, now and later (the dropped runs are older than every kept one, so
         they would leave the hour first), and an Xid storm costs constant memory and work."""
+        if not xids and not app_xids:
+            return (), ()  # the common poll: nothing to classify, no run to age
         limit = self.cfg.app_xid_max_per_hour
         runs = tuple(r for r in app_xids if now - r[0] < APP_XID_WINDOW_SECONDS)
         counted = sum(n for _, n in runs)
@@ -340,7 +342,7 @@ class Policy:
         candidates: list[Trip] = []
         failing: set[str] = set()  # conditions that currently hold (for hysteresis)
         for rule in self.gpu_rules:
-            for found in list(rule.evaluate(ctx, cfg)):  # always run to the end: the rule's memory advances
+            for found in rule.evaluate(ctx, cfg):  # always run to the end (no break): the rule's memory advances
                 if rule.name not in active:
                     continue
                 failing.add(found.cause)

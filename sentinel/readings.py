@@ -66,8 +66,9 @@ class GpuReading:
         """Each NVLink counter kind summed over the links: what the rules, the straggler causes and
         the default export use (summed once per reading, not once by each)."""
         sums: dict[str, int] = {}
+        get = sums.get
         for (_, kind), value in self.nvlink.items():
-            sums[kind] = sums.get(kind, 0) + value
+            sums[kind] = get(kind, 0) + value
         return sums
 
 

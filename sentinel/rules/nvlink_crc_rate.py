@@ -24,7 +24,8 @@ class NvlinkCrcRate(GpuRule):
         links = ctx.reading.nvlink
         if not links:
             return ()
-        crc = float(sum(val for kind, val in ctx.reading.nvlink_sums.items() if kind.startswith("crc")))
+        sums = ctx.reading.nvlink_sums
+        crc = float(sums.get("crc_flit", 0) + sums.get("crc_data", 0))  # the CRC kinds of NVLINK_KINDS
         hist = ctx.short.get("nvlink_crc", ())
         ctx.short["nvlink_crc"] = (hist + ((ctx.now, crc),))[-2:]
         rate = None

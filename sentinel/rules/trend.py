@@ -43,6 +43,9 @@ class Track:
     below_lead: int = 0
 
 
+EMPTY = Track()
+
+
 def theil_sen(points: Iterable[tuple[float, float]]) -> float:
     """Median of pairwise slopes: robust to bursts and outliers (29 % breakdown point)."""
     pts = list(points)
@@ -116,10 +119,11 @@ class Trend(GpuRule):
                 continue  # unsupported or failed this poll: no evidence either way
             value = sum(v[f] for f in fields)
             limit = getattr(cfg, limit_attr) + offset
-            track = advance(ctx.tracks.get(target, Track()), now, value, cfg.trend_window_seconds)
+            track = advance(ctx.tracks.get(target, EMPTY), now, value, cfg.trend_window_seconds)
             seconds = forecast(track, value, limit)
             below = seconds is not None and seconds < lead and value < limit
-            track = Track(track.points, track.increases, track.below_lead + 1 if below else 0)
+            if below or track.below_lead:  # the count of polls below the lead time changes
+                track = Track(track.points, track.increases, track.below_lead + 1 if below else 0)
             ctx.tracks[target] = track
             ctx.forecast(seconds)
             if below and track.below_lead >= cfg.debounce_samples:

@@ -9,7 +9,8 @@ Contract
 * Each field is probed once at start. "Not supported" is remembered and the field is never read
   (nor exported) again; any other error is counted per (field, code) and the field is retried
   on every poll.
-* Every NVML call runs on the GPU's own worker thread; the GPUs are read in parallel.
+* NVML calls run off the polling thread: one sweep thread reads the GPUs one after another; when
+  a call holds it up, the GPUs it has not begun are read in parallel by their own worker threads.
 * ``deadline_seconds`` is each GPU's budget for a whole poll: :meth:`poll` returns within about
   that (at most a quarter, and 0.1 s, more) however slow or stuck the GPUs are. A GPU whose read
   did not finish in the budget is reported with the values it did read (NVLink counters only
@@ -26,7 +27,6 @@ The ``nvml`` module is injected: the real ``pynvml``, the simulated backend
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 import time
@@ -36,7 +36,9 @@ from typing import Any, Callable
 
 from sentinel import fields as nvml_fields
 from sentinel.readings import NVLINK_KINDS, GpuReading, XidEvent
-from sentinel.sources.nvml_worker import HUNG_GRACE, Hung, Job, PollRead, Worker
+from sentinel.sources.nvml_events import xid_events
+from sentinel.sources.nvml_worker import (HUNG_GRACE, SWEEP_CALL_SECONDS, SWEEPERS, CallClock, Hung, Job, PollRead,
+                                          Sweep, Worker)
 from sentinel.pci import normalize_bus_id  # noqa: F401 - the one normaliser; re-exported for callers
 
 log = logging.getLogger("sentinel.nvml")
@@ -64,6 +66,7 @@ class _Gpu:
     name: str
     serial: str
     worker: Worker
+    calls: CallClock  # the GPU's call in flight, on whichever thread reads it (its sweep, its worker)
     supported: list[str] = field(default_factory=list)
     unsupported: set[str] = field(default_factory=set)
     nvlinks: list[int] = field(default_factory=list)
@@ -108,12 +111,14 @@ class NvmlSource:
         event_wait_ms: int = 500,
         source_name: str = "nvml",
         batch: bool = True,
+        sweep_call_seconds: float = SWEEP_CALL_SECONDS,
     ) -> None:
         self.nvml = nvml
         # read every field that has an NVML field id, and the NVLink counters, through
         # nvmlDeviceGetFieldValues (one call per GPU per poll); False: one call per field and counter
         self.batch = batch
         self.deadline = deadline_seconds
+        self.sweep_call = sweep_call_seconds  # a sweep call this long hands the GPUs after it to their workers
         self.clock = clock
         self.event_wait_ms = event_wait_ms
         self.name = source_name
@@ -134,8 +139,11 @@ class NvmlSource:
         self._success = getattr(nvml, "NVML_SUCCESS", 0)
         self._lost_code = getattr(nvml, "NVML_ERROR_GPU_IS_LOST", 15)
         self._ull = getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG", 3)
-        self._decoders = {f.name: f.value_codec.decode for f in nvml_fields.NVML_FIELDS}
+        plain = (nvml_fields.NUMBER, nvml_fields.FLAG)  # None: the number as a float, as these decode it
+        self._decoders = {f.name: None if f.value_codec in plain else f.value_codec.decode
+                          for f in nvml_fields.NVML_FIELDS}
         self._calls: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {}  # see _resolved
+        self._sweepers: list[tuple[Worker, Job | None]] = []  # sweep threads and their latest jobs
 
     # -- start --------------------------------------------------------------------------------
     def _deadline_call(self, worker: Worker, fn: Callable[..., Any], *args: Any) -> Any:
@@ -168,20 +176,20 @@ class NvmlSource:
         probes = []
         for index in range(count):
             worker = Worker(f"sentinel-nvml-gpu{index}", self.clock)
-            gpu = _Gpu(index, None, f"unknown-{index}", "", "", "", worker)
+            gpu = _Gpu(index, None, f"unknown-{index}", "", "", "", worker, CallClock(self.clock))
             self.gpus.append(gpu)
             probes.append((gpu, worker.submit(lambda g=gpu: self._probe(g))))
         for gpu, job in probes:  # GPUs are probed in parallel: one slow GPU does not delay the others
-            if not gpu.worker.wait(job, self.deadline):
+            if not gpu.worker.wait(job, self.deadline, gpu.calls):
                 gpu.pending = job
                 log.warning("nvml probe of GPU %d hung", gpu.index)
             elif job.error is not None:
                 log.warning("nvml probe of GPU %d failed: %s", gpu.index, job.error)
-        self._event_thread = threading.Thread(target=self._events, name="sentinel-nvml-events", daemon=True)
+        self._event_thread = threading.Thread(target=xid_events, args=(self,), name="sentinel-nvml-events", daemon=True)
         self._event_thread.start()
 
     def _probe(self, gpu: _Gpu) -> None:
-        nvml, w = self.nvml, gpu.worker
+        nvml, w = self.nvml, gpu.calls
         try:
             gpu.handle = w.call(nvml.nvmlDeviceGetHandleByIndex, gpu.index)
         except nvml.NVMLError as exc:
@@ -245,7 +253,7 @@ class NvmlSource:
         answers (or fails on with anything but NOT_SUPPORTED: retried, as any field is). Returns
         (fields batched, fields whose id the driver does not support). A driver without the call,
         or one whose call fails as a whole, leaves every field to its own call."""
-        nvml, w = self.nvml, gpu.worker
+        nvml, w = self.nvml, gpu.calls
         fn = getattr(nvml, "nvmlDeviceGetFieldValues", None)
         wanted: list[tuple[str, Any, tuple[int, int]]] = []
         for name, f in self.declared.items():
@@ -286,7 +294,7 @@ class NvmlSource:
         """One nvmlDeviceGetFieldValues call; each entry's outcome is its field's. True when the GPU is lost."""
         nvml = self.nvml
         try:
-            values = gpu.worker.call(nvml.nvmlDeviceGetFieldValues, gpu.handle, [spec for _, _, spec in chunk])
+            values = gpu.calls.call(nvml.nvmlDeviceGetFieldValues, gpu.handle, [spec for _, _, spec in chunk])
         except nvml.NVMLError as exc:
             for what, key, _ in chunk:
                 name = key if what == "field" else f"nvlink_{key[1]}"
@@ -320,7 +328,8 @@ class NvmlSource:
             if what == "link":
                 links_out[key] = int(number)
             else:
-                values_out[key] = float(decoders[key](nvml, float(number)))
+                decode = decoders[key]
+                values_out[key] = float(number) if decode is None else float(decode(nvml, float(number)))
         read.put_many(values_out, errors_out, links_out)
         return lost
 
@@ -329,7 +338,7 @@ class NvmlSource:
         nvml = self.nvml
         fn, args = self._resolved(self.declared[names[0]])
         try:
-            raw = gpu.worker.call(fn, gpu.handle, *args)
+            raw = gpu.calls.call(fn, gpu.handle, *args)
         except nvml.NVMLError as exc:
             for name in names:
                 read.put("errors", name, int(exc.value))
@@ -365,7 +374,7 @@ class NvmlSource:
         budget, the next one starts after the last call that returned, so a slow GPU still has
         every field read over a few polls.
         """
-        nvml, w = self.nvml, gpu.worker
+        nvml, w = self.nvml, gpu.calls
         if gpu.handle is None:
             self._probe(gpu)  # not cut short: a half-done probe would lose fields for good
             if gpu.handle is None:
@@ -429,29 +438,98 @@ class NvmlSource:
     def poll(self) -> list[GpuReading]:
         """One reading per GPU, within about ``deadline_seconds`` whatever NVML does.
 
-        The deadline is each GPU's budget for the whole poll, not only for one call. GPUs are
-        read in parallel by their workers. A GPU whose read has not finished when the budget
-        ends is reported with what it read so far (the rest missing, never 0) and
-        ``errors["poll_budget"] = NVML_ERROR_TIMEOUT``; its worker stops after the call in
-        flight. It is ``hung`` only when one call has run past the deadline; the poll waits up
-        to ``HUNG_GRACE`` past the budget to see a call that is about to cross that line.
-        A GPU still inside such a call is skipped at once (``hung``) until the call returns.
+        The deadline is each GPU's budget for the whole poll, not only for one call. One sweep
+        thread reads the GPUs one after another (one thread hand-off a poll); when one of its
+        calls runs past ``sweep_call_seconds`` (a real call takes tens of microseconds) or the
+        sweep past a quarter of the budget, the GPUs it has not begun are read in parallel by
+        their own workers. A GPU whose read has not finished when the budget ends is reported
+        with what it read so far (the rest missing, never 0) and ``errors["poll_budget"] =
+        NVML_ERROR_TIMEOUT``; its read stops after the call in flight, and the next one waits
+        behind that call. It is ``hung`` only when one call has run past the deadline; the poll
+        waits up to ``HUNG_GRACE`` past the budget to see a call that is about to cross that
+        line. A GPU still inside such a call is skipped at once (``hung``) until the call returns.
         """
         deadline = self.deadline
-        budget_end = self.clock() + deadline
-        reads: list[tuple[_Gpu, Job | None, PollRead | None]] = []
+        budget_end, reads = self.clock() + deadline, []  # reads: (GPU, its job, its read)
+        swept: list[int] = []  # positions in reads of the GPUs the sweep is to read
         for gpu in self.gpus:
-            if gpu.pending is not None and gpu.pending.done.is_set():
-                gpu.pending = None
-            if gpu.pending is not None and gpu.worker.stuck_for() >= deadline:
+            pending = gpu.pending
+            if pending is not None and pending.done.is_set():
+                pending = gpu.pending = None
+            if pending is not None and gpu.calls.stuck_for() >= deadline:
                 reads.append((gpu, None, None))  # still inside a call that passed its deadline
                 continue
             read = PollRead()
-            # A read cut short by the last poll may still be in its last call: this one waits behind it.
-            gpu.pending = gpu.worker.submit(lambda g=gpu, r=read, c=gpu.cut_short: self._read(g, r, c))
-            reads.append((gpu, gpu.pending, read))
+            if pending is None:
+                swept.append(len(reads))
+                reads.append((gpu, None, read))
+            else:  # the last read is still in its last call: this one waits behind it, on the GPU's worker
+                reads.append((gpu, self._alone(gpu, read, pending), read))
+        if swept:
+            self._sweep(reads, swept, budget_end)
         self._wait(reads, budget_end, deadline)
         return [self._reading(gpu, job, read, deadline) for gpu, job, read in reads]
+
+    def _alone(self, gpu: _Gpu, read: PollRead, behind: Job | None = None) -> Job:
+        """Submit ``gpu``'s read to its own worker (after ``behind``, a sweep still in its call)."""
+        cut, after = gpu.cut_short, behind if behind is not None and behind.sweep else None
+
+        def job() -> None:
+            if after is not None:
+                after.done.wait()
+            self._read(gpu, read, cut)
+        gpu.pending = gpu.worker.submit(job)
+        return gpu.pending
+
+    def _sweeper(self) -> Worker | None:
+        """An idle sweep thread: a new one while every one is held by a slow or hung call (at most
+        ``SWEEPERS``; then None and the GPUs are read by their own workers)."""
+        for worker, job in self._sweepers:
+            if job is None or job.done.is_set():
+                return worker
+        if len(self._sweepers) < SWEEPERS:
+            self._sweepers.append((Worker(f"sentinel-nvml-sweep{len(self._sweepers)}", self.clock), None))
+            return self._sweepers[-1][0]
+        return None
+
+    def _sweep(self, reads: list[tuple[_Gpu, Job | None, PollRead | None]], swept: list[int],
+               budget_end: float) -> None:
+        """Read the GPUs at ``swept`` on a sweep thread; those it has not begun when a call holds
+        it up go to their own workers. Fills in each one's job in ``reads``."""
+        worker = self._sweeper()
+        if worker is None:
+            for pos in swept:
+                gpu, _, read = reads[pos]
+                reads[pos] = (gpu, self._alone(gpu, read), read)
+            return
+        gpus = [reads[pos][0] for pos in swept]
+        sweep = Sweep([lambda g=g, r=reads[pos][2], c=g.cut_short: self._swept(g, r, c) for g, pos in zip(gpus, swept)])
+        job = worker.submit(sweep.run)
+        job.sweep = True
+        self._sweepers = [(w, job if w is worker else j) for w, j in self._sweepers]
+        slow = min(self.sweep_call, self.deadline / 10)
+        give_up = min(self.clock() + self.deadline / 4, budget_end)
+        while not job.done.wait(slow):
+            at, now = sweep.at, self.clock()
+            started = gpus[at].calls.call_started if 0 <= at < len(gpus) else None
+            if now >= give_up or (started is not None and now - started >= slow):
+                break  # held up: hand the rest to the GPUs' own workers
+        begun = sweep.stop()
+        for k, (gpu, pos) in enumerate(zip(gpus, swept)):
+            read = reads[pos][2]
+            if k >= begun:
+                reads[pos] = (gpu, self._alone(gpu, read), read)
+                continue
+            # the last read begun may still be in a call: the GPU's next read waits behind it
+            gpu.pending = job if k == begun - 1 else None
+            reads[pos] = (gpu, job, read)
+
+    def _swept(self, gpu: _Gpu, read: PollRead, cut: PollRead | None) -> None:
+        """One GPU's read in a sweep: its failure is that GPU's, and the sweep goes on."""
+        try:
+            self._read(gpu, read, cut)
+        except Exception as exc:  # noqa: BLE001 - reported as that GPU's failed read
+            read.error = exc
 
     def _wait(self, reads: list[tuple[_Gpu, Job | None, PollRead | None]], budget_end: float, deadline: float) -> None:
         """Wait for the GPUs' reads until the budget ends, and up to ``HUNG_GRACE`` more for a
@@ -461,11 +539,11 @@ class NvmlSource:
                 job.done.wait(max(0.0, budget_end - self.clock()))
         grace_end = budget_end + min(HUNG_GRACE, deadline / 4)
         for gpu, job, _ in reads:
-            started = gpu.worker.call_started
+            started = gpu.calls.call_started
             if job is None or started is None or started + deadline > grace_end:
                 continue
             # Hung or only slow? Watch this one call until it returns or passes its deadline.
-            while gpu.worker.call_started == started and not job.done.is_set():
+            while gpu.calls.call_started == started and not job.done.is_set():
                 left = started + deadline - self.clock()
                 if left <= 0:
                     break
@@ -479,9 +557,11 @@ class NvmlSource:
         finished = failed = False
         if read is not None:
             finished, values, errors, links = read.close()
-            failed = job is not None and job.done.is_set() and job.error is not None
+            # a sweep's reads keep their own failures (NvmlSource._swept)
+            error = read.error or (job.error if job is not None and not job.sweep and job.done.is_set() else None)
+            failed = error is not None
             if failed:
-                log.error("GPU %d read failed: %r", gpu.index, job.error)
+                log.error("GPU %d read failed: %r", gpu.index, error)
                 errors["read"] = -1
             if finished or failed:
                 gpu.cut_short = None
@@ -489,7 +569,7 @@ class NvmlSource:
                 gpu.cut_short = read
         hung = False
         if not finished and not failed:
-            started = gpu.worker.call_started
+            started = gpu.calls.call_started
             hung = started is not None and self.clock() - started >= deadline
             if hung and started != gpu.counted_stuck_call:
                 gpu.counted_stuck_call = started
@@ -509,44 +589,6 @@ class NvmlSource:
             events, self._xid_events = self._xid_events, []
         return events
 
-    # -- Xid events ---------------------------------------------------------------------------
-    def _events(self) -> None:
-        nvml = self.nvml
-        try:
-            event_set = nvml.nvmlEventSetCreate()
-        except nvml.NVMLError as exc:
-            log.warning("NVML event set unavailable (%s); Xids come from the kernel log only", exc)
-            return
-        by_handle: dict[Any, _Gpu] = {}
-        for gpu in self.gpus:
-            if gpu.handle is None:
-                continue
-            try:
-                nvml.nvmlDeviceRegisterEvents(gpu.handle, nvml.nvmlEventTypeXidCriticalError, event_set)
-                by_handle[_handle_key(gpu.handle)] = gpu
-            except nvml.NVMLError as exc:
-                self._count(("xid_events", int(exc.value)))
-        while not self._stop.is_set():
-            try:
-                data = nvml.nvmlEventSetWait_v2(event_set, self.event_wait_ms)
-            except nvml.NVMLError as exc:
-                if exc.value != nvml.NVML_ERROR_TIMEOUT:
-                    self.errors[("xid_events", int(exc.value))] += 1
-                    self._stop.wait(1.0)
-                continue
-            gpu = by_handle.get(_handle_key(data.device))
-            xid = int(data.eventData)
-            event = XidEvent(gpu=gpu.index if gpu else None, xid=xid, source=self.name,
-                             pci_bus_id=gpu.pci_bus_id if gpu else "")
-            with self._xid_lock:
-                if gpu is not None:
-                    self._xid_counts.setdefault(gpu.index, Counter())[xid] += 1
-                self._xid_events.append(event)
-        try:
-            nvml.nvmlEventSetFree(event_set)
-        except nvml.NVMLError:
-            pass  # shutting down; nothing left to free it for
-
     def close(self) -> None:
         self._stop.set()
         if self._event_thread is not None:
@@ -556,11 +598,3 @@ class NvmlSource:
             self._control.wait(job, self.deadline)
         except self.nvml.NVMLError:
             pass  # at exit a failed shutdown changes nothing
-
-
-def _handle_key(handle: Any) -> Any:
-    """A hashable identity for an NVML device handle (ctypes pointers compare by address)."""
-    try:
-        return ctypes.cast(handle, ctypes.c_void_p).value
-    except (TypeError, ctypes.ArgumentError):
-        return handle  # a Python object handle (simulated backend, test fakes) hashes by value

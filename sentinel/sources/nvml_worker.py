@@ -1,8 +1,11 @@
-"""The NVML source's worker threads: one per GPU, running one read at a time under a deadline.
+"""The NVML source's threads: a sweep thread that reads every GPU one after another, and one
+worker per GPU that reads it alone when the sweep is held up, each read under a deadline.
 
-:class:`Worker` runs the calls and says how long the call in flight has run (a call past its
-deadline is ``hung``); :class:`PollRead` holds what one GPU's read produced in one poll, and hands
-what arrived after the poll reported the GPU to the GPU's next read. Used by
+:class:`CallClock` says how long the call in flight on one GPU has run, whichever thread makes it
+(a call past its deadline is ``hung``); :class:`Worker` runs jobs on its thread; :class:`Sweep` is
+one poll's reads of several GPUs on one thread (one hand-off a poll, not one a GPU), which the
+poller cuts when a call overruns; :class:`PollRead` holds what one GPU's read produced in one
+poll, and hands what arrived after the poll reported the GPU to the GPU's next read. Used by
 :class:`sentinel.sources.nvml.NvmlSource` only; nothing here knows NVML.
 """
 
@@ -15,6 +18,10 @@ from typing import Any, Callable
 # How far past the poll budget a poll waits to see whether a call in flight passes its own deadline
 # (that is, is hung rather than slow); at most a quarter of the deadline.
 HUNG_GRACE = 0.1
+# A sweep call that has run this long holds the sweep up: the GPUs it has not begun are read by
+# their own workers (a real NVML call takes tens of microseconds; at most a tenth of the deadline).
+SWEEP_CALL_SECONDS = 0.05
+SWEEPERS = 4  # sweep threads at most (a new one while the others are held by slow or hung calls)
 
 
 class Hung(Exception):
@@ -31,20 +38,48 @@ class Job:
     done: threading.Event = field(default_factory=threading.Event)
     result: Any = None
     error: BaseException | None = None
+    sweep: bool = False  # a sweep's job: it reads several GPUs
+
+
+class CallClock:
+    """When the NVML call now running on one GPU (or the control thread) began; None between calls.
+
+    Shared by every thread that reads the GPU (its sweep, its own worker): the deadline is the
+    call's, wherever it runs."""
+
+    __slots__ = ("_clock", "call_started")
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self.call_started: float | None = None
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run one call, marking its start so the deadline can be enforced."""
+        self.call_started = self._clock()
+        try:
+            return fn(*args)
+        finally:
+            self.call_started = None
+
+    def stuck_for(self) -> float:
+        """Seconds the call now running has run; 0 between calls."""
+        started = self.call_started
+        return 0.0 if started is None else self._clock() - started
 
 
 class Worker:
-    """One thread per GPU; runs one job at a time and publishes when its current call began.
+    """A thread that runs one job at a time.
 
     One job may wait behind the running one; submitting another replaces the waiting job, which
-    is then done (with :class:`Superseded`) without running.
+    is then done (with :class:`Superseded`) without running. ``calls`` is the clock of the calls
+    made through :meth:`call` (the control thread's; a GPU's reads use the GPU's own clock).
     """
 
     def __init__(self, name: str, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._cv = threading.Condition()
         self._job: Job | None = None
-        self.call_started: float | None = None
+        self.calls = CallClock(clock)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -59,17 +94,8 @@ class Worker:
         return job
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run inside a job: marks the call's start so the deadline can be enforced."""
-        self.call_started = self._clock()
-        try:
-            return fn(*args)
-        finally:
-            self.call_started = None
-
-    def stuck_for(self) -> float:
-        """Seconds the call now running has run; 0 between calls."""
-        started = self.call_started
-        return 0.0 if started is None else self._clock() - started
+        """Run inside a job: one call on this worker's own clock."""
+        return self.calls.call(fn, *args)
 
     def _run(self) -> None:
         while True:
@@ -84,14 +110,48 @@ class Worker:
                 job.error = exc
             job.done.set()
 
-    def wait(self, job: Job, deadline: float) -> bool:
-        """Wait for ``job``; False when one of its calls has run past ``deadline`` seconds."""
-        while not job.done.wait(timeout=0.05 if self.call_started is None else
-                                max(0.001, deadline - (self._clock() - self.call_started))):
-            started = self.call_started
+    def wait(self, job: Job, deadline: float, calls: CallClock | None = None) -> bool:
+        """Wait for ``job``; False when one of its calls (timed by ``calls``, this worker's own
+        clock by default) has run past ``deadline`` seconds."""
+        calls = calls or self.calls
+        while True:
+            started = calls.call_started
+            if job.done.wait(timeout=0.05 if started is None else max(0.001, deadline - (self._clock() - started))):
+                return True
+            started = calls.call_started
             if started is not None and self._clock() - started >= deadline:
                 return False
-        return True
+
+
+class Sweep:
+    """One poll's reads of several GPUs, one after another on one thread.
+
+    ``reads`` are callables, one GPU's read each, that keep their own failures (a read that
+    raises ends the sweep: its job's error). The poller hands the sweep to one thread (one
+    hand-off for every GPU) and cuts it (:meth:`stop`) when a call holds it up; the reads it has
+    not begun are then the GPUs' own workers' to make.
+    """
+
+    def __init__(self, reads: list[Callable[[], None]]) -> None:
+        self._lock = threading.Lock()
+        self.reads = reads
+        self.at = -1  # the read begun last
+        self._cut = False
+
+    def run(self) -> None:
+        for i, read in enumerate(self.reads):
+            with self._lock:
+                if self._cut:
+                    return
+                self.at = i
+            read()
+
+    def stop(self) -> int:
+        """Begin no further read; returns how many reads were begun (no later one will be). Of
+        those, all but the last have ended; the last has ended when the sweep's job is done."""
+        with self._lock:
+            self._cut = True
+            return self.at + 1
 
 
 class PollRead:
@@ -111,6 +171,7 @@ class PollRead:
         self.position = 0  # index of the item read last (or being read)
         self.position_done = False  # whether that call has returned
         self.began = False  # whether any call was made for this read
+        self.error: BaseException | None = None  # the read failed (raised): set by the thread reading
         self.now: dict[str, dict[Any, Any]] = {"values": {}, "errors": {}, "links": {}}
         self.late: dict[str, dict[Any, Any]] = {"values": {}, "errors": {}, "links": {}}
 
@@ -150,10 +211,11 @@ class PollRead:
             return self.finished
 
     def close(self) -> tuple[bool, dict[str, float], dict[str, int], dict[tuple[int, str], int]]:
-        """Stop the read; (finished, values, errors, nvlink) as they stand now."""
+        """Stop the read; (finished, values, errors, nvlink) as they stand now: the caller's to keep
+        (no later result is put into them: it goes to the next read)."""
         with self._lock:
             self.closed = True
-            return self.finished, dict(self.now["values"]), dict(self.now["errors"]), dict(self.now["links"])
+            return self.finished, self.now["values"], self.now["errors"], self.now["links"]
 
     def resume(self, into: PollRead, items: int) -> int:
         """For the GPU's next read, once this read's job has ended: hand over the late result and
