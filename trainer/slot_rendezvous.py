@@ -34,9 +34,10 @@ that accepts (alive, however slow) or does not answer is left to the heartbeat r
 reset, so no evidence) is told by the waiting spare, which probes every agent all the time and
 declares a slot whose probes went unanswered over ``silence_window`` (#41, :mod:`trainer.silence`).
 
-A node whose slot was given away (it was declared dead, or replaced, and came back) is refused
-with :class:`SlotTakenError` (a ``RendezvousGracefulExitError``: its agent exits, the job goes on);
-its heartbeat, ``leave`` and ``shutdown`` are fenced by its generation (:mod:`trainer.fence`).
+A node whose slot was given away in a committed generation (it was declared dead, or replaced, and
+came back) is refused with :class:`SlotTakenError` (a ``RendezvousGracefulExitError``: its agent
+exits, the job goes on); its heartbeat, ``leave`` and ``shutdown`` are fenced by its generation
+(:mod:`trainer.fence`). One declared vacant in the generation still forming re-joins it as a spare.
 
 **When torch's handler is used instead** (``create_handler`` returns torch's
 ``DynamicRendezvousHandler`` on the same store): when ``--nnodes`` is a range (``MIN < MAX``: an
