@@ -234,6 +234,61 @@ def test_a_node_that_dies_without_a_goodbye_expires_and_is_replaced(cluster):
         node.wait(10)
 
 
+def test_an_election_that_holds_back_a_live_nodes_heartbeat_evicts_nobody_alive(cluster):
+    """The etcd leader's host goes silent (SIGSTOP: its member answers nobody, as on a powered-off
+    host) while a node dies without a goodbye and a spare watches the forming generation. The live
+    survivor's heartbeat connection was on that member: no write of it lands until it fails over,
+    and etcd takes none at all until a new leader is elected. Only the dead node's slot is declared
+    vacant; the live one keeps its slot and the round commits with every live node (issue #42: a
+    CI run declared the live survivor vacant here and stalled the job)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    pki = cluster.pki
+    leader = cluster.leader()
+    node = subprocess.Popen([sys.executable, "-c", DYING_NODE, cluster.endpoint(), str(pki.cacert),
+                             str(pki.client_cert), str(pki.client_key)], env=env, cwd=REPO,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    frozen = cluster.members[leader].proc
+    try:
+        # the survivor talks to the leader's member first, with etcd_rendezvous's request_timeout=6
+        first = [(m.address, m.client_port) for n, m in cluster.members.items() if n == leader]
+        store = EtcdStore(first + [e for e in cluster.endpoints() if e not in first], lease_ttl=2,
+                          tls=EtcdTLS(str(pki.cacert), str(pki.client_cert), str(pki.client_key)),
+                          failover_seconds=30.0, request_seconds=6.0)
+        live = SlotRendezvousHandler(store, "job", 3, local_addr="127.0.0.1", backend="sentinel-etcd", **FAST)
+        OPEN.append(live)
+        other = handler(cluster, 3)
+        rendezvous([live, other])
+        _, rank, node_id = node.stdout.readline().split()
+        watcher = cluster.store()
+        hb = "sentinel.rdzv.job/hb/{}"
+        wait_for(lambda: watcher.beat_owner(hb.format(rank)) == node_id, 60, what="the node's first heartbeat")
+        spare = handler(cluster, 3)
+        admitted: list = []
+        waiting = threading.Thread(target=lambda: admitted.append(spare.next_rendezvous()), daemon=True)
+        waiting.start()
+        node.kill()  # no goodbye
+        node.wait(10)
+        frozen.send_signal(signal.SIGSTOP)
+        wait_for(lambda: spare.recovery.declared, 60, what="the dead node's slot declared vacant")
+        # the live survivor's heartbeat moves again (read through the members that answer)
+        reader = EtcdStore([e for e in cluster.endpoints() if e not in first], lease_ttl=2,
+                           tls=EtcdTLS(str(pki.cacert), str(pki.client_cert), str(pki.client_key)))
+        beats = [reader.get(hb.format(live.slot))]
+        for _ in range(2):
+            wait_for(lambda: reader.check([hb.format(live.slot)]) and reader.get(hb.format(live.slot)) != beats[-1],
+                     30, what="the live survivor's heartbeat after the election")
+            beats.append(reader.get(hb.format(live.slot)))
+        assert [e["slot"] for e in spare.recovery.declared] == [int(rank)], spare.recovery.declared
+        infos = rendezvous([live, other])
+        waiting.join(60)
+        assert [i.rank for i in infos] == [live.slot, other.slot] and admitted and admitted[0].rank == int(rank)
+        assert {live.gen, other.gen, spare.gen} == {2}
+    finally:
+        frozen.send_signal(signal.SIGCONT)
+        node.kill()
+        node.wait(10)
+
+
 def test_registry_builds_the_etcd_handler_and_refuses_a_range(cluster):
     etcd_rendezvous.register()
     pki = cluster.pki

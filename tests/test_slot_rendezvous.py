@@ -281,6 +281,61 @@ def test_a_cut_off_node_back_after_its_replacement_has_every_write_refused_by_th
         node.wait(10)
 
 
+PAUSED_NODE = """
+import sys, torch.distributed as dist
+from datetime import timedelta
+from trainer.slot_rendezvous import SlotRendezvousHandler
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=60))
+# no liveness socket: nothing answers a probe for it, the keep-alive rule alone judges it
+h = SlotRendezvousHandler(store, "job", 2, local_addr="127.0.0.1", keep_alive_interval=1.0, admission_timeout=2.0,
+                          join_timeout=120.0, liveness=False)
+print("joined", h.next_rendezvous().rank, flush=True)
+sys.stdin.readline()  # paused (SIGSTOP) meanwhile, or killed
+try:
+    info = h.next_rendezvous()
+    print("round", info.rank, h.gen, h.last_round["role"], flush=True)
+except Exception as exc:
+    print("refused", type(exc).__name__, flush=True)
+"""
+
+
+def test_a_live_node_declared_vacant_before_it_arrived_is_re_admitted_and_the_round_commits(server):
+    """The CI stall of issue #42: both nodes of a 2-node job stop beating, one for good (killed),
+    one only for a while (paused past the keep-alive window, as a heartbeat held back by a store
+    outage is); the waiting spare declares both slots vacant and takes one. The paused node then
+    arrives: its slot is no longer its own in the generation forming, so it waits as a spare and
+    takes the other vacancy; the round commits with both live nodes on distinct ranks."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    nodes = [subprocess.Popen([sys.executable, "-c", PAUSED_NODE, str(server.port)], env=env, cwd=REPO,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        ranks = [int(n.stdout.readline().split()[1]) for n in nodes]
+        assert sorted(ranks) == [0, 1]
+        paused, dead = (nodes[0], nodes[1]) if ranks[0] == 0 else (nodes[1], nodes[0])
+        paused.send_signal(signal.SIGSTOP)
+        dead.kill()
+        spare = handler(server, 2)
+        admitted: list = []
+        waiting = threading.Thread(target=lambda: admitted.append(spare.next_rendezvous()), daemon=True)
+        waiting.start()
+        wait_for(lambda: len(spare.recovery.declared) == 2, 60, what="both slots declared vacant")
+        paused.send_signal(signal.SIGCONT)
+        paused.stdin.write("go\n")
+        paused.stdin.flush()
+        said = paused.stdout.readline().split()
+        assert said[0] == "round" and said[2:] == ["2", "re-admitted"], said
+        waiting.join(60)
+        assert admitted and spare.gen == 2 and sorted([admitted[0].rank, int(said[1])]) == [0, 1]
+        assert {admitted[0].world_size} == {2}
+    finally:
+        for n in nodes:
+            n.send_signal(signal.SIGCONT)
+            n.kill()
+            n.wait(10)
+        if server.check(["sentinel.rdzv.job/latest"]):
+            server.set("sentinel.rdzv.job/closed", "1")  # a spare still waiting (before the fix) sees it and ends
+
+
 def test_closed_rendezvous_is_seen_by_a_waiting_spare(server):
     hs = first_join(server, 2)
     spare = handler(server, 2)

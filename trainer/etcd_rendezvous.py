@@ -32,7 +32,8 @@ from trainer.etcd_store import (
     EtcdTLS,
     parse_endpoints,
 )
-from trainer.slot_rendezvous import SlotRendezvousHandler, _count, _seconds
+from trainer.rdzv_conf import count as _count, seconds as _seconds
+from trainer.slot_rendezvous import SlotRendezvousHandler
 
 
 def tls_of(params: RendezvousParameters) -> EtcdTLS | None:

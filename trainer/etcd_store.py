@@ -23,7 +23,16 @@ beside torch without touching protobuf). Nothing here agrees on anything: etcd's
   learned by a watch, not by polling), each bounded in time.
 * ``beat``: the slot's heartbeat key is attached to a lease of ``lease_ttl`` seconds kept alive
   with each beat: a host that powers off stops beating and its key is deleted by etcd when the
-  lease expires, with no goodbye; the watcher then declares the slot vacant.
+  lease expires, with no goodbye; the watcher then declares the slot vacant. etcd never expires a
+  lease without a leader, and a new leader extends every lease by an election timeout (its lessor's
+  ``Promote``), so an election alone expires nobody. A beat waits at most ``beat_seconds`` per
+  member (``lease_ttl / (members + 1)``, at most ``request_seconds``) before it tries the next one:
+  a beat begun on a member that hangs (its host powered off; a follower forwarding the keep-alive to
+  a leader that died) still reaches a member that answers well within its lease.
+* ``leader_term``: the highest Raft term any answer of this connection carried. It changes only
+  with an election, during which etcd takes no write: the keep-alive rule
+  (:meth:`trainer.slot_recovery.Recovery.keepalive_pass`) counts no heartbeat as stale over a
+  window in which it changed.
 * ``fenced_set``: a write that holds only while the generation key still says the writer's
   generation (a transaction comparing it): a node cut off in an older generation cannot write.
 
@@ -118,6 +127,12 @@ class EtcdStore:
         protocol = "https" if tls else "http"
         self._clients = [Etcd3Client(host, port, protocol, timeout=request_seconds, api_path="/v3/",
                                      session=self._session(tls)) for host, port in self.endpoints]
+        # the heartbeat's own timeout per member: a beat that hangs on one member must reach
+        # another before its lease runs out (module docstring)
+        self.beat_seconds = min(request_seconds, max(0.5, self.lease_ttl / (len(self.endpoints) + 1)))
+        self._beat_clients = [Etcd3Client(c.host, c.port, protocol, timeout=self.beat_seconds, api_path="/v3/",
+                                          session=c.session) for c in self._clients]
+        self.leader_term = 0  # the highest Raft term seen in an answer (an election raises it)
         self._current = 0
         self._lease: int | None = None
         self._lock = threading.Lock()
@@ -136,18 +151,22 @@ class EtcdStore:
         return session
 
     # -- transport -----------------------------------------------------------------------------------
-    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _post(self, path: str, body: dict[str, Any], *, beat: bool = False) -> dict[str, Any]:
         """POST to the current member; on a member that cannot answer, the next (round robin)
-        until ``failover_seconds`` have passed. Re-sent requests are idempotent by design."""
+        until ``failover_seconds`` have passed. Re-sent requests are idempotent by design.
+        ``beat``: a heartbeat's request, ``beat_seconds`` per member."""
         deadline = self._clock() + self.failover_seconds
         last: Exception | None = None
         tried = 0
         while True:
-            client = self._clients[self._current]
+            client = (self._beat_clients if beat else self._clients)[self._current]
             with self._lock:
                 self.requests += 1
             try:
-                return client.post(client.get_url(path), data=json.dumps(body))
+                out = client.post(client.get_url(path), data=json.dumps(body))
+                term = int(out.get("header", {}).get("raft_term", 0) or 0) if isinstance(out, dict) else 0
+                self.leader_term = max(self.leader_term, term)
+                return out
             except RETRYABLE as exc:
                 last = exc
             except etcd_errors.Etcd3Exception as exc:  # refused (auth, bad request): no other member will differ
@@ -291,18 +310,20 @@ class EtcdStore:
         compare = [] if fence is None else [
             {"key": _b64(fence[0]), "target": "VALUE", "result": "EQUAL", "value": _b64(fence[1])}]
         if self._lease is not None:
-            ttl = int(self._post("/lease/keepalive", {"ID": self._lease}).get("result", {}).get("TTL", -1))
-            if ttl <= 0:
+            answer = self._post("/lease/keepalive", {"ID": self._lease}, beat=True)
+            if int(answer.get("result", {}).get("TTL", -1)) <= 0:
                 self._lease = None
         if self._lease is not None:
             put = {"request_put": {"key": _b64(key), "value": _b64(value), "lease": self._lease}}
-            return bool(self._txn(compare, [put]).get("succeeded"))
-        self._lease = int(self._post("/lease/grant", {"TTL": self.lease_ttl, "ID": 0})["ID"])
+            return bool(self._post("/kv/txn", {"compare": compare, "success": [put], "failure": []},
+                                   beat=True).get("succeeded"))
+        self._lease = int(self._post("/lease/grant", {"TTL": self.lease_ttl, "ID": 0}, beat=True)["ID"])
         # who holds the lease, kept past its expiry (no lease on it): a watcher tells "beat, then
         # died" from "has not beaten yet" (a slot's new owner whose first beat is on its way)
         owner = (value.decode() if isinstance(value, bytes) else value).rsplit(":", 1)[0]
-        out = self._txn(compare, [{"request_put": {"key": _b64(f"{key}.owner"), "value": _b64(owner)}},
-                                  {"request_put": {"key": _b64(key), "value": _b64(value), "lease": self._lease}}])
+        out = self._post("/kv/txn", {"compare": compare, "failure": [], "success": [
+            {"request_put": {"key": _b64(f"{key}.owner"), "value": _b64(owner)}},
+            {"request_put": {"key": _b64(key), "value": _b64(value), "lease": self._lease}}]}, beat=True)
         return bool(out.get("succeeded"))
 
     def beat_owner(self, key: str) -> str | None:

@@ -59,6 +59,8 @@ class Recovery:
         self.on_vacant = on_vacant or (lambda event: None)
         self.here = here  # this host's suspects.here(): a loopback address is probed only from its own host
         self._no_beat: dict[int, int] = {}
+        self._term: int | None = None  # the store's leader term at the last keep-alive pass (etcd)
+        self.disrupted = 0  # keep-alive passes that declared nothing: the store elected a leader since the last
         self._probed_at: dict[tuple[int, int], float] = {}  # (generation, slot) -> its last probe that did not refuse
         self._holders: dict[tuple[int, int], dict[str, Any]] = {}  # (generation, slot) -> its arrival record
         self.declared: list[dict[str, Any]] = []  # every slot this handler declared vacant
@@ -84,8 +86,11 @@ class Recovery:
     def keepalive_pass(self, f: int, seen: dict[int, bytes | None]) -> dict[int, bytes | None]:
         """The watcher's pass over generation ``f`` (O(N) checks, once per admission timeout):
         re-offer an unclaimed vacancy whose spare ticket was taken, declare vacant a slot that did
-        not arrive and whose heartbeat did not move since the last pass. Returns heartbeats seen."""
+        not arrive and whose heartbeat did not move since the last pass, unless the store elected a
+        leader meanwhile (then this pass only records: the window starts again after the
+        election). Returns heartbeats seen."""
         now: dict[int, bytes | None] = {}
+        dead: list[tuple[int, str]] = []
         tickets = int(self._store.add(self._k("spares"), 0))
         vacancies = int(self._store.add(self._k("vacancies"), 0))
         for s in range(self.nodes):
@@ -110,12 +115,32 @@ class Recovery:
             last = hb or seen.get(s) or (self.lease_ran_out(f, s, hb_key) if hb is None else None)
             expired = hb is None and last is not None
             if expired or s in seen and seen[s] == hb and (hb is not None or self._no_beat[s] >= NO_BEAT_PASSES):
-                mark = LEFT + (last.decode().rsplit(":", 1)[0] if last else "unknown")
+                dead.append((s, LEFT + (last.decode().rsplit(":", 1)[0] if last else "unknown")))
+        # asked after the reads: an election before or during them voids what they compared
+        if dead and self._writable_since_last_pass():
+            for s, mark in dead:
                 if self._declare(f, s, mark, "keep-alive"):
                     log.warning("generation %d: slot %d neither arrived nor sent a heartbeat for %g s: vacant",
                                 f, s, self.admission_timeout)
-                    vacancies += 1
+        elif not dead:
+            self._writable_since_last_pass()  # the term this window starts from
         return now
+
+    def _writable_since_last_pass(self) -> bool:
+        """False when the store elected a leader since the last pass (its ``leader_term`` moved;
+        etcd takes no write between a leader's loss and its successor's election, and a beat begun
+        meanwhile lands only after it): over such a window an unmoved heartbeat proves nothing.
+        Always True for a store without terms (a TCPStore: one server, nothing to elect)."""
+        term = getattr(self._raw, "leader_term", None)
+        if not isinstance(term, int):
+            return True
+        last, self._term = self._term, term
+        if last is None or last == term:
+            return True
+        self.disrupted += 1
+        log.warning("the store elected a leader since the last keep-alive pass (term %d -> %d): heartbeats "
+                    "are judged over the next %g s instead", last, term, self.admission_timeout)
+        return False
 
     def lease_ran_out(self, f: int, slot: int, hb_key: str) -> bytes | None:
         """A store with leased heartbeats (etcd): when the slot's owner in generation ``f - 1``

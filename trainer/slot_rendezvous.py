@@ -34,9 +34,10 @@ that accepts (alive, however slow) or does not answer is left to the heartbeat r
 reset, so no evidence) is told by the waiting spare, which probes every agent all the time and
 declares a slot whose probes went unanswered over ``silence_window`` (#41, :mod:`trainer.silence`).
 
-A node whose slot was given away (it was declared dead, or replaced, and came back) is refused
-with :class:`SlotTakenError` (a ``RendezvousGracefulExitError``: its agent exits, the job goes on);
-its heartbeat, ``leave`` and ``shutdown`` are fenced by its generation (:mod:`trainer.fence`).
+A node whose slot was given away in a committed generation (it was declared dead, or replaced, and
+came back) is refused with :class:`SlotTakenError` (a ``RendezvousGracefulExitError``: its agent
+exits, the job goes on); its heartbeat, ``leave`` and ``shutdown`` are fenced by its generation
+(:mod:`trainer.fence`). One declared vacant in the generation still forming re-joins it as a spare.
 
 **When torch's handler is used instead** (``create_handler`` returns torch's
 ``DynamicRendezvousHandler`` on the same store): when ``--nnodes`` is a range (``MIN < MAX``: an
@@ -55,7 +56,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import socket
 import threading
@@ -78,6 +78,7 @@ from torch.distributed.elastic.rendezvous.api import (
 
 from trainer import silence, suspects, worker_store
 from trainer.counting_store import CountingStore, OpStats  # noqa: F401 (re-exported: bench/replacement_scale.py)
+from trainer.rdzv_conf import count as _count, seconds as _seconds
 from trainer.slot_recovery import LEFT, NO_BEAT_PASSES, Recovery  # noqa: F401 (re-exported)
 
 log = logging.getLogger("sentinel.rendezvous")
@@ -204,6 +205,9 @@ class SlotRendezvousHandler(RendezvousHandler):
             f = self._forming
         else:
             f = self._survivor_arrive()
+            if f is None:  # declared vacant in the generation forming: a spare now (_readmit)
+                role = self._readmit(deadline)
+                f = self._forming
         record = self._await(f, deadline)
         self.gen, self.epoch = f, str(record.get("epoch", ""))
         self._servers = {g: s for g, s in self._servers.items() if g >= f}
@@ -312,7 +316,7 @@ class SlotRendezvousHandler(RendezvousHandler):
         self._store.set(self._k(f"g{f}"), record)
         self._store.set(self._k("latest"), str(f))
 
-    def _survivor_arrive(self) -> int:
+    def _survivor_arrive(self) -> int | None:
         latest = int(self._store.get(self._k("latest")))
         if latest != self.gen:  # behind: still a member of the latest generation?
             mark = self._store.get(self._k(f"g{latest}", f"s{self.slot}")).decode()
@@ -323,9 +327,26 @@ class SlotRendezvousHandler(RendezvousHandler):
             # the next one (nobody else would arrive there).
             return latest
         f = latest + 1
-        if not self._claim(f, ""):
-            raise SlotTakenError(f"slot {self.slot} was given to another node in generation {f}")
-        return f
+        if self._claim(f, ""):
+            return f
+        mark = self._store.get(self._k(f"g{f}", f"s{self.slot}")).decode()  # (one get, off the fast path)
+        mine = not mark.startswith(LEFT) and json.loads(mark).get("id") == self.node_id
+        return f if mine else None  # mine: arrived already, with other evidence; else declared vacant
+
+    def _readmit(self, deadline: float) -> str:
+        """This live node's slot was declared vacant in the generation still forming (a keep-alive,
+        probe or silence rule judged it dead: a heartbeat that could not land, a probe that timed
+        out): it has not stepped in that generation, so it waits as a spare, with a ticket of its own,
+        and takes the next vacancy — its own slot when no spare came first, else the one another
+        departure left. Its old slot's vacancy was posted by the declaration: the round needs no
+        more nodes than it has, and nobody steps as the same rank twice in one generation (a slot
+        changes hands only by the compare_set from its ``LEFT`` mark)."""
+        log.warning("slot %d was declared vacant in generation %d before this node arrived: it waits for a "
+                    "vacancy as a spare", self.slot, self._forming)
+        self._servers.pop(self._forming, None)  # made for slot 0's arrival, which did not happen
+        self.slot, self._arrived = None, None
+        self._spare(deadline)
+        return "re-admitted"
 
     def _join_or_wait_as_spare(self, deadline: float) -> str:
         if not self._store.check([self._k("latest")]):
@@ -529,25 +550,6 @@ class SlotRendezvousHandler(RendezvousHandler):
 
 
 # -- creation through torch's registry ------------------------------------------------------------------
-def _seconds(params: RendezvousParameters, key: str, default: float) -> float:
-    raw = params.get(key, default)
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        raise ValueError(f"--rdzv-conf {key}={raw!r}: not a number of seconds") from None
-    if not math.isfinite(value) or value <= 0:  # nan would make every deadline never pass
-        raise ValueError(f"--rdzv-conf {key}={raw!r}: must be a finite number > 0")
-    return value
-
-
-def _count(params: RendezvousParameters, key: str, default: int) -> int:
-    raw = params.get(key, default)
-    text = str(raw).strip()
-    if isinstance(raw, bool) or not text.isdigit() or len(text) > 6 or int(text) < 1:
-        raise ValueError(f"--rdzv-conf {key}={raw!r}: must be a whole number >= 1")
-    return int(text)
-
-
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """``--rdzv-backend sentinel``: the slot handler on torch's c10d store, or torch's own
     ``DynamicRendezvousHandler`` on the same store when the job's size is a range or
