@@ -133,11 +133,9 @@ class SilenceWatch:
 
     def _start(self, st: _Slot, now: float) -> None:
         """One probe of the liveness socket and one of the kernel-answer port, both sent ``now``:
-        an answer from either is an answer of the host."""
+        an answer from either is an answer of the host. A probe none of whose sockets could be
+        opened (this process out of descriptors or buffers) was not sent: it is not pending."""
         st.last_sent = now
-        st.pending.append(now)
-        while len(st.pending) > 4 * RTT_KEPT:
-            st.pending.popleft()
         for where, kernel in ((st.where, False), (st.kernel, True)):
             if where is None:
                 continue
@@ -145,6 +143,10 @@ class SilenceWatch:
                 sock = socket.socket(where[0], socket.SOCK_STREAM)
             except OSError:
                 continue
+            if not st.pending or st.pending[-1] != now:
+                st.pending.append(now)
+                while len(st.pending) > 4 * RTT_KEPT:
+                    st.pending.popleft()
             sock.setblocking(False)
             self.sent += 1
             err = self._connect(sock, where[1])
