@@ -510,3 +510,30 @@ def test_a_probe_the_spare_could_not_open_is_no_unanswered_probe(monkeypatch):
         watch.close()
         live4.close()
         live6.close()
+
+
+def test_many_silent_slots_hold_no_more_probe_sockets_than_the_cap_and_a_live_one_is_never_declared():
+    """Forty slots whose records point at addresses that answer nothing (a rack powered off, or
+    records another store writer forged): each unanswered probe stays open its window, 2 x window
+    / interval sockets a slot (720 here without a cap, measured on 72494aa; a 1,024-descriptor
+    process runs out at about 57 such slots, its store connections with it). The watch keeps at
+    most ``max_inflight`` open; the live slot among them is never declared; every silent one still is (each
+    slot's turn to start first comes round)."""
+    live, mutes = suspects.Liveness("127.0.0.1"), [Mute(muted=False) for _ in range(40)]
+    targets = {0: pair(live), **{s + 1: m.pair for s, m in enumerate(mutes)}}
+    watch = silence.SilenceWatch(window=0.5, interval=0.1, max_inflight=60)
+    try:
+        greet(watch, targets, *mutes, live=live)
+        declared: set[int] = set()
+        start, peak = time.monotonic(), 0
+        while time.monotonic() - start < 20.0 and declared != set(range(1, 41)):  # (4 s at load 1)
+            declared |= {slot for slot, _, _ in watch.step(targets, lambda s: b"1")}
+            peak = max(peak, sum(len(st.inflight) for st in watch._slots.values()))
+            live.drain()
+            time.sleep(watch.interval)
+        assert peak <= 60 and declared == set(range(1, 41)), (peak, sorted(declared))
+    finally:
+        watch.close()
+        live.close()
+        for m in mutes:
+            m.close()
