@@ -337,6 +337,31 @@ def test_a_complete_round_keeps_the_world_it_was_marked_complete_with_whatever_i
     assert world_of(state, "b") == (1, 2)
 
 
+def test_a_world_another_store_writer_recorded_is_used_only_when_the_round_can_have_it():
+    """The recorded world comes back from the c10d store (torch's pickled state), which any user
+    who reaches the store can write: a world that is no whole number, below the participants left
+    or this rank + 1, or above max_nodes, is not used (torch's count instead) and never raises.
+    On 72494aa ``(round, "x")`` raised ValueError in ``_get_world`` and ``(round, 10**6)`` or
+    ``(round, 1)`` with two ranks were returned as the world."""
+    import pickle
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    from trainer.rdzv_watch import WORLD, world_of
+
+    def read_back(recorded):
+        state = dr._RendezvousState()
+        state.round, state.complete = 4, True
+        state.participants.update({"a": 0, "b": 1})
+        setattr(state, WORLD, recorded)
+        return pickle.loads(pickle.dumps(state))  # as _BackendRendezvousStateHolder reads it
+
+    for forged in [(4, "x"), (4, 10**6), (4, 1), (4, True), (4, -3), (4, 2.5), (4, None), ("4", 3), [4, 3], (4,)]:
+        assert world_of(read_back(forged), "b", max_nodes=3) == (1, 2), forged
+    assert world_of(read_back((4, 3)), "b", max_nodes=3) == (1, 3)  # a round of 3 that lost one: kept
+    assert world_of(read_back((3, 3)), "b", max_nodes=3) == (1, 2)  # an earlier round's: torch's count
+
+
 def test_a_stalled_slot_generation_names_the_slots_it_waits_for_and_how_long_their_heartbeats_stood_still():
     from trainer.rdzv_watch import describe_slots
 

@@ -477,3 +477,63 @@ def test_a_powered_off_host_is_silent_and_its_flooded_queue_under_abort_on_overf
             flooder.wait(10)
         watch.close()
         live.close()
+
+
+def test_a_probe_the_spare_could_not_open_is_no_unanswered_probe(monkeypatch):
+    """The spare at its own descriptor limit (EMFILE, or ENOBUFS: its process, not the host it
+    probes): a probe whose sockets could not be opened was never sent, so it is not a probe that
+    went unanswered. Slot 1 (an agent on ::1) answers, then the spare cannot open any IPv6 socket
+    (a stand-in for a process whose free descriptors slot 0's probes take first, pass after pass)
+    while slot 0 keeps answering: slot 1 must not be declared silent. On 72494aa it was, after
+    its window (its probes stayed pending with no socket behind them)."""
+    live4, live6 = suspects.Liveness("127.0.0.1"), suspects.Liveness("::1")
+    real = socket.socket
+    starved = {"on": False}
+
+    def opening(family=-1, type=-1, proto=-1, fileno=None):
+        if fileno is None and starved["on"] and family == socket.AF_INET6:
+            raise OSError(24, "Too many open files")
+        return real(family, type, proto, fileno)
+
+    targets = {0: pair(live4), 1: pair(live6)}
+    watch = silence.SilenceWatch(window=0.5, interval=0.1)
+    try:
+        assert live6.address.startswith("[::1]:")
+        greet(watch, targets, live=live4)
+        live6.drain()
+        monkeypatch.setattr(socket, "socket", opening)
+        starved["on"] = True
+        silent, _ = watch_for(watch, targets, 2.0, between=lambda: (live4.drain(), live6.drain()))
+        assert silent == []
+    finally:
+        monkeypatch.undo()
+        watch.close()
+        live4.close()
+        live6.close()
+
+
+def test_many_silent_slots_hold_no_more_probe_sockets_than_the_cap_and_a_live_one_is_never_declared():
+    """Forty slots whose records point at addresses that answer nothing (a rack powered off, or
+    records another store writer forged): each unanswered probe stays open its window, 2 x window
+    / interval sockets a slot (720 here without a cap, measured on 72494aa; a 1,024-descriptor
+    process runs out at about 57 such slots, its store connections with it). The watch keeps at
+    most ``max_inflight`` open; the live slot among them is never declared; every silent one still is (each
+    slot's turn to start first comes round)."""
+    live, mutes = suspects.Liveness("127.0.0.1"), [Mute(muted=False) for _ in range(40)]
+    targets = {0: pair(live), **{s + 1: m.pair for s, m in enumerate(mutes)}}
+    watch = silence.SilenceWatch(window=0.5, interval=0.1, max_inflight=60)
+    try:
+        greet(watch, targets, *mutes, live=live)
+        declared: set[int] = set()
+        start, peak = time.monotonic(), 0
+        while time.monotonic() - start < 20.0 and declared != set(range(1, 41)):  # (4 s at load 1)
+            declared |= {slot for slot, _, _ in watch.step(targets, lambda s: b"1")}
+            peak = max(peak, sum(len(st.inflight) for st in watch._slots.values()))
+            live.drain()
+            time.sleep(watch.interval)
+        assert peak <= 60 and declared == set(range(1, 41)), (peak, sorted(declared))
+    finally:
+        watch.close()
+        live.close()
+        for m in mutes:
+            m.close()

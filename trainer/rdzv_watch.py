@@ -324,18 +324,27 @@ def stall_reports(describe: Callable[[float], str], every: float) -> Iterator[No
 WORLD = "sentinel_world"  # on torch's state: (round, its world size when it was marked complete)
 
 
-def world_of(state: Any, node: Any) -> tuple[int, int]:
+def world_of(state: Any, node: Any, max_nodes: int | None = None) -> tuple[int, int]:
     """This node's rank and the world of its complete round: the size the round had when it was
     marked complete (recorded in the same compare-and-set), not how many participants are left.
     torch's ``_get_world`` returns ``len(state.participants)``, but a complete round loses
     participants afterwards (``_sanitize`` evicts a node whose keep-alive lapsed, in every sync
     and before the join sees the state), so a participant that learns of the completion after an
     eviction, its own or one committed by another node, would get a smaller world than the others
-    got from the same round (#47: ranks 0, 1, 2 in worlds 3, 2, 3)."""
+    got from the same round (#47: ranks 0, 1, 2 in worlds 3, 2, 3).
+
+    The record comes from the c10d store, which any user who reaches it can write: a world that
+    is not a whole number at least the participants left and this rank + 1 (and at most
+    ``max_nodes``) is not used (a warning; torch's answer instead), never raised on."""
     recorded = getattr(state, WORLD, None)
     rank = state.participants[node]
-    if isinstance(recorded, tuple) and len(recorded) == 2 and recorded[0] == state.round:
-        return rank, int(recorded[1])
+    if type(recorded) is tuple and len(recorded) == 2 and type(recorded[0]) is int and recorded[0] == state.round:
+        world = recorded[1]
+        if (type(world) is int and world >= max(len(state.participants), rank + 1)
+                and (max_nodes is None or world <= max_nodes)):
+            return rank, world
+        log.warning("round %d: the world recorded in the rendezvous state (%.40r) is not one this round can "
+                    "have: the participants' count is used", state.round, world)
     return rank, len(state.participants)  # completed by an agent without this watch: torch's answer
 
 
@@ -364,7 +373,8 @@ class DynamicWatch:
         self.sanitizer = Sanitizer(handler._state_holder, settings, self.liveness, dr._remove_participant_epilogue)
         handler._state_holder._sanitize = self.sanitizer
         handler._op_executor._mark_rendezvous_complete = record_world(handler._op_executor)
-        handler._get_world = lambda: world_of(handler._state_holder.state, handler._this_node)
+        handler._get_world = lambda: world_of(handler._state_holder.state, handler._this_node,
+                                                handler._settings.max_nodes)
 
     def describe(self, waited: float) -> str:
         holder = self.handler._state_holder

@@ -31,6 +31,7 @@ silence_pass` declares. No torch import (docs/rendezvous.md, "A host that answer
 from __future__ import annotations
 
 import errno
+import resource
 import select
 import socket
 import struct
@@ -75,7 +76,8 @@ class SilenceWatch:
     def __init__(self, window: float = WINDOW_SECONDS, interval: float = INTERVAL_SECONDS,
                  clock: Callable[[], float] = time.monotonic,
                  connect: Callable[[socket.socket, tuple], int] | None = None,
-                 rtt: Callable[[socket.socket], float | None] | None = None) -> None:
+                 rtt: Callable[[socket.socket], float | None] | None = None,
+                 max_inflight: int | None = None) -> None:
         if window <= 0 or interval <= 0:
             raise ValueError("the silence window and the probe interval must be > 0")
         self.window = window
@@ -85,6 +87,11 @@ class SilenceWatch:
         self._rtt = rtt or _handshake_rtt
         self._slots: dict[tuple[int, str], _Slot] = {}
         self.sent = 0  # probes started, all slots (costs)
+        # sockets in flight, all slots: a probe unanswered stays open its window (2 x window /
+        # interval a slot), so many silent slots (a rack's power, forged records) would otherwise
+        # take every descriptor of this process (its store connections too)
+        self.max_inflight = max_inflight or _inflight_cap()
+        self._turn = 0
 
     def window_of(self, slot: _Slot) -> float:
         return max(self.window, RTT_FACTOR * max(slot.rtts, default=0.0))
@@ -104,9 +111,16 @@ class SilenceWatch:
             if (slot, pair) not in self._slots:
                 self._slots[(slot, pair)] = _Slot(where=_resolve(pair[0]), kernel=_resolve(pair[1]))
         self._collect(now, 0.0)
-        for key, st in self._slots.items():
+        room = self.max_inflight - sum(len(st.inflight) for st in self._slots.values())
+        slots = list(self._slots.values())
+        turn, self._turn = self._turn % max(1, len(slots)), self._turn + 1  # who starts first: in turn
+        for st in slots[turn:] + slots[:turn]:
             if st.where is not None and now - st.last_sent >= self.interval:
+                if room < 2:
+                    break  # at the cap: the rest wait (a probe not sent is not pending)
+                before = len(st.inflight)
                 self._start(st, now)
+                room -= len(st.inflight) - before
         self._collect(self._clock(), 0.002)  # a LAN's answers come within the pass
         return self._silent(self._clock(), beat)
 
@@ -133,11 +147,9 @@ class SilenceWatch:
 
     def _start(self, st: _Slot, now: float) -> None:
         """One probe of the liveness socket and one of the kernel-answer port, both sent ``now``:
-        an answer from either is an answer of the host."""
+        an answer from either is an answer of the host. A probe none of whose sockets could be
+        opened (this process out of descriptors or buffers) was not sent: it is not pending."""
         st.last_sent = now
-        st.pending.append(now)
-        while len(st.pending) > 4 * RTT_KEPT:
-            st.pending.popleft()
         for where, kernel in ((st.where, False), (st.kernel, True)):
             if where is None:
                 continue
@@ -145,6 +157,10 @@ class SilenceWatch:
                 sock = socket.socket(where[0], socket.SOCK_STREAM)
             except OSError:
                 continue
+            if not st.pending or st.pending[-1] != now:
+                st.pending.append(now)
+                while len(st.pending) > 4 * RTT_KEPT:
+                    st.pending.popleft()
             sock.setblocking(False)
             self.sent += 1
             err = self._connect(sock, where[1])
@@ -212,6 +228,12 @@ def _handshake_rtt(sock: socket.socket) -> float | None:
         return struct.unpack_from("I", info, 68)[0] / 1e6 if len(info) >= 72 else None
     except (OSError, AttributeError, struct.error):
         return None
+
+
+def _inflight_cap() -> int:
+    """Half of this process's descriptor limit (at least 64, at most 16,384)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 16384 if soft == resource.RLIM_INFINITY else max(64, min(16384, soft // 2))
 
 
 def _resolve(address: str) -> tuple | None:
