@@ -244,6 +244,24 @@ def test_the_silence_pass_declares_the_silent_slot_once_and_names_the_rule():
         mute.close()
 
 
+def slot_clients(keep_alive_interval: float):
+    """A TCPStore server on 127.0.0.1 and a maker of slot handlers of one 2-node job on it (0.5 s
+    silence window)."""
+    import torch.distributed as dist
+
+    from trainer.slot_rendezvous import SlotRendezvousHandler
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    conf = {"keep_alive_interval": keep_alive_interval, "admission_timeout": 30.0, "join_timeout": 60.0,
+            "local_addr": "127.0.0.1", "silence_window": 0.5}
+
+    def client() -> SlotRendezvousHandler:
+        return SlotRendezvousHandler(dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                                                   timeout=timedelta(seconds=60)), "job", 2, **conf)
+
+    return server, client
+
+
 def test_a_warm_spare_declares_a_silent_node_before_its_admission_and_takes_its_slot_once_admitted():
     """Through real slot handlers on a real TCPStore: a 2-node job, one node's agent answers no
     probe (its liveness socket's queue full: a host whose power went). A warm spare's passes while
@@ -251,17 +269,9 @@ def test_a_warm_spare_declares_a_silent_node_before_its_admission_and_takes_its_
     slot by silence; admitted, the spare takes it in the same generation as the survivor."""
     import threading
 
-    import torch.distributed as dist
-
     from trainer.slot_rendezvous import SlotRendezvousHandler
 
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    conf = {"keep_alive_interval": 1.0, "admission_timeout": 30.0, "join_timeout": 60.0, "local_addr": "127.0.0.1",
-            "silence_window": 0.5}
-
-    def client() -> SlotRendezvousHandler:
-        return SlotRendezvousHandler(dist.TCPStore("127.0.0.1", server.port, is_master=False,
-                                                   timeout=timedelta(seconds=60)), "job", 2, **conf)
+    server, client = slot_clients(keep_alive_interval=1.0)
 
     mute = Mute(muted=False)
     live, dead, spare = client(), client(), client()
@@ -341,17 +351,7 @@ def test_a_local_user_filling_a_live_agents_liveness_queue_does_not_get_its_host
     nothing, and the probe pass never calls it gone."""
     import threading
 
-    import torch.distributed as dist
-
-    from trainer.slot_rendezvous import SlotRendezvousHandler
-
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    conf = {"keep_alive_interval": 5.0, "admission_timeout": 30.0, "join_timeout": 60.0, "local_addr": "127.0.0.1",
-            "silence_window": 0.5}
-
-    def client() -> SlotRendezvousHandler:
-        return SlotRendezvousHandler(dist.TCPStore("127.0.0.1", server.port, is_master=False,
-                                                   timeout=timedelta(seconds=60)), "job", 2, **conf)
+    server, client = slot_clients(keep_alive_interval=5.0)
 
     live, victim, spare = client(), client(), client()
     flooder = None
