@@ -336,8 +336,10 @@ while True:  # connects that complete wait in the accept queue; keep it full wha
 def flood_as_nobody(address: str) -> subprocess.Popen:
     """An unprivileged local user (``nobody``) filling the accept queue of the liveness socket
     at ``address`` and keeping it full; returns once >= 1,500 connects were made."""
-    # the system interpreter: the test runner's may live under /root (0700)
-    proc = subprocess.Popen(["runuser", "-u", "nobody", "--", SYSTEM_PYTHON, "-c", FLOOD, address],
+    # the system interpreter: the test runner's may live under /root (0700). setpriv execs it (runuser
+    # would fork it and its kill would leave the flooder running, as it did until session 18)
+    proc = subprocess.Popen(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", SYSTEM_PYTHON, "-c",
+                             FLOOD, address],
                             stdout=subprocess.PIPE, text=True, cwd="/")
     assert proc.stdout.readline().strip() == "full"
     return proc
