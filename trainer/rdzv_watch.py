@@ -44,7 +44,6 @@ Nothing here patches torch's files: the handler's state holder gets this sanitiz
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import pickle
 import threading
@@ -53,6 +52,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable, Iterator
 
 from sentinel.settings import printable
+from trainer.slot_marks import arrival_id
 
 log = logging.getLogger("sentinel.elastic")
 
@@ -250,15 +250,6 @@ def shown(text: str, limit: int = SHOWN_MAX) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _arrival_id(mark: bytes) -> str:
-    """The ``id`` of an arrival record; ``?`` when the record is not one (malformed, not an object)."""
-    try:
-        record = json.loads(mark)
-    except ValueError:
-        return "?"
-    return str(record.get("id", "?")) if isinstance(record, dict) else "?"
-
-
 def describe_slots(store: Any, prefix: str, nodes: int, forming: int, waited: float,
                    hb_changed: dict[int, tuple[bytes | None, float]], now: float) -> str:
     """The one line of a stalled slot rendezvous, read from the store (``check`` before every
@@ -287,7 +278,7 @@ def describe_slots(store: Any, prefix: str, nodes: int, forming: int, waited: fl
         elif mark.startswith(b"LEFT:"):
             vacant.append(f"slot {s}")
         else:
-            arrived.append(f"slot {s} ({shown(_arrival_id(mark))})")
+            arrived.append(f"slot {s} ({shown(arrival_id(mark))})")
     tickets = int(store.add(key("spares"), 0))
     vacancies = int(store.add(key("vacancies"), 0))
     return (f"rendezvous stalled: generation {f} (committed: {committed}) not committed "

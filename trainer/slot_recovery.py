@@ -25,7 +25,6 @@ vacancy for the spares.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -35,10 +34,10 @@ from typing import Any, Callable
 from trainer import suspects
 from trainer.counting_store import CountingStore
 from trainer.silence import SilenceWatch
+from trainer.slot_marks import LEFT, arrival, owns
 
 log = logging.getLogger("sentinel.rendezvous")
 
-LEFT = "LEFT:"
 NO_BEAT_PASSES = 10
 
 
@@ -151,7 +150,7 @@ class Recovery:
             return None
         mark = self._store.get(self._k(f"g{f - 1}", f"s{slot}")).decode()
         owner = owner_of(hb_key)
-        gone = owner is not None and not mark.startswith(LEFT) and json.loads(mark).get("id") == owner
+        gone = owner is not None and owns(mark, owner)
         return f"{owner}:".encode() if gone else None
 
     # -- the probe pass -----------------------------------------------------------------------------
@@ -163,12 +162,7 @@ class Recovery:
             record: dict[str, Any] = {}
             if self._store.check([key]):
                 mark = self._store.get(key).decode()
-                if not mark.startswith(LEFT):
-                    try:
-                        parsed = json.loads(mark)
-                        record = parsed if isinstance(parsed, dict) else {}
-                    except ValueError:
-                        record = {}
+                record = arrival(mark) or {}  # (LEFT, or not an arrival record: nobody's)
             self._holders[(f, slot)] = record
         return self._holders[(f, slot)]
 

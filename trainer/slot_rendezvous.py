@@ -79,7 +79,8 @@ from torch.distributed.elastic.rendezvous.api import (
 from trainer import silence, suspects, worker_store
 from trainer.counting_store import CountingStore, OpStats  # noqa: F401 (re-exported: bench/replacement_scale.py)
 from trainer.rdzv_conf import count as _count, seconds as _seconds
-from trainer.slot_recovery import LEFT, NO_BEAT_PASSES, Recovery  # noqa: F401 (re-exported)
+from trainer.slot_marks import LEFT, endpoint, generation, next_generation, owns, record as _record, vacancy
+from trainer.slot_recovery import NO_BEAT_PASSES, Recovery  # noqa: F401 (re-exported)
 
 log = logging.getLogger("sentinel.rendezvous")
 
@@ -220,7 +221,7 @@ class SlotRendezvousHandler(RendezvousHandler):
         log.info("generation %d: slot %d of %d (%s, %d store ops, %.3f s)", f, self.slot, self.nodes, role,
                  self.last_round["ops"], self.last_round["seconds"])
         return RendezvousInfo(self._agent_store(f, record), self.slot, self.nodes,
-                              RendezvousStoreInfo(record["master_addr"], int(record["master_port"])))
+                              RendezvousStoreInfo(*endpoint(record, self._k(f"g{f}"))))
 
     def _agent_store(self, f: int, record: dict) -> Store:
         """The agents' store for this generation (torch's agent assigns worker ranks through it):
@@ -307,20 +308,21 @@ class SlotRendezvousHandler(RendezvousHandler):
         return True
 
     def _commit(self, f: int) -> None:
-        host = json.loads(self._info(f) if self.slot == 0 else self._store.get(self._k(f"g{f}", "s0")))
+        addr, port = endpoint(self._info(f) if self.slot == 0 else self._store.get(self._k(f"g{f}", "s0")),
+                              self._k(f"g{f}", "s0"))
         # the job instance: made by generation 1's commit, carried on (a committing spare reads it)
-        epoch = self.epoch or (json.loads(self._store.get(self._k(f"g{f - 1}"))).get("epoch", "") if f > 1
+        epoch = self.epoch or (_record(self._store.get(self._k(f"g{f - 1}")), self._k(f"g{f - 1}"), ()).get("epoch", "") if f > 1
                                else uuid.uuid4().hex)
-        record = json.dumps({"gen": f, "nodes": self.nodes, "master_addr": host["addr"], "master_port": host["port"],
+        record = json.dumps({"gen": f, "nodes": self.nodes, "master_addr": addr, "master_port": port,
                              "epoch": epoch})
         self._store.set(self._k(f"g{f}"), record)
         self._store.set(self._k("latest"), str(f))
 
     def _survivor_arrive(self) -> int | None:
-        latest = int(self._store.get(self._k("latest")))
+        latest = generation(self._store.get(self._k("latest")), self._k("latest"))
         if latest != self.gen:  # behind: still a member of the latest generation?
             mark = self._store.get(self._k(f"g{latest}", f"s{self.slot}")).decode()
-            if mark.startswith(LEFT) or json.loads(mark).get("id") != self.node_id:
+            if not owns(mark, self.node_id):  # (a value that is no arrival record is nobody's)
                 raise SlotTakenError(f"slot {self.slot} belongs to another node since generation {latest}")
             # Our own mark: this node arrived in ``latest`` and its call ended (timed out) before the
             # generation committed. The others run it with this slot in it: join it, do not open
@@ -330,8 +332,7 @@ class SlotRendezvousHandler(RendezvousHandler):
         if self._claim(f, ""):
             return f
         mark = self._store.get(self._k(f"g{f}", f"s{self.slot}")).decode()  # (one get, off the fast path)
-        mine = not mark.startswith(LEFT) and json.loads(mark).get("id") == self.node_id
-        return f if mine else None  # mine: arrived already, with other evidence; else declared vacant
+        return f if owns(mark, self.node_id) else None  # mine: arrived already, with other evidence; else declared vacant
 
     def _readmit(self, deadline: float) -> str:
         """This live node's slot was declared vacant in the generation still forming (a keep-alive,
@@ -377,8 +378,8 @@ class SlotRendezvousHandler(RendezvousHandler):
             # chunk: the silence pass (#41); while just admitted: the probe pass (#48); once per
             # admission timeout: the keep-alive pass.
             nonlocal seen, next_pass
-            if self._store.check([self._k("latest")]):
-                f = int(self._store.get(self._k("latest"))) + 1
+            f = next_generation(self._store, self._k("latest"))
+            if f is not None:  # (absent, or malformed: counted, next pass)
                 if self._quiet is not None:
                     self.recovery.silence_pass(f, self._quiet, closed=self.is_closed)
                 if probing():  # a short connect: a silent slot must not hold the silence pass back
@@ -401,8 +402,8 @@ class SlotRendezvousHandler(RendezvousHandler):
         if self._quiet is None:
             return 0.5  # the rule is off: nothing to watch
         try:
-            if self._store.check([self._k("latest")]):
-                f = int(self._store.get(self._k("latest"))) + 1
+            f = next_generation(self._store, self._k("latest"))
+            if f is not None:
                 self.recovery.silence_pass(f, self._quiet, closed=self.is_closed)
         except (RuntimeError, OSError, ValueError) as exc:
             log.debug("silence pass before the admission: %s", exc)
@@ -413,7 +414,9 @@ class SlotRendezvousHandler(RendezvousHandler):
             t = self._store.add(self._k("spares"), 1)
             vkey = self._k("vacancy", t)
             self._wait_key(vkey, deadline, f"a vacancy for spare ticket {t}", watch, self._watch_every)
-            vac = json.loads(self._store.get(vkey))
+            vac = vacancy(self._store.get(vkey), vkey, self.nodes)
+            if vac is None:
+                continue  # not a vacancy (counted, logged): a new ticket
             self.slot = vac["slot"]
             f = vac["gen"]
             if self._claim(f, vac["left"]):
@@ -463,7 +466,7 @@ class SlotRendezvousHandler(RendezvousHandler):
                 self.recovery.probe_pass(f, evidence)
             try:
                 self._store.wait([key], timedelta(seconds=min(left, self._probe_every if fast else self.admission_timeout)))
-                return json.loads(self._store.get(key))
+                return _record(self._store.get(key), key, ("master_addr", "master_port"))
             except RuntimeError as exc:
                 if not _is_timeout(exc):
                     raise
@@ -490,9 +493,10 @@ class SlotRendezvousHandler(RendezvousHandler):
         self._stop_heartbeats()
         if self.slot is None:
             return "was not in a slot"
-        latest = int(self._store.get(self._k("latest")))
+        after = next_generation(self._store, self._k("latest"))  # malformed (counted): from our own
+        latest = after - 1 if after is not None else self.gen
         holder = self._store.get(self._k(f"g{latest}", f"s{self.slot}")).decode()
-        if latest > self.gen and (holder.startswith(LEFT) or json.loads(holder).get("id") != self.node_id):
+        if latest > self.gen and not owns(holder, self.node_id):
             self._store.refuse()  # fenced: a committed generation holds another node here (its mark never changes)
             self.fenced.append(f"leave of slot {self.slot} in generation {self.gen}")
             return f"fenced: slot {self.slot} belongs to another node since generation {latest}: nothing written"
