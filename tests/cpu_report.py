@@ -28,6 +28,19 @@ def main(path: str, top: int = 25) -> None:
         print(f"{row['test'][:100]:100} {row['cpu_s']:7.1f} {row['wall_s']:7.1f}")
     if all("start" in r for r in rows):  # written since the rows carry their start, worker and group
         timeline(rows)
+    if all("host_cpu" in r for r in rows):
+        host(rows, total)
+
+
+def host(rows: list[dict], tests_cpu: float) -> None:
+    """The host's CPU between the first test's end and the last's: busy against the tests' own
+    (the rest: processes nobody waited for, other users), idle (the workers all waiting: more
+    workers would fill it)."""
+    first, last = min(rows, key=lambda r: r["host_cpu"][0]), max(rows, key=lambda r: r["host_cpu"][0])
+    busy = last["host_cpu"][0] - first["host_cpu"][0]
+    idle = last["host_cpu"][1] - first["host_cpu"][1]
+    print(f"\nhost CPU over the run: {busy:.0f} s busy, {idle:.0f} s idle ({idle / max(busy + idle, 1e-9):.0%} idle); "
+          f"the tests' own CPU is {tests_cpu / max(busy, 1e-9):.0%} of the busy seconds")
 
 
 def timeline(rows: list[dict]) -> None:
