@@ -238,7 +238,8 @@ def job_launcher(nproc: int, *, forked: bool) -> list[str]:
 # The suite is CPU-bound on 2 cores: its wall time is about its CPU seconds / 2. With the variable
 # set, each test appends {"test", "cpu_s", "wall_s", "start", "worker", "group", "host_cpu"} to FILE:
 # the CPU of the pytest worker and of every child it waited for (torchrun and its ranks, daemons,
-# clusters' clients), setup and teardown included, and the host's busy and idle CPU seconds so far. `python tests/cpu_report.py FILE` sums it per test, per
+# clusters' clients), setup and teardown included, and the host's busy and idle CPU seconds so far
+# at its start and at its end. `python tests/cpu_report.py FILE` sums it per test, per
 # file, per xdist group and per worker (when each worker started and ended: the run's tail).
 CPU_LOG = os.environ.get("SENTINEL_TEST_CPU")
 
@@ -265,12 +266,12 @@ def pytest_runtest_protocol(item, nextitem):
     if not CPU_LOG:
         yield
         return
-    cpu0, t0, start = _cpu_now(), time.monotonic(), time.time()
+    cpu0, t0, start, host0 = _cpu_now(), time.monotonic(), time.time(), _host_cpu()
     yield
     mark = item.get_closest_marker("xdist_group")
     row = {"test": item.nodeid, "cpu_s": round(_cpu_now() - cpu0, 2), "wall_s": round(time.monotonic() - t0, 2),
            "start": round(start, 2), "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
-           "group": mark.args[0] if mark and mark.args else None, "host_cpu": _host_cpu()}
+           "group": mark.args[0] if mark and mark.args else None, "host_cpu": [host0, _host_cpu()]}
     with open(CPU_LOG, "a") as f:  # one short line per write: appends from several workers do not interleave
         f.write(json.dumps(row) + "\n")
 

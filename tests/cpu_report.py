@@ -33,12 +33,14 @@ def main(path: str, top: int = 25) -> None:
 
 
 def host(rows: list[dict], tests_cpu: float) -> None:
-    """The host's CPU between the first test's end and the last's: busy against the tests' own
+    """The host's CPU from the first test's start to the last test's end: busy against the tests' own
     (the rest: processes nobody waited for, other users), idle (the workers all waiting: more
     workers would fill it)."""
-    first, last = min(rows, key=lambda r: r["host_cpu"][0]), max(rows, key=lambda r: r["host_cpu"][0])
-    busy = last["host_cpu"][0] - first["host_cpu"][0]
-    idle = last["host_cpu"][1] - first["host_cpu"][1]
+    start = min(r["host_cpu"][0] for r in rows)  # [busy, idle] at the first test's start
+    end = max(r["host_cpu"][1] for r in rows)  # at the last test's end
+    busy, idle = end[0] - start[0], end[1] - start[1]
+    if busy <= 0:
+        return
     print(f"\nhost CPU over the run: {busy:.0f} s busy, {idle:.0f} s idle ({idle / max(busy + idle, 1e-9):.0%} idle); "
           f"the tests' own CPU is {tests_cpu / max(busy, 1e-9):.0%} of the busy seconds")
 
