@@ -235,7 +235,7 @@ def job_launcher(nproc: int, *, forked: bool) -> list[str]:
 
 
 # -- where the suite's CPU goes (SENTINEL_TEST_CPU=FILE) ---------------------------------------------
-# The suite is CPU-bound on 2 cores: its wall time is about its CPU seconds / 2. With the variable
+# The suite is mostly CPU-bound on 2 cores (the report's host line says how idle they were). With the variable
 # set, each test appends {"test", "cpu_s", "wall_s", "start", "worker", "group", "host_cpu"} to FILE:
 # the CPU of the pytest worker and of every child it waited for (torchrun and its ranks, daemons,
 # clusters' clients), setup and teardown included, and the host's busy and idle CPU seconds so far
