@@ -20,6 +20,12 @@ agent's round that made no progress for 10 s, the job's first start included) ar
 run and printed.
 
 ``--smoke``: one drill of the c10d backend, 12 steps, the fault at step 4, no busy process.
+Arguments the bench does not know are passed to every drill, after its own (a later ``--steps``
+wins). ``--reference-cache DIR`` keeps the uninterrupted runs ``--verify`` compares with in DIR
+and reuses those already there (default: a temporary directory of this run).
+Each drill's record keeps what its verdict is read from: its exit status, ``restore``,
+``other_migrations`` and ``timeline`` beside the figures' keys (and its stderr's tail when it
+failed); tests/test_drill.py's two-victim test runs this smoke and asserts on that record.
 """
 
 from __future__ import annotations
@@ -53,11 +59,16 @@ def drill(backend: str, references: Path, timeout: float, extra: list[str]) -> d
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     stalls = [x.split("sentinel drill: ", 1)[-1] for x in r.stderr.splitlines() if STALL in x]
     if not r.stdout.strip().startswith("{"):
-        return {"ok": False, "error": r.stderr[-1500:], "stalls": stalls}
+        return {"ok": False, "rc": r.returncode, "error": r.stderr[-1500:], "stalls": stalls}
     out = json.loads(r.stdout)
     keep = ("ok", "finished", "final_nodes", "recomputed_steps", "trip_to_first_step_seconds",
-            "fault_to_first_step_seconds", "membership_changes", "verify", "notes")
-    return {**{k: out[k] for k in keep if k in out}, "stalls": stalls + out.get("rendezvous_stalls", [])}
+            "fault_to_first_step_seconds", "membership_changes", "verify", "notes", "restore", "other_migrations",
+            "timeline")
+    record = {**{k: out[k] for k in keep if k in out}, "rc": r.returncode,
+              "stalls": stalls + out.get("rendezvous_stalls", [])}
+    if not out.get("ok"):
+        record["error"] = r.stderr[-1500:]
+    return record
 
 
 def summarise(runs: list[dict]) -> dict[str, float | None]:
@@ -89,6 +100,9 @@ def main() -> None:
     ap.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated: c10d, sentinel")
     ap.add_argument("--timeout", type=float, default=300.0, help="each drill's --timeout (default 300 s)")
     ap.add_argument("--append", action="store_true", help="add to the drills already in --json")
+    ap.add_argument("--reference-cache", type=Path, metavar="DIR",
+                    help="keep and reuse the uninterrupted runs --verify compares with here (default: a temporary "
+                         "directory of this run)")
     _report.add_json_argument(ap)
     args, extra = ap.parse_known_args()
     backends = args.backends.split(",")
@@ -102,10 +116,11 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda signum, _f: sys.exit(128 + signum))  # the busy processes go too
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     try:
-        with tempfile.TemporaryDirectory(prefix="loaded-rdzv-refs-") as refs:
+        with tempfile.TemporaryDirectory(prefix="loaded-rdzv-refs-") as tmp:
+            refs = args.reference_cache or Path(tmp)
             for i in range(args.runs):  # interleaved: both backends see the same load
                 for b in backends:
-                    d = drill(b, Path(refs), args.timeout, extra)
+                    d = drill(b, refs, args.timeout, extra)
                     results.add({"backend": b, "busy": args.busy, "drill": d})
                     print(f"{b:<9} drill {i + 1}/{args.runs}: {'ok' if d.get('ok') else 'FAILED'}"
                           f"  trip -> first step {d.get('trip_to_first_step_seconds') or float('nan'):.2f} s"

@@ -38,7 +38,10 @@ Each drill is appended to the JSON as it finishes (with the figures of every dri
 run killed or timed out keeps the drills already done. ``--smoke``: one drill each of ``warm`` and
 ``crash``, 12 steps, the fault at step 4 (drill timeout 600 s: a smoke run checks figures, not speed;
 with the default --interval-steps 10 the crash path restarts from step 0: the plain failover with no
-snapshot yet, a bound the drill holds even on a loaded host).
+snapshot yet, a bound the drill holds even on a loaded host). Arguments the bench does not know
+are passed to every drill after its own (a later ``--steps`` wins; tests/test_netns_hosts.py runs
+the ``--hosts netns`` smoke at the drill's default length with ``--verify``). Each drill's record
+is its ``--json`` result with its exit status ``rc`` (and its stderr's tail, ``error``, when it failed).
 
 --json (bench/_report.py's shape; sentinel_tools/sim/measured.py reads it): medians over the drills
 that succeeded. ``migration_*`` is the warm-spare path (``migration_trip_to_first_step_seconds``,
@@ -119,8 +122,12 @@ def drill(interval: int, extra: list[str]) -> dict:
     r = subprocess.run([sys.executable, "-m", "sentinel", "drill", "--json", "--interval-steps", str(interval), *extra],
                        capture_output=True, text=True, timeout=900, cwd=REPO)
     if not r.stdout.strip().startswith("{"):
-        return {"ok": False, "error": r.stderr[-500:]}
-    return json.loads(r.stdout)
+        return {"ok": False, "rc": r.returncode, "error": r.stderr[-500:]}
+    out = json.loads(r.stdout)
+    out["rc"] = r.returncode
+    if not out.get("ok"):
+        out["error"] = r.stderr[-1500:]
+    return out
 
 
 def median(vals: list[float]) -> float | None:

@@ -23,6 +23,7 @@ BENCHES = sorted(p.stem for p in (REPO / "bench").glob("*.py") if not p.name.sta
 # benches whose smoke runs in another test (which checks what run_smoke checks, and more): test file, test name
 OWN_TEST = {
     "migration": ("tests/test_bench_smoke.py", "test_migration_killed_mid_run_keeps_the_finished_drills"),
+    "loaded_rendezvous": ("tests/test_drill.py", "test_two_nodes_fail_at_once"),  # its one drill is that test's
     "peers": ("tests/test_peers_bench.py", "test_smoke_kills_node1_at_the_same_step_for_sentinel_and_torch_elastic"),
     "replacement_scale": ("tests/test_replacement_scale.py", "test_smoke_produces_every_promised_figure_for_both_handlers"),
 }

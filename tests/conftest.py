@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # One Slurm cluster and one kube-apiserver per test session, started by the first test that asks
 # (registered here once: a module importing the fixture itself would get a cluster of its own)
-from kube_cluster import kube  # noqa: E402,F401
+from kube_cluster import kube, stop_session_cluster  # noqa: E402,F401
 from slurm_cluster import slurm  # noqa: E402,F401
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 _ci_skips: list[str] = []
@@ -122,6 +122,7 @@ def in_kernel_group(item) -> bool:
 
 def pytest_collection_finish(session):
     _kernel_log["left"] = sum(1 for item in session.items if in_kernel_group(item))
+    _kube["left"] = sum(1 for item in session.items if uses_kube(item))
 
 
 def _take_kernel_log() -> None:
@@ -169,6 +170,26 @@ def pytest_runtest_teardown(item, nextitem):
         _kernel_log["left"] -= 1
         if _kernel_log["left"] <= 0 or nextitem is None:
             _give_kernel_log()
+    if uses_kube(item):
+        _kube["left"] -= 1
+    if _kube["left"] <= 0 and (nextitem is None or nextitem.path != item.path):
+        stop_session_cluster()
+
+
+# -- the session's kube-apiserver, stopped after the last test that uses it ---------------------------
+# An idle kube-apiserver and its etcd spend ~1.5 CPU-s a minute (measured). Its group is handed out
+# first, so the cluster ran from the run's start to its end for ~45 s of tests: ~30-40 CPU-s for
+# nothing (ci18a and ci18b charged 38 and 41 CPU-s of it to the last test of that worker). Every
+# test using it is of the "kube" group, so one worker runs them all: once it has run the last of
+# them and left that test's file (pytest ends a file's module fixtures, some of which call the
+# apiserver at their teardown, when the next test is another file's), the cluster stops. A worker
+# that runs only some of them (another --dist, a test of the slurm group that also uses kube) never
+# counts down to 0 and keeps it to the session's end, as before.
+_kube = {"left": 0}
+
+
+def uses_kube(item) -> bool:
+    return "kube" in getattr(item, "fixturenames", ())
 
 
 # -- made once per session, shared by the workers -----------------------------------------------------
@@ -214,10 +235,11 @@ def job_launcher(nproc: int, *, forked: bool) -> list[str]:
 
 
 # -- where the suite's CPU goes (SENTINEL_TEST_CPU=FILE) ---------------------------------------------
-# The suite is CPU-bound on 2 cores: its wall time is about its CPU seconds / 2. With the variable
-# set, each test appends {"test", "cpu_s", "wall_s", "start", "worker", "group"} to FILE: the CPU of
-# the pytest worker and of every child it waited for (torchrun and its ranks, daemons, clusters'
-# clients), setup and teardown included. `python tests/cpu_report.py FILE` sums it per test, per
+# The suite is mostly CPU-bound on 2 cores (the report's host line says how idle they were). With the variable
+# set, each test appends {"test", "cpu_s", "wall_s", "start", "worker", "group", "host_cpu"} to FILE:
+# the CPU of the pytest worker and of every child it waited for (torchrun and its ranks, daemons,
+# clusters' clients), setup and teardown included, and the host's busy and idle CPU seconds so far
+# at its start and at its end. `python tests/cpu_report.py FILE` sums it per test, per
 # file, per xdist group and per worker (when each worker started and ended: the run's tail).
 CPU_LOG = os.environ.get("SENTINEL_TEST_CPU")
 
@@ -229,17 +251,27 @@ def _cpu_now() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+def _host_cpu() -> list[float]:
+    """The whole host's CPU seconds so far, [busy, idle] (/proc/stat: idle counts iowait too): what
+    the tests' own figures leave out (processes nobody waited for, other users) and how long the
+    CPUs sat idle while the workers waited."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+    tick = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + fields[4]
+    return [round((sum(fields) - idle) / tick, 2), round(idle / tick, 2)]
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     if not CPU_LOG:
         yield
         return
-    cpu0, t0, start = _cpu_now(), time.monotonic(), time.time()
+    cpu0, t0, start, host0 = _cpu_now(), time.monotonic(), time.time(), _host_cpu()
     yield
     mark = item.get_closest_marker("xdist_group")
     row = {"test": item.nodeid, "cpu_s": round(_cpu_now() - cpu0, 2), "wall_s": round(time.monotonic() - t0, 2),
            "start": round(start, 2), "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
-           "group": mark.args[0] if mark and mark.args else None}
+           "group": mark.args[0] if mark and mark.args else None, "host_cpu": [host0, _host_cpu()]}
     with open(CPU_LOG, "a") as f:  # one short line per write: appends from several workers do not interleave
         f.write(json.dumps(row) + "\n")
 

@@ -28,6 +28,21 @@ def main(path: str, top: int = 25) -> None:
         print(f"{row['test'][:100]:100} {row['cpu_s']:7.1f} {row['wall_s']:7.1f}")
     if all("start" in r for r in rows):  # written since the rows carry their start, worker and group
         timeline(rows)
+    if all("host_cpu" in r for r in rows):
+        host(rows, total)
+
+
+def host(rows: list[dict], tests_cpu: float) -> None:
+    """The host's CPU from the first test's start to the last test's end: busy against the tests' own
+    (the rest: processes nobody waited for, other users), idle (the workers all waiting: more
+    workers would fill it)."""
+    start = min(r["host_cpu"][0] for r in rows)  # [busy, idle] at the first test's start
+    end = max(r["host_cpu"][1] for r in rows)  # at the last test's end
+    busy, idle = end[0] - start[0], end[1] - start[1]
+    if busy <= 0:
+        return
+    print(f"\nhost CPU over the run: {busy:.0f} s busy, {idle:.0f} s idle ({idle / max(busy + idle, 1e-9):.0%} idle); "
+          f"the tests' own CPU is {tests_cpu / max(busy, 1e-9):.0%} of the busy seconds")
 
 
 def timeline(rows: list[dict]) -> None:

@@ -191,8 +191,49 @@ def why(result: dict) -> str:
     return result.get("stderr", "")[-3000:] + "\n" + "\n".join(f"{k}={result.get(k)!r}"[:500] for k in keys)
 
 
-def test_xid79_on_hosts_hands_over_with_no_lost_step_bitwise(host_drill):
-    r = host_drill("--fault", "xid79", "--verify")
+@pytest.fixture(scope="module")
+def xid79_beside_loopback(tmp_path_factory, references):
+    """bench/migration.py --hosts netns --smoke, run once for the two tests below: the Xid 79 drill
+    on namespaced hosts beside the loopback one, each at the drill's default length (60 steps, the
+    fault at 25: the smoke's own are 12 and 4) with --verify against the session's uninterrupted
+    run, so that its hosts drill is also the Xid 79 host test's (one netns drill for both, not
+    two). Its return code, stdout, stderr and report path; afterwards (pass, fail or timeout) the
+    bench's process group and what a killed drill left are removed."""
+    from bench_smoke import LIMIT_S, command
+
+    pytest.importorskip("torch")
+    tmp = tmp_path_factory.mktemp("migration-hosts")
+    out = tmp / "migration.json"
+    cmd = command("migration", out, "--hosts", "netns", "--steps", "60", "--at-step", "25", "--verify",
+                  "--reference-cache", str(references))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=LIMIT_S)
+        yield proc.returncode, stdout, stderr, out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the bench and the drill it runs
+            proc.wait(timeout=30)
+        netns.cleanup()  # a drill killed with it: its owner is gone, its record names what it made
+
+
+def bench_drill(bench: tuple, path: str) -> dict:
+    """The drill of ``path`` in the bench's report (the fixture above), checked as host_drill checks
+    each drill: its cluster and every process of it gone."""
+    rc, stdout, stderr, out = bench
+    assert rc == 0, stdout[-3000:] + stderr[-3000:]
+    (r,) = [run["drill"] for run in json.loads(out.read_text())["runs"] if run["path"] == path]
+    r["stderr"] = r.get("error", "")  # why(): the bench keeps a failed drill's stderr tail
+    if path.startswith("hosts-"):
+        assert r.get("netns_cluster", "").startswith(netns.PREFIX), why(r)
+        assert_nothing_left(r["netns_cluster"], Path(r["workdir"]))
+    return r
+
+
+def test_xid79_on_hosts_hands_over_with_no_lost_step_bitwise(xid79_beside_loopback):
+    """The hosts drill of bench/migration.py's smoke (xid79_beside_loopback)."""
+    r = bench_drill(xid79_beside_loopback, "hosts-xid79")
     assert r["ok"] and r["rc"] == 0, why(r)
     assert r["recomputed_steps"] == [] and r["verify"]["bitwise_equal"], why(r)
     assert "spare0" in r["final_nodes"] and "node1" not in r["final_nodes"]
@@ -279,25 +320,20 @@ def test_slow_link_names_the_host_within_20_steps_and_hands_over_only_when_it_pa
         assert s["straggler_seen"]["action"] == "alert" and "would save" in s["straggler_seen"]["why"], why(r)
 
 
-def test_migration_bench_smoke_puts_host_rows_beside_loopback_ones(tmp_path):
-    """bench/migration.py --hosts netns --smoke: the Xid 79 drill on namespaced hosts beside the
-    loopback one, in one run: both hand over with no lost step, the spare's host took bytes over
-    the bridge, and the ratio of their fault -> first step is in the report (the figure #41's
-    1.5x is judged on, from a full run: docs/benchmarks.md)."""
-    from bench_smoke import LIMIT_S, command
-
-    out = tmp_path / "migration.json"
-    cmd = command("migration", out, "--hosts", "netns")
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT_S, cwd=tmp_path,
-                       env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+def test_migration_bench_smoke_puts_host_rows_beside_loopback_ones(xid79_beside_loopback):
+    """bench/migration.py --hosts netns --smoke (xid79_beside_loopback): the Xid 79 drill on
+    namespaced hosts beside the loopback one, in one run: both hand over with no lost step, the
+    spare's host took bytes over the bridge, and the ratio of their fault -> first step is in the
+    report (the figure #41's 1.5x is judged on, from a full run: docs/benchmarks.md)."""
+    rc, stdout, stderr, out = xid79_beside_loopback
+    assert rc == 0, stdout[-3000:] + stderr[-3000:]
     doc = json.loads(out.read_text())
     figures = doc["figures"]
     assert doc["bench"] == "migration_hosts" and [run["path"] for run in doc["runs"]] == ["loopback-xid79", "hosts-xid79"]
-    assert figures["loopback_xid79_ok_fraction"] == 1.0 and figures["hosts_xid79_ok_fraction"] == 1.0, r.stdout[-3000:]
+    assert figures["loopback_xid79_ok_fraction"] == 1.0 and figures["hosts_xid79_ok_fraction"] == 1.0, stdout[-3000:]
     assert figures["hosts_xid79_lost_steps"] == 0 and figures["hosts_xid79_bytes_into_spare_hosts"] > 0
     assert figures["hosts_over_loopback_xid79_ratio"] > 0 and len(doc["host"]["loadavg"]) == 3
-    assert "Xid 79: namespaced hosts / loopback (fault -> first step)" in r.stdout
+    assert "Xid 79: namespaced hosts / loopback (fault -> first step)" in stdout
     for run in doc["runs"]:
         if run["drill"].get("netns_cluster"):
             assert_nothing_left(run["drill"]["netns_cluster"])
