@@ -520,7 +520,7 @@ class SimulatedNvml:
                 return pynvml.NVML_ERROR_NOT_SUPPORTED, 0
             return pynvml.NVML_SUCCESS, int(links[link][kind])
 
-        return nvml_fields.serve_field_values(self._fields, pynvml, field_ids, scalar, nvlink)
+        return nvml_fields.serve_field_values(self._fields, pynvml, field_ids, scalar, nvlink, range(len(gpu["nvlink"])))
 
     def nvmlDeviceGetNvLinkState(self, h: _Handle, link: int) -> int:
         links = self._field(h, "nvlink")["nvlink"]
