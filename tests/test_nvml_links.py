@@ -13,7 +13,7 @@ import pynvml
 from fake_pynvml import Err, FakePynvml
 from sentinel import config
 from sentinel.policy import Policy, PolicyState
-from sentinel.readings import NodeReadings
+from sentinel.readings import NodeReadings, sum_links
 from sentinel.sources import simulated
 from sentinel.sources.nvml import NvmlSource
 from sentinel.sources.nvml_batch import NVLINK_AUDIT_POLLS
@@ -62,6 +62,8 @@ class Twins:
         self.now += 1.0
         a, b = self.gated.poll(), self.every.poll()
         assert [g.nvlink_sums for g in a] == [g.nvlink_sums for g in b]  # what the rules sum
+        # the sums the source made on its reading thread are those of the counters it reports
+        assert all(g.summed is not None and g.nvlink_sums == sum_links(g.nvlink) for g in a + b)
         assert [(g.values, g.errors, g.lost, g.hung) for g in a] == [(g.values, g.errors, g.lost, g.hung) for g in b]
         decided = []
         for i, gpus in enumerate((a, b)):

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from sentinel import fields as nvml_fields
-from sentinel.readings import GpuReading, XidEvent
+from sentinel.readings import GpuReading, XidEvent, sum_links
 from sentinel.sources.nvml_batch import NVLINK_COUNTERS, FieldValues, LinkGate
 from sentinel.sources.nvml_events import xid_events
 from sentinel.sources.nvml_worker import (HUNG_GRACE, SWEEP_CALL_SECONDS, SWEEPERS, CallClock, Hung, Job, PollRead,
@@ -322,7 +322,7 @@ class NvmlSource:
                     lost = True
                     break
         gpu.lost = lost
-        read.finish()
+        read.finish(sum_links)
 
     def _items(self, gpu: _Gpu) -> list[tuple[str, Any]]:
         """The calls of one read of ``gpu``, in ring order (see :meth:`_read`)."""
@@ -462,8 +462,10 @@ class NvmlSource:
         errors: dict[str, int] = {}
         links: dict[tuple[int, str], int] = {}
         finished = failed = False
+        summed = None
         if read is not None:
             finished, values, errors, links = read.close()
+            summed = read.summary if finished else None  # sum_links(links), made by the reading thread
             # a sweep's reads keep their own failures (NvmlSource._swept)
             error = read.error or (job.error if job is not None and not job.sweep and job.done.is_set() else None)
             failed = error is not None
@@ -489,7 +491,7 @@ class NvmlSource:
             xids = dict(self._xid_counts.get(gpu.index, {}))
         return GpuReading(index=gpu.index, uuid=gpu.uuid, pci_bus_id=gpu.pci_bus_id, name=gpu.name, serial=gpu.serial,
                           values=values, unsupported=frozenset(gpu.unsupported), errors=errors, nvlink=links,
-                          xid_counts=xids, lost=gpu.lost, hung=hung)
+                          xid_counts=xids, lost=gpu.lost, hung=hung, summed=summed)
 
     def drain_xid_events(self) -> list[XidEvent]:
         with self._xid_lock:
