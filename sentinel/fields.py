@@ -283,11 +283,31 @@ def make_field_value(nvml: Any, field_id: int, scope: int, ret: int, number: flo
                            valueType=nvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG if whole else nvml.NVML_VALUE_TYPE_DOUBLE)
 
 
+def field_values(nvml: Any, rows: Sequence[tuple[int, int, int, float | int]]) -> Any:
+    """What nvmlDeviceGetFieldValues returns for ``rows`` of (field id, scope id, nvmlReturn,
+    number): pynvml's own ctypes array of ``c_nvmlFieldValue_t``, so a reader pays what it pays
+    on a driver's answer (~1 µs an entry through ctypes, ~6x a plain object's); look-alikes
+    (:func:`make_field_value`) where ``nvml`` has no such type."""
+    struct = getattr(nvml, "c_nvmlFieldValue_t", None)
+    if struct is None:
+        return [make_field_value(nvml, *row) for row in rows]
+    out = (struct * len(rows))()
+    for fv, (fid, scope, ret, number) in zip(out, rows):
+        fv.fieldId, fv.scopeId, fv.nvmlReturn = fid, scope, ret
+        if not float(number).is_integer():
+            fv.valueType, fv.value.dVal = nvml.NVML_VALUE_TYPE_DOUBLE, float(number)
+        elif number < 0:
+            fv.valueType, fv.value.sllVal = nvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG, int(number)
+        else:
+            fv.valueType, fv.value.ullVal = nvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, int(number)
+    return out
+
+
 def serve_field_values(fields: Sequence[NvmlField], nvml: Any, requests: Sequence[Any],
                        scalar: Callable[[NvmlField], tuple[int, Any]],
-                       nvlink: Callable[[int, str], tuple[int, Any]], links: Sequence[int] = ()) -> list[SimpleNamespace]:
+                       nvlink: Callable[[int, str], tuple[int, Any]], links: Sequence[int] = ()) -> Any:
     """For a look-alike of nvmlDeviceGetFieldValues: one field value per request (a field id, or
-    a (field id, scope id) pair). ``scalar(field)`` / ``nvlink(link, kind)`` return (nvmlReturn,
+    a (field id, scope id) pair), as :func:`field_values` makes them. ``scalar(field)`` / ``nvlink(link, kind)`` return (nvmlReturn,
     stored value); a field id nothing declares answers NOT_SUPPORTED, as NVML does. An NVLink
     total is ``nvlink(link, kind)`` summed over ``links`` (the GPU's enabled links): NOT_SUPPORTED
     where no link has the counter, the first error where one fails."""
@@ -310,8 +330,8 @@ def serve_field_values(fields: Sequence[NvmlField], nvml: Any, requests: Sequenc
             ret, number = nvlink(link, kind)
         else:
             ret, number = nvml.NVML_ERROR_NOT_SUPPORTED, 0
-        out.append(make_field_value(nvml, fid, scope, ret, number if ret == nvml.NVML_SUCCESS else 0))
-    return out
+        out.append((fid, scope, ret, number if ret == nvml.NVML_SUCCESS else 0))
+    return field_values(nvml, out)
 
 
 def _nvlink_total(nvml: Any, answers: list[tuple[int, Any]]) -> tuple[int, int]:
