@@ -251,3 +251,42 @@ def test_the_audit_reads_every_link_at_least_every_so_many_polls(tmp_path):
         assert full[0] == 0 and all(b - a <= NVLINK_AUDIT_POLLS + 1 for a, b in zip(full, full[1:] + [len(per_poll)]))
     finally:
         src.close()
+
+
+def test_pynvml_arrays_read_from_their_buffer_as_entry_by_entry():
+    """A driver's answer (pynvml's ctypes array) is unpacked from its buffer; every value type
+    reads as ctypes reads that union member, and a failed entry is its field's error."""
+    import math
+    from types import SimpleNamespace
+
+    from sentinel.sources.nvml_batch import FieldValues
+    from sentinel.sources.nvml_worker import PollRead
+
+    cases = [("dVal", pynvml.NVML_VALUE_TYPE_DOUBLE, 1.5), ("dVal", pynvml.NVML_VALUE_TYPE_DOUBLE, -math.inf),
+             ("uiVal", pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, 2**32 - 1), ("ulVal", pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG, 2**63 + 5),
+             ("ullVal", pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, 2**64 - 1), ("sllVal", pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG, -5),
+             ("siVal", pynvml.NVML_VALUE_TYPE_SIGNED_INT, -7), ("usVal", pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT, 65535),
+             ("ullVal", pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, 0)]
+    names = ["ecc_corrected_volatile", "ecc_uncorrected_volatile", "ecc_corrected_aggregate", "ecc_uncorrected_aggregate",
+             "pcie_replay", "remapped_rows_correctable", "remapped_rows_uncorrectable", "retired_pages_sbe", "retired_pages_dbe"]
+    chunk = [("field", name, (i, 0)) for i, name in enumerate(names)] + [("link", (3, "replay"), (161, 3)),
+                                                                          ("link", (4, "replay"), (161, 4))]
+    answer = (pynvml.c_nvmlFieldValue_t * len(chunk))()
+    for fv, (attr, kind, number) in zip(answer, cases + [("sllVal", pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG, -1)]):
+        fv.valueType, fv.nvmlReturn = kind, pynvml.NVML_SUCCESS
+        fv.value.ullVal = 2**64 - 1  # stale bytes a shorter member leaves in place: not its value
+        setattr(fv.value, attr, number)
+    answer[-1].nvmlReturn = pynvml.NVML_ERROR_UNKNOWN
+    got = []
+    for served in (answer, list(answer)):  # the array, and its entries one by one (ctypes' attributes)
+        errors = []
+        reader = FieldValues(pynvml, lambda gpu, name, exc: errors.append((name, exc.value)))
+        gpu = SimpleNamespace(handle=0, links=None, calls=SimpleNamespace(call=lambda fn, h, ids, served=served: served))
+        read = PollRead()
+        assert reader.read(gpu, chunk, read) is False
+        got.append((read.close(), errors))
+    assert got[0] == got[1]
+    (_, values, errs, links), errors = got[0]
+    assert [values[n] for n in names] == [float(n) for n in (1.5, -math.inf, 2**32 - 1, 2**63 + 5, 2**64 - 1, -5, -7, 65535, 0)]
+    assert links == {(3, "replay"): -1} and errs == {"nvlink_replay": pynvml.NVML_ERROR_UNKNOWN}
+    assert errors == [("nvlink_replay", pynvml.NVML_ERROR_UNKNOWN)]
