@@ -6,7 +6,8 @@
    ``sentinel.sources.simulated.NVML_CALL_SECONDS``), and the daemon's own parts: the NVML source
    (deadline workers, readings), the rules (``Policy.decide``), the state (status.json, and the
    loop's bookkeeping: channel, migration, job health), the metrics (the view and its rendering).
-   The daemon's own part is the process's CPU less the backend's.
+   The daemon's own part is the process's CPU less the backend's and less the profile's own timing
+   around each backend call (``profiler``, calibrated on a call that does nothing).
 2. **An Xid storm**: 1,000 Xid records a second into the kernel-log reader (a FIFO standing in for
    /dev/kmsg, fed by a separate process) while the real loop (``Daemon.run``) polls at 1 Hz; the
    share of a core the daemon used, against the same loop without the storm, and whether every Xid
@@ -171,7 +172,7 @@ def profile_and_storm(args: argparse.Namespace) -> dict[str, float]:
     figures: dict[str, float] = {}
     print(f"One poll, CPU ms by part ({args.polls} polls, one scrape every {args.scrape_every}; the simulated NVML "
           f"spends {args.nvml_call_us:g} us a call, as a real one does):")
-    cols = ("backend", "nvml_source", "rules", "state", "metrics")
+    cols = ("backend", "nvml_source", "rules", "state", "metrics", "profiler")
     print(f"{'GPUs':>5} " + " ".join(f"{c.replace('_', ' '):>12}" for c in cols) + f" {'daemon own':>11} {'total':>8} "
           f"{'target':>8}")
     for gpus in args.profile_gpus:
@@ -182,7 +183,7 @@ def profile_and_storm(args: argparse.Namespace) -> dict[str, float]:
         figures.update({f"profile_{gpus}gpu_{k}_ms": v for k, v in r.items()})
     print("  backend: the simulated NVML calls (not the daemon's); nvml source: deadline workers and readings; rules: "
           "Policy.decide; state: status.json and the loop's bookkeeping; metrics: the view, and the render a scrape "
-          "does\n")
+          "does; profiler: this profile's timing around each backend call (calibrated; not the daemon's)\n")
     s = _poll_profile.storm(8, args.storm_rate, args.storm_seconds, cost)
     print(f"Xid storm, 8 GPUs polled at 1 Hz, {args.storm_rate:,.0f} Xid records/s for {args.storm_seconds:g} s into the "
           f"kernel-log reader: the daemon {s['storm_daemon_percent']:.2f} % of a core ({s['storm_percent']:.2f} % with the "

@@ -1,6 +1,6 @@
 """The metrics endpoint: the exposition is rendered at most once per published view, and only when scraped.
 
-:meth:`MetricsServer.refresh` collects the registry once, renders the Prometheus text format and
+:meth:`MetricsServer.refresh` collects the registry once, renders the text format (sentinel/exposition.py),
 swaps the result in with one attribute assignment. After the daemon publishes a new (immutable)
 :class:`~sentinel.metrics.View` it calls :meth:`MetricsServer.invalidate`: the first scrape that
 follows renders that view, once for every scraper, so a daemon polling at 1 Hz and scraped every
@@ -36,17 +36,18 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 from prometheus_client.core import Metric
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as CONTENT_TYPE_OPENMETRICS
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.registry import Collector
 
 from sentinel.httpauth import (  # noqa: F401 - re-exported: the auth API's old home
     DEFAULT_ITERATIONS, MIN_ITERATIONS, PBKDF2_SCHEME, BasicAuth, UsersFileError, build_tls_context, hash_password, load_users)
+from sentinel.exposition import Snapshot, TextRenderer
 from sentinel.families import counter, gauge
 from sentinel.log import event
 from sentinel.metrics import View, build_registry, new_metric
@@ -109,21 +110,11 @@ def gzip_accepted(accept_encoding: str | None) -> bool:
 
 
 # -- one rendered snapshot ----------------------------------------------------------------------
-class _Families:
-    """A collected snapshot that the prometheus_client encoders can render (any number of times)."""
-
-    def __init__(self, families: list[Metric]) -> None:
-        self.families = families
-
-    def collect(self) -> Iterable[Metric]:
-        return iter(self.families)
-
-
 class _Exposition:
     """The bodies of one refresh. ``text`` is rendered eagerly; the rest on first demand, once."""
 
     def __init__(self, families: list[Metric], text: bytes, on_render_failure: Callable[[str, BaseException], None]) -> None:
-        self.families = _Families(families)
+        self.families = Snapshot(families)
         # (asked format, gzip?) -> (format served, body)
         self._bodies: dict[tuple[str, bool], tuple[str, bytes]] = {(TEXT, False): (TEXT, text)}
         self._lock = threading.Lock()
@@ -321,6 +312,7 @@ class MetricsServer:
         self._conns_lock = threading.Lock()
         self._busy = threading.Event()  # set while connections are open (and at close): wakes the reaper
         self._render_lock = threading.Lock()
+        self._text = TextRenderer()  # the text format, as prometheus_client renders it
         self._stats_lock = threading.Lock()
         self._render_failures = 0
         self._render_seconds: float | None = None
@@ -425,7 +417,7 @@ class MetricsServer:
                 families = self._last_good
                 self._count_render_failure("collect", exc)
             try:
-                text = generate_latest(_Families(families + self._own_families()))
+                text = self._text.render(families + self._own_families())
             except Exception as exc:  # noqa: BLE001 - e.g. a sample the encoder rejects
                 self._count_render_failure("text", exc)
                 return False

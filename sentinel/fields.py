@@ -237,6 +237,19 @@ NVLINK_FIELD_IDS = {"replay": "NVML_FI_DEV_NVLINK_ERROR_DL_REPLAY", "recovery": 
                     "crc_flit": "NVML_FI_DEV_NVLINK_ERROR_DL_CRC"}
 NVLINK_LEGACY_LINKS = 12
 FIELD_VALUES_PER_CALL = 128  # entries per nvmlDeviceGetFieldValues call
+# Each kind's counter summed over the GPU's links ("total for all lanes", nvml.h), one field value
+# each: the source reads these every poll and the per-link counters when a total moved (see
+# sentinel/sources/nvml_batch.py).
+NVLINK_TOTAL_FIELD_IDS = {"crc_flit": "NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL",
+                          "crc_data": "NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL",
+                          "replay": "NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL",
+                          "recovery": "NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL"}
+
+
+def nvlink_total_field_id(nvml: Any, kind: str) -> tuple[int, int] | None:
+    """(fieldId, 0) that reads one NVLink counter kind summed over the links, or None when NVML has none."""
+    fid = getattr(nvml, NVLINK_TOTAL_FIELD_IDS.get(kind, ""), None)
+    return None if fid is None else (int(fid), 0)
 
 
 def nvlink_field_id(nvml: Any, link: int, kind: str) -> tuple[int, int] | None:
@@ -270,16 +283,39 @@ def make_field_value(nvml: Any, field_id: int, scope: int, ret: int, number: flo
                            valueType=nvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG if whole else nvml.NVML_VALUE_TYPE_DOUBLE)
 
 
+def field_values(nvml: Any, rows: Sequence[tuple[int, int, int, float | int]]) -> Any:
+    """What nvmlDeviceGetFieldValues returns for ``rows`` of (field id, scope id, nvmlReturn,
+    number): pynvml's own ctypes array of ``c_nvmlFieldValue_t``, so a reader pays what it pays
+    on a driver's answer (~1 µs an entry through ctypes, ~6x a plain object's); look-alikes
+    (:func:`make_field_value`) where ``nvml`` has no such type."""
+    struct = getattr(nvml, "c_nvmlFieldValue_t", None)
+    if struct is None:
+        return [make_field_value(nvml, *row) for row in rows]
+    out = (struct * len(rows))()
+    for fv, (fid, scope, ret, number) in zip(out, rows):
+        fv.fieldId, fv.scopeId, fv.nvmlReturn = fid, scope, ret
+        if not float(number).is_integer():
+            fv.valueType, fv.value.dVal = nvml.NVML_VALUE_TYPE_DOUBLE, float(number)
+        elif number < 0:
+            fv.valueType, fv.value.sllVal = nvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG, int(number)
+        else:
+            fv.valueType, fv.value.ullVal = nvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, int(number)
+    return out
+
+
 def serve_field_values(fields: Sequence[NvmlField], nvml: Any, requests: Sequence[Any],
                        scalar: Callable[[NvmlField], tuple[int, Any]],
-                       nvlink: Callable[[int, str], tuple[int, Any]]) -> list[SimpleNamespace]:
+                       nvlink: Callable[[int, str], tuple[int, Any]], links: Sequence[int] = ()) -> Any:
     """For a look-alike of nvmlDeviceGetFieldValues: one field value per request (a field id, or
-    a (field id, scope id) pair). ``scalar(field)`` / ``nvlink(link, kind)`` return (nvmlReturn,
-    stored value); a field id nothing declares answers NOT_SUPPORTED, as NVML does."""
+    a (field id, scope id) pair), as :func:`field_values` makes them. ``scalar(field)`` / ``nvlink(link, kind)`` return (nvmlReturn,
+    stored value); a field id nothing declares answers NOT_SUPPORTED, as NVML does. An NVLink
+    total is ``nvlink(link, kind)`` summed over ``links`` (the GPU's enabled links): NOT_SUPPORTED
+    where no link has the counter, the first error where one fails."""
     by_id = {int(getattr(nvml, f.field_id)): f for f in fields if f.field_id and hasattr(nvml, f.field_id)}
     link_kinds = {int(getattr(nvml, c)): k for k, c in NVLINK_FIELD_IDS.items() if hasattr(nvml, c)}
     legacy = {int(getattr(nvml, f"NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_L{i}")): i for i in range(NVLINK_LEGACY_LINKS)
               if hasattr(nvml, f"NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_L{i}")}
+    totals = {int(getattr(nvml, c)): k for k, c in NVLINK_TOTAL_FIELD_IDS.items() if hasattr(nvml, c)}
     out = []
     for req in requests:
         fid, scope = (int(req[0]), int(req[1])) if isinstance(req, tuple) else (int(req), 0)
@@ -287,13 +323,24 @@ def serve_field_values(fields: Sequence[NvmlField], nvml: Any, requests: Sequenc
             f = by_id[fid]
             ret, stored = scalar(f)
             number = f.value_codec.encode(nvml, stored) if ret == nvml.NVML_SUCCESS else 0
+        elif fid in totals:
+            ret, number = _nvlink_total(nvml, [nvlink(link, totals[fid]) for link in links])
         elif fid in link_kinds or fid in legacy:
             link, kind = (scope, link_kinds[fid]) if fid in link_kinds else (legacy[fid], "crc_data")
             ret, number = nvlink(link, kind)
         else:
             ret, number = nvml.NVML_ERROR_NOT_SUPPORTED, 0
-        out.append(make_field_value(nvml, fid, scope, ret, number if ret == nvml.NVML_SUCCESS else 0))
-    return out
+        out.append((fid, scope, ret, number if ret == nvml.NVML_SUCCESS else 0))
+    return field_values(nvml, out)
+
+
+def _nvlink_total(nvml: Any, answers: list[tuple[int, Any]]) -> tuple[int, int]:
+    """(nvmlReturn, sum) of one kind's per-link answers, as NVML's total of that kind answers."""
+    failed = [ret for ret, _ in answers if ret not in (nvml.NVML_SUCCESS, nvml.NVML_ERROR_NOT_SUPPORTED)]
+    if failed:
+        return failed[0], 0
+    read = [int(n) for ret, n in answers if ret == nvml.NVML_SUCCESS]
+    return (nvml.NVML_SUCCESS, sum(read)) if read else (nvml.NVML_ERROR_NOT_SUPPORTED, 0)
 
 
 def serve(fields: Sequence[NvmlField], nvml: Any, call: str, args: tuple[Any, ...],

@@ -15,6 +15,15 @@ FIELDS: tuple[str, ...] = names(NVML_FIELDS)
 NVLINK_KINDS: tuple[str, ...] = ("crc_flit", "crc_data", "replay", "recovery")
 
 
+def sum_links(nvlink: Mapping[tuple[int, str], int]) -> dict[str, int]:
+    """Each NVLink counter kind summed over the links (``GpuReading.nvlink`` -> ``nvlink_sums``)."""
+    sums: dict[str, int] = {}
+    get = sums.get
+    for (_, kind), value in nvlink.items():
+        sums[kind] = get(kind, 0) + value
+    return sums
+
+
 @dataclass(frozen=True)
 class XidEvent:
     """One Xid report, from NVML's event set, the kernel log, or eBPF."""
@@ -60,16 +69,15 @@ class GpuReading:
     xid_counts: Mapping[int, int] = field(default_factory=dict)  # cumulative since daemon start
     lost: bool = False
     hung: bool = False  # an NVML call on this GPU passed its deadline
+    # sum_links(nvlink), when the source made it where the counters were read (the NVML source's
+    # reading thread, while they are in its cache); None: made on first use
+    summed: Mapping[str, int] | None = field(default=None, compare=False, repr=False)
 
     @cached_property
     def nvlink_sums(self) -> Mapping[str, int]:
         """Each NVLink counter kind summed over the links: what the rules, the straggler causes and
         the default export use (summed once per reading, not once by each)."""
-        sums: dict[str, int] = {}
-        get = sums.get
-        for (_, kind), value in self.nvlink.items():
-            sums[kind] = get(kind, 0) + value
-        return sums
+        return self.summed if self.summed is not None else sum_links(self.nvlink)
 
 
 @dataclass(frozen=True)

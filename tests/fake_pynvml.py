@@ -141,9 +141,16 @@ class FakePynvml:
                 return b.code, 0
             return pynvml.NVML_SUCCESS, 0 if b is None or b == "hang" else b
 
-        result = nvml_fields.serve_field_values(self.fields, pynvml, field_ids, scalar, nvlink)
+        result = nvml_fields.serve_field_values(self.fields, pynvml, field_ids, scalar, nvlink, self._links(h))
         self.field_value_calls += 1
         return self._respond(h, "hang" if "hang" in outcomes else result, result)
+
+    def _links(self, h) -> list[int]:
+        """The GPU's enabled links, as nvmlDeviceGetNvLinkState answers them (not counted as calls)."""
+        b = self.behaviour.get(("nvlink_state", h.index), self.behaviour.get(("nvlink_state", -1)))
+        if b is None:
+            return [0, 1]
+        return [link for link in range(pynvml.NVML_NVLINK_MAX_LINKS) if b == pynvml.NVML_FEATURE_ENABLED]
 
     def nvmlDeviceGetNvLinkState(self, h, link):
         return self._do("nvlink_state", h, pynvml.NVML_FEATURE_ENABLED if link < 2 else pynvml.NVML_FEATURE_DISABLED)

@@ -73,12 +73,17 @@ class KernelSource:
         self.bus_to_gpu = dict(bus_to_gpu)
 
     def push(self, xid: XidEvent | None = None, event: KernelEvent | None = None) -> None:
+        """Queue an event; the first since the last drain wakes the daemon, which drains them all
+        (every event queued is followed by a wake: its own, or the one of the first still queued).
+        An Xid storm wakes it once a batch, not a thousand times a second."""
         with self._lock:
+            first = not self._xids and not self._events
             if xid is not None:
                 self._xids.append(xid)
             if event is not None:
                 self._events.append(event)
-        self.wake()
+        if first:
+            self.wake()
 
     def drain(self) -> tuple[list[XidEvent], list[KernelEvent]]:
         with self._lock:

@@ -9,6 +9,9 @@ Contract
 * Each field is probed once at start. "Not supported" is remembered and the field is never read
   (nor exported) again; any other error is counted per (field, code) and the field is retried
   on every poll.
+* Fields with an NVML field id and the NVLink counters are read with nvmlDeviceGetFieldValues
+  (:mod:`sentinel.sources.nvml_batch`); a kind's per-link NVLink counters only when its total
+  moved, so the rules, which sum them per kind, see what a read of every link gives.
 * NVML calls run off the polling thread: one sweep thread reads the GPUs one after another; when
   a call holds it up, the GPUs it has not begun are read in parallel by their own worker threads.
 * ``deadline_seconds`` is each GPU's budget for a whole poll: :meth:`poll` returns within about
@@ -35,7 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from sentinel import fields as nvml_fields
-from sentinel.readings import NVLINK_KINDS, GpuReading, XidEvent
+from sentinel.readings import GpuReading, XidEvent, sum_links
+from sentinel.sources.nvml_batch import NVLINK_COUNTERS, FieldValues, LinkGate
 from sentinel.sources.nvml_events import xid_events
 from sentinel.sources.nvml_worker import (HUNG_GRACE, SWEEP_CALL_SECONDS, SWEEPERS, CallClock, Hung, Job, PollRead,
                                           Sweep, Worker)
@@ -46,15 +50,6 @@ log = logging.getLogger("sentinel.nvml")
 
 class NvmlUnavailable(RuntimeError):
     """NVML cannot be used on this machine (no library, no driver, no permission)."""
-
-
-NVLINK_COUNTERS = {
-    "replay": "NVML_NVLINK_ERROR_DL_REPLAY",
-    "recovery": "NVML_NVLINK_ERROR_DL_RECOVERY",
-    "crc_flit": "NVML_NVLINK_ERROR_DL_CRC_FLIT",
-    "crc_data": "NVML_NVLINK_ERROR_DL_CRC_DATA",
-}
-assert set(NVLINK_COUNTERS) == set(NVLINK_KINDS)
 
 
 @dataclass
@@ -70,27 +65,17 @@ class _Gpu:
     supported: list[str] = field(default_factory=list)
     unsupported: set[str] = field(default_factory=set)
     nvlinks: list[int] = field(default_factory=list)
-    # batched reads: (what, key, (fieldId, scopeId)); what is "field" (key: the field's name) or
-    # "link" (key: (link, kind)); in chunks of FIELD_VALUES_PER_CALL
+    # batched reads (sentinel/sources/nvml_batch.py): entries read every poll, in chunks of
+    # FIELD_VALUES_PER_CALL; the per-link NVLink counters read when their totals moved
     batch: list[list[tuple[str, Any, tuple[int, int]]]] = field(default_factory=list)
+    links: LinkGate | None = None
     link_calls: list[tuple[int, str]] = field(default_factory=list)  # NVLink counters read one call each
+    link_count: int = 0  # NVLink counters one complete read returns
     lost: bool = False
     pending: Job | None = None  # the latest job, until it is done
     cut_short: PollRead | None = None  # the last read, when the poll budget ended it
     counted_stuck_call: float | None = None  # start time of the stuck call already counted
     items: list[tuple[str, Any]] | None = None  # the calls of one read, once probed (NvmlSource._items)
-
-
-class _Code:
-    """An NVML return code from one field value, recorded as an NVMLError would be."""
-
-    def __init__(self, value: int) -> None:
-        self.value = value
-
-
-def gpu_link_count(gpu: _Gpu) -> int:
-    """How many NVLink counters one complete read of ``gpu`` returns."""
-    return len(gpu.link_calls) + sum(1 for chunk in gpu.batch for what, _, _ in chunk if what == "link")
 
 
 def _text(value: Any) -> str:
@@ -112,11 +97,14 @@ class NvmlSource:
         source_name: str = "nvml",
         batch: bool = True,
         sweep_call_seconds: float = SWEEP_CALL_SECONDS,
+        nvlink_totals: bool = True,
     ) -> None:
         self.nvml = nvml
         # read every field that has an NVML field id, and the NVLink counters, through
         # nvmlDeviceGetFieldValues (one call per GPU per poll); False: one call per field and counter
         self.batch = batch
+        # with batch: the per-link NVLink counters read only when their totals moved (nvml_batch.py)
+        self._values = FieldValues(nvml, self._record_error, totals=nvlink_totals)
         self.deadline = deadline_seconds
         self.sweep_call = sweep_call_seconds  # a sweep call this long hands the GPUs after it to their workers
         self.clock = clock
@@ -135,13 +123,6 @@ class NvmlSource:
         self._stop = threading.Event()
         self._event_thread: threading.Thread | None = None
         self._control = Worker("sentinel-nvml-init", clock)
-        self._value_attrs = nvml_fields.value_attrs(nvml)
-        self._success = getattr(nvml, "NVML_SUCCESS", 0)
-        self._lost_code = getattr(nvml, "NVML_ERROR_GPU_IS_LOST", 15)
-        self._ull = getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG", 3)
-        plain = (nvml_fields.NUMBER, nvml_fields.FLAG)  # None: the number as a float, as these decode it
-        self._decoders = {f.name: None if f.value_codec in plain else f.value_codec.decode
-                          for f in nvml_fields.NVML_FIELDS}
         self._calls: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {}  # see _resolved
         self._sweepers: list[tuple[Worker, Job | None]] = []  # sweep threads and their latest jobs
 
@@ -215,7 +196,7 @@ class NvmlSource:
             except nvml.NVMLError as exc:
                 if exc.value not in (nvml.NVML_ERROR_NOT_SUPPORTED, nvml.NVML_ERROR_INVALID_ARGUMENT):
                     self._record_error(gpu, "nvlink_state", exc)
-        batched, batch_unsupported = self._probe_batch(gpu) if self.batch else (set(), set())
+        batched, batch_unsupported = self._values.probe(gpu) if self.batch else (set(), set())
         for name, f in self.declared.items():
             if name in batched:
                 gpu.supported.append(name)
@@ -243,95 +224,14 @@ class NvmlSource:
                         continue  # this link has no such counter (NVLink 4: no data CRC): never read
                     self._record_error(gpu, f"nvlink_{kind}", exc)
                 gpu.link_calls.append((link, kind))
+        if self.batch:
+            self._values.gate(gpu, gpu.link_calls)
+        gpu.link_count = (len(gpu.link_calls) + (gpu.links.count if gpu.links else 0)
+                          + sum(1 for chunk in gpu.batch for what, _, _ in chunk if what == "link"))
         if not gpu.nvlinks:
             gpu.unsupported.add("nvlink")
         if gpu.unsupported:
             log.info("GPU %d: not supported: %s", gpu.index, ", ".join(sorted(gpu.unsupported)))
-
-    def _probe_batch(self, gpu: _Gpu) -> tuple[set[str], set[str]]:
-        """Try every field id once in nvmlDeviceGetFieldValues; keep in the batch what the driver
-        answers (or fails on with anything but NOT_SUPPORTED: retried, as any field is). Returns
-        (fields batched, fields whose id the driver does not support). A driver without the call,
-        or one whose call fails as a whole, leaves every field to its own call."""
-        nvml, w = self.nvml, gpu.calls
-        fn = getattr(nvml, "nvmlDeviceGetFieldValues", None)
-        wanted: list[tuple[str, Any, tuple[int, int]]] = []
-        for name, f in self.declared.items():
-            fid = getattr(nvml, f.field_id, None) if f.field_id else None
-            if fid is not None:
-                wanted.append(("field", name, (int(fid), 0)))
-        for link in gpu.nvlinks:
-            for kind in NVLINK_COUNTERS:
-                spec = nvml_fields.nvlink_field_id(nvml, link, kind)
-                if spec is not None:
-                    wanted.append(("link", (link, kind), spec))
-        if fn is None or not wanted:
-            return set(), set()
-        kept: list[tuple[str, Any, tuple[int, int]]] = []
-        unsupported: set[str] = set()
-        step = nvml_fields.FIELD_VALUES_PER_CALL
-        for start in range(0, len(wanted), step):
-            chunk = wanted[start:start + step]
-            try:
-                values = w.call(fn, gpu.handle, [spec for _, _, spec in chunk])
-            except nvml.NVMLError as exc:
-                if exc.value not in (nvml.NVML_ERROR_NOT_SUPPORTED, getattr(nvml, "NVML_ERROR_FUNCTION_NOT_FOUND", -1)):
-                    self._record_error(gpu, "field_values", exc)
-                return set(), set()
-            for (what, key, spec), fv in zip(chunk, values):
-                ret = int(fv.nvmlReturn)
-                if ret == nvml.NVML_ERROR_NOT_SUPPORTED:
-                    if what == "field":
-                        unsupported.add(key)
-                    continue
-                if ret != nvml.NVML_SUCCESS:
-                    self._record_error(gpu, key if what == "field" else f"nvlink_{key[1]}", _Code(ret))
-                kept.append((what, key, spec))
-        gpu.batch = [kept[i:i + step] for i in range(0, len(kept), step)]
-        return {key for what, key, _ in kept if what == "field"}, unsupported
-
-    def _read_batch(self, gpu: _Gpu, chunk: list[tuple[str, Any, tuple[int, int]]], read: PollRead) -> bool:
-        """One nvmlDeviceGetFieldValues call; each entry's outcome is its field's. True when the GPU is lost."""
-        nvml = self.nvml
-        try:
-            values = gpu.calls.call(nvml.nvmlDeviceGetFieldValues, gpu.handle, [spec for _, _, spec in chunk])
-        except nvml.NVMLError as exc:
-            for what, key, _ in chunk:
-                name = key if what == "field" else f"nvlink_{key[1]}"
-                read.put("errors", name, int(exc.value))
-                self._record_error(gpu, name, exc)
-            return exc.value == nvml.NVML_ERROR_GPU_IS_LOST
-        # ~90 values a GPU a poll: the constants, the value-type map and the decoders are looked up
-        # once, the common case (an unsigned long long) takes no look-up, the results are handed
-        # over under one lock
-        success, lost_code, attrs, ull, decoders = (self._success, self._lost_code, self._value_attrs, self._ull,
-                                                    self._decoders)
-        lost = False
-        values_out: dict[str, float] = {}
-        links_out: dict[tuple[int, str], int] = {}
-        errors_out: dict[str, int] = {}
-        for (what, key, _), fv in zip(chunk, values):
-            ret = fv.nvmlReturn
-            if ret != success:
-                name = key if what == "field" else f"nvlink_{key[1]}"
-                errors_out[name] = int(ret)
-                self._record_error(gpu, name, _Code(int(ret)))
-                lost = lost or ret == lost_code
-                continue
-            kind = fv.valueType
-            if kind == ull:
-                number = fv.value.ullVal
-            elif kind in attrs:
-                number = getattr(fv.value, attrs[kind])
-            else:
-                raise ValueError(f"field {fv.fieldId}: unknown NVML value type {kind}")
-            if what == "link":
-                links_out[key] = int(number)
-            else:
-                decode = decoders[key]
-                values_out[key] = float(number) if decode is None else float(decode(nvml, float(number)))
-        read.put_many(values_out, errors_out, links_out)
-        return lost
 
     def _read_group(self, gpu: _Gpu, names: list[str], read: PollRead) -> bool:
         """One call for the fields that share it (each takes its part); True when the GPU is lost."""
@@ -392,7 +292,12 @@ class NvmlSource:
                 return  # this poll has reported the GPU already
             name, link = items[position]
             if name == "field_values":
-                if self._read_batch(gpu, link, read):
+                if self._values.read(gpu, link, read):
+                    lost = True
+                    break
+                continue
+            if name == "nvlink_links":
+                if self._values.read_links(gpu, read):
                     lost = True
                     break
                 continue
@@ -417,12 +322,14 @@ class NvmlSource:
                     lost = True
                     break
         gpu.lost = lost
-        read.finish()
+        read.finish(sum_links)
 
     def _items(self, gpu: _Gpu) -> list[tuple[str, Any]]:
         """The calls of one read of ``gpu``, in ring order (see :meth:`_read`)."""
         batched = {key for chunk in gpu.batch for what, key, _ in chunk if what == "field"}
         items: list[tuple[str, Any]] = [("field_values", chunk) for chunk in gpu.batch]
+        if gpu.links is not None:  # right after the totals it compares
+            items.append(("nvlink_links", gpu.links))
         if self.batch:  # fields that share one call (the remapper histogram's five) make it once
             groups: dict[tuple[str, tuple[str, ...]], list[str]] = {}
             for name in gpu.supported:
@@ -555,8 +462,10 @@ class NvmlSource:
         errors: dict[str, int] = {}
         links: dict[tuple[int, str], int] = {}
         finished = failed = False
+        summed = None
         if read is not None:
             finished, values, errors, links = read.close()
+            summed = read.summary if finished else None  # sum_links(links), made by the reading thread
             # a sweep's reads keep their own failures (NvmlSource._swept)
             error = read.error or (job.error if job is not None and not job.sweep and job.done.is_set() else None)
             failed = error is not None
@@ -576,13 +485,13 @@ class NvmlSource:
                 self._count(("deadline", self.nvml.NVML_ERROR_TIMEOUT))
             errors["poll_budget"] = self.nvml.NVML_ERROR_TIMEOUT
             self._count(("poll_budget", self.nvml.NVML_ERROR_TIMEOUT))
-            if len(links) < gpu_link_count(gpu):
+            if len(links) < gpu.link_count:
                 links = {}  # the policy sums the counters over links: a partial sum would read as a jump
         with self._xid_lock:
             xids = dict(self._xid_counts.get(gpu.index, {}))
         return GpuReading(index=gpu.index, uuid=gpu.uuid, pci_bus_id=gpu.pci_bus_id, name=gpu.name, serial=gpu.serial,
                           values=values, unsupported=frozenset(gpu.unsupported), errors=errors, nvlink=links,
-                          xid_counts=xids, lost=gpu.lost, hung=hung)
+                          xid_counts=xids, lost=gpu.lost, hung=hung, summed=summed)
 
     def drain_xid_events(self) -> list[XidEvent]:
         with self._xid_lock:

@@ -172,6 +172,7 @@ class PollRead:
         self.position_done = False  # whether that call has returned
         self.began = False  # whether any call was made for this read
         self.error: BaseException | None = None  # the read failed (raised): set by the thread reading
+        self.summary: Any = None  # see finish
         self.now: dict[str, dict[Any, Any]] = {"values": {}, "errors": {}, "links": {}}
         self.late: dict[str, dict[Any, Any]] = {"values": {}, "errors": {}, "links": {}}
 
@@ -204,10 +205,13 @@ class PollRead:
                         into[other].pop(key, None)
             self.position_done = True
 
-    def finish(self) -> bool:
-        """After the last call: True when the read finished before the poll reported it."""
+    def finish(self, summarize: Callable[[dict[Any, Any]], Any] | None = None) -> bool:
+        """After the last call: True when the read finished before the poll reported it; then
+        ``summary`` is ``summarize(links)`` (made on the reading thread, where they are fresh)."""
         with self._lock:
             self.finished = not self.closed
+            if self.finished and summarize is not None:
+                self.summary = summarize(self.now["links"])
             return self.finished
 
     def close(self) -> tuple[bool, dict[str, float], dict[str, int], dict[tuple[int, str], int]]:

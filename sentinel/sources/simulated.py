@@ -495,8 +495,10 @@ class SimulatedNvml:
         return build()
 
     def nvmlDeviceGetFieldValues(self, h: _Handle, field_ids: list) -> list:
-        """Every declared field id and the NVLink counters, from the state (one call: one stat).
-        Built once per state version and request (the simulation's own work, beside the call's
+        """Every declared field id and the NVLink counters (and their totals), from the state (one
+        call: one stat), as pynvml returns them: a ctypes array of ``c_nvmlFieldValue_t``, which
+        the daemon reads entry by entry at ctypes' cost, as it reads a driver's. Built once per
+        state version and request (the simulation's own work, beside the call's
         ``call_cost_seconds``, stays a few microseconds: the backend costs what a driver's does)."""
         gpu = self._gpu(h)
         key = tuple(field_ids)
@@ -520,7 +522,7 @@ class SimulatedNvml:
                 return pynvml.NVML_ERROR_NOT_SUPPORTED, 0
             return pynvml.NVML_SUCCESS, int(links[link][kind])
 
-        return nvml_fields.serve_field_values(self._fields, pynvml, field_ids, scalar, nvlink)
+        return nvml_fields.serve_field_values(self._fields, pynvml, field_ids, scalar, nvlink, range(len(gpu["nvlink"])))
 
     def nvmlDeviceGetNvLinkState(self, h: _Handle, link: int) -> int:
         links = self._field(h, "nvlink")["nvlink"]
