@@ -105,3 +105,34 @@ def test_a_committed_migrate_snapshot_is_drained_without_waiting_for_a_poll(tmp_
         loop.join(timeout=10)
         daemon.close()
         rank.close()
+
+
+def test_the_ack_watch_wakes_only_while_acknowledgements_are_due_and_ends_with_close():
+    """A datagram on a rank's pair wakes the loop only while a request's acks are due (a rank
+    writing to its own pair at other times costs the daemon nothing); close() ends the thread."""
+    import socket
+
+    from sentinel.ack_sockets import AckWatch
+
+    def watchers() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "sentinel-ack-watch"}
+
+    others = watchers()
+    asked, woken = [], []
+    due = threading.Event()
+    watch = AckWatch(lambda: woken.append(1), lambda: (asked.append(1), due.is_set())[1])
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        watch.add(ours)
+        theirs.send(b"not due")
+        wait_for(lambda: asked, timeout=30, what="the watch to see the first datagram")
+        assert woken == []  # nothing due: no wake
+        due.set()
+        theirs.send(b"due")
+        wait_for(lambda: woken, timeout=30, what="the wake for a due acknowledgement")
+        watch.remove(ours)
+    finally:
+        watch.close()
+        ours.close()
+        theirs.close()
+    assert watchers() <= others  # its thread is gone
