@@ -15,14 +15,22 @@ pair was made; a rank takes it only from a sender of a daemon uid (kernel-verifi
 A new pair is made for a new process holding the rank's name (pid reuse), and the daemon's end
 is closed with the rank. A rank with no pair (an older daemon, or one restarted since: its send
 fails on the closed end) acknowledges over ``daemon.sock`` as before. Never raises.
+
+:class:`AckWatch` wakes the daemon's loop when an acknowledgement arrives on one of these pairs,
+so a committed migrate snapshot is acted on at once instead of at the next poll.
 """
 
 from __future__ import annotations
 
 import array
 import logging
+import os
+import select
 import socket
+import threading
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 log = logging.getLogger("sentinel.channel")
 
@@ -40,6 +48,7 @@ class AckChannels:
     def __init__(self) -> None:
         self._pairs: dict[str, _Pair] = {}
         self.errors = 0
+        self.watch: AckWatch | None = None  # told of every pair made and closed
 
     def ensure(self, name: str, identity: tuple[int, int]) -> None:
         """A pair for the rank named ``name`` (made now when it has none, or one for another process)."""
@@ -56,6 +65,8 @@ class AckChannels:
         ours.setblocking(False)
         ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # the sender's pid, from the kernel
         self._pairs[name] = _Pair(identity, ours, theirs)
+        if self.watch is not None:
+            self.watch.add(ours)
 
     def ancillary(self, name: str) -> list[tuple[int, int, bytes]]:
         """The control message that hands the rank its end with the next datagram (none once it did)."""
@@ -74,6 +85,8 @@ class AckChannels:
     def drop(self, name: str) -> None:
         pair = self._pairs.pop(name, None)
         if pair is not None:
+            if self.watch is not None:
+                self.watch.remove(pair.ours)
             pair.ours.close()
             if pair.theirs is not None:
                 pair.theirs.close()
@@ -89,3 +102,63 @@ class AckChannels:
     def close(self) -> None:
         for name in list(self._pairs):
             self.drop(name)
+
+
+class AckWatch:
+    """A thread that calls ``wake`` when a datagram arrives on the daemon's end of a rank's pair
+    while ``expecting()`` is true (a request's acknowledgements are still due): the daemon's loop
+    otherwise read them only at its next poll (``poll_interval_seconds``, 1 s by default), and
+    the drain of a node whose snapshot was committed waited for it. The thread reads nothing
+    (the loop does, as before): edge-triggered epoll, one wake per arrival at most every
+    ``min_gap`` seconds (a rank that floods its own pair costs the daemon at most 1/``min_gap``
+    iterations a second, and only while one of its requests is open). Never raises."""
+
+    def __init__(self, wake: Callable[[], None], expecting: Callable[[], bool], *, min_gap: float = 0.01) -> None:
+        self._wake = wake
+        self._expecting = expecting
+        self._min_gap = min_gap
+        self._ep = select.epoll()
+        self._stop_r, self._stop_w = os.pipe()
+        self._ep.register(self._stop_r, select.EPOLLIN)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="sentinel-ack-watch", daemon=True)
+        self._thread.start()
+
+    def add(self, sock: socket.socket) -> None:
+        try:
+            self._ep.register(sock.fileno(), select.EPOLLIN | select.EPOLLET)
+        except (OSError, ValueError) as exc:  # closed meanwhile, or already watched: the poll still reads it
+            log.debug("ack watch: %s", exc)
+
+    def remove(self, sock: socket.socket) -> None:
+        try:
+            self._ep.unregister(sock.fileno())
+        except (OSError, ValueError):
+            pass  # not watched (or already gone with its descriptor)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                events = self._ep.poll()
+            except OSError:  # EINTR, or the epoll closed under us at close()
+                if self._closed:
+                    return
+                continue
+            if self._closed or any(fd == self._stop_r for fd, _ in events):
+                return
+            try:
+                if self._expecting():
+                    self._wake()
+            except Exception:  # noqa: BLE001 - a failed wake only leaves the ack to the next poll
+                log.exception("ack watch: waking the daemon failed")
+            time.sleep(self._min_gap)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        os.write(self._stop_w, b"x")
+        self._thread.join(timeout=5)
+        self._ep.close()
+        os.close(self._stop_r)
+        os.close(self._stop_w)

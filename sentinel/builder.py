@@ -40,12 +40,16 @@ def build_daemon(cfg: Config, *, simulate: str | None = None, no_ebpf: bool = Fa
     state = Path(cfg.daemon.state_dir)
     check_directories(runtime, state)
     node = cfg.daemon.node_name or socket.gethostname()
-    wake = threading.Event()
+    wake, urgent = threading.Event(), threading.Event()
+
+    def act_now() -> None:  # a finished backend call: the migration's next step at once (Daemon.act_now)
+        urgent.set()
+        wake.set()
     endpoint = open_endpoint(cfg, runtime)
     try:
         backend, up = start_backend(cfg, node, state, runtime)
         migrator = Migrator(cfg.actions, endpoint, state_dir=state, runtime_dir=runtime, node=node, backend=backend,
-                            wake=wake.set, backend_up=up)
+                            wake=act_now, backend_up=up)
         # rank signals watch the verified ranks only
         sources = (list(event_sources) if event_sources is not None
                    else kernel_sources(cfg, no_ebpf=no_ebpf, ranks=lambda: endpoint.ranks().keys()))
@@ -53,7 +57,7 @@ def build_daemon(cfg: Config, *, simulate: str | None = None, no_ebpf: bool = Fa
         endpoint.close()
         raise
     return Daemon(cfg, nvml, event_sources=sources, executor=Executor(trainer=endpoint, migrator=migrator),
-                  endpoint=endpoint, migrator=migrator, notifier=Notifier(), wake=wake)
+                  endpoint=endpoint, migrator=migrator, notifier=Notifier(), wake=wake, urgent=urgent)
 
 
 def nvml_source(cfg: Config, simulate: str | None = None, backend: Any = None) -> NvmlSource:

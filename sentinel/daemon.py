@@ -95,6 +95,7 @@ class Daemon:
         migrator: Any = None,
         notifier: Notifier | None = None,
         wake: threading.Event | None = None,
+        urgent: threading.Event | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
@@ -104,7 +105,10 @@ class Daemon:
         :class:`sentinel.daemon_endpoint.DaemonEndpoint`), the migration sequence (``migrator``, a
         :class:`sentinel.migration.Migrator`), and ``wake``, the event that ends the wait between
         polls (set by a kernel event or a finished backend call; the builder gives the same one
-        to the migrator). Without an endpoint and a migrator, trips are only counted and logged."""
+        to the migrator), and ``urgent``, set beside it when what woke the loop is a step of a
+        migration (an acknowledgement, a finished backend call): acted on at once, never
+        gathered with a burst of kernel events. Without an endpoint and a migrator, trips are
+        only counted and logged."""
         self.config = config
         self.nvml = nvml_source
         self.event_sources = list(event_sources or [])
@@ -127,6 +131,7 @@ class Daemon:
         self.migrator = migrator
         self._stop = threading.Event()
         self._wake = wake or threading.Event()
+        self._urgent = urgent or threading.Event()
         self.last_gpus: tuple = ()
         self.started_at = clock()
         # NVML that cannot start (no driver, a broken one) is a reading, not an exit: the daemon
@@ -168,6 +173,9 @@ class Daemon:
             raise StartupError(f"cannot watch the job's etcd rendezvous ([job] rendezvous_etcd_*): {exc}") from None
         self.rdzv_store.start()
         self.start_nvml()
+        watch_acks = getattr(self.endpoint, "watch_acks", None)
+        if watch_acks is not None:  # a rank's acknowledgement wakes the loop: a drain never waits for a poll
+            watch_acks(self.act_now)
         for src in self.event_sources:
             src.wake = self._wake.set
             try:
@@ -218,6 +226,12 @@ class Daemon:
 
     def stop(self) -> None:
         self._stop.set()
+        self._urgent.set()
+        self._wake.set()
+
+    def act_now(self) -> None:
+        """Wake the loop for a step of a migration: decided on at once (see ``urgent``)."""
+        self._urgent.set()
         self._wake.set()
 
     def close(self) -> None:
@@ -480,10 +494,13 @@ class Daemon:
                     if delay < -interval:
                         next_at = self.clock()
                     break
-                if self._wake.wait(delay):  # a kernel event: act now, not at the next poll
+                if self._wake.wait(delay):  # a kernel event, an ack: act now, not at the next poll
                     gather = min(last_events + EVENT_BATCH_SECONDS, next_at) - self.clock()
-                    if gather > 0 and self._stop.wait(gather):  # a burst: its events are decided on together
+                    if not self._urgent.is_set() and gather > 0:
+                        self._urgent.wait(gather)  # a burst: its events are decided on together (a migration's step ends it)
+                    if self._stop.is_set():
                         break
+                    self._urgent.clear()
                     self._wake.clear()
                     try:
                         self.poll_events()

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from sentinel import procs
-from sentinel.ack_sockets import AckChannels
+from sentinel.ack_sockets import AckChannels, AckWatch
 from sentinel.channel import (Ack, MalformedMessage, Register, Report, Request, _bind_dgram, _recv_with_creds,
                               decode, parse_rank_name)
 from sentinel.families import counter
@@ -96,6 +96,7 @@ class DaemonEndpoint:
         self.rejected: Counter[str] = Counter()
         self._rejected_seen: set[tuple[str, int, str]] = set()
         self.requests: dict[str, RequestState] = {}
+        self._acks_due_until = 0.0  # monotonic: until when a request's committed acks are still due
         self.agent_error = ""
         self.reports: list[Report] = []  # from verified ranks, taken by take_reports()
         self._granted: tuple[int, int] | None = None
@@ -369,7 +370,23 @@ class DaemonEndpoint:
         if len(self.requests) > 256:  # bounded: forget the oldest finished requests
             for rid in list(self.requests)[:-256]:
                 del self.requests[rid]
+        self._note_due()
         return len(state.sent_to)
+
+    def _note_due(self) -> None:
+        """Until when :class:`AckWatch` wakes the loop: the latest deadline of a request whose
+        committed acks are not all in (a plain float: the watch's thread only reads it)."""
+        self._acks_due_until = max((s.retry_until for s in self.requests.values() if s.sent_to.keys() - s.acks.keys()),
+                                   default=0.0)
+
+    def watch_acks(self, wake: Callable[[], None]) -> None:
+        """From now on ``wake`` is called (from a thread of its own) when an acknowledgement
+        arrives on a rank's pair while one is due; the loop then reads it with :meth:`poll_acks`
+        at once, not at its next poll."""
+        if self.ack_channels.watch is None:
+            self.ack_channels.watch = AckWatch(wake, lambda: self.clock() < self._acks_due_until)
+            for sock in self.ack_channels.sockets():
+                self.ack_channels.watch.add(sock)
 
     def _send_unsent(self, state: RequestState) -> None:
         kind = state.request.type
@@ -415,6 +432,7 @@ class DaemonEndpoint:
         for sock in self.ack_channels.sockets():  # first: what a flood of daemon.sock cannot delay
             self._read_acks(sock, 64, out)
         self._read_acks(self.sock, 10000, out)
+        self._note_due()
         return out
 
     def _read_acks(self, sock, limit: int, out: list[Ack]) -> None:
@@ -540,6 +558,8 @@ class DaemonEndpoint:
         return out
 
     def close(self) -> None:
+        if self.ack_channels.watch is not None:
+            self.ack_channels.watch.close()
         self.ack_channels.close()
         self.sock.close()
         self.sock_path.unlink(missing_ok=True)

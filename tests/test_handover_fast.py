@@ -1,0 +1,138 @@
+"""The predicted hand-over waits for nothing it does not need (issue #45 item 5, #44's xid79 gap).
+
+Each test asserts an order or a bound that a wait would break (no wall-clock figure): the daemon
+drains a node whose ranks committed their migrate snapshot before its next poll comes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+
+from conftest import register_agent, wait_for
+from sentinel import config
+from sentinel.channel import Ack, RankEndpoint
+from sentinel.readings import XidEvent
+from sentinel.sources import simulated
+
+POLL_SECONDS = 3600.0  # no poll comes during a test: whatever happens, an event made it happen
+
+
+def _daemon(tmp_path, stopped, spare_gate):
+    """A daemon on simulated GPUs whose loop polls once an hour, a kernel source the test pushes
+    Xids into, an agent-stop command that records the drain, and a spare command that answers
+    only once the test writes a line into the FIFO ``spare_gate`` (a slow scheduler: its answer
+    would wake the loop)."""
+    from sentinel.builder import build_daemon
+    from sentinel.sources.kernel import KernelSource
+
+    class Pushed(KernelSource):
+        name = "pushed"
+
+        def start(self) -> None:
+            self.up = {"pushed": True}
+
+    state = tmp_path / "gpus.json"
+    simulated.write_state(state, simulated.healthy_state(2))
+    stop_cmd = json.dumps([sys.executable, "-c", f"open({str(stopped)!r}, 'w').write('stopped')"])
+    spare_cmd = json.dumps(["sh", "-c", f"read line < '{spare_gate}'"])
+    cfg = config.parse(f'[daemon]\nruntime_dir = "{tmp_path / "run"}"\nstate_dir = "{tmp_path / "state"}"\n'
+                       f'poll_interval_seconds = {POLL_SECONDS}\n[metrics]\nlisten_address = "127.0.0.1"\nport = 0\n'
+                       f'[ebpf]\nenabled = false\nkmsg_fallback = false\n'
+                       f'[actions]\nbackend = "command"\nack_timeout_seconds = 600.0\n'
+                       f'command_timeout_seconds = 120.0\ncordon_command = ["true"]\n'
+                       f'agent_stop_command = {stop_cmd}\nspare_command = {spare_cmd}\n')
+    source = Pushed()
+    return build_daemon(cfg, simulate=str(state), event_sources=[source]), source
+
+
+def _release(gate) -> None:
+    """The scheduler answers: the spare command reading the FIFO ends (nothing to do if it never started)."""
+    try:
+        fd = os.open(gate, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # ENXIO: no reader
+        return
+    try:
+        os.write(fd, b"go\n")
+    finally:
+        os.close(fd)
+
+
+def _record(tmp_path) -> dict:
+    try:
+        return json.loads((tmp_path / "state" / "migration.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _phase(tmp_path) -> str:
+    return _record(tmp_path).get("phase", "")
+
+
+def test_a_committed_migrate_snapshot_is_drained_without_waiting_for_a_poll(tmp_path):
+    """Xid 79 arrives between polls (a kernel event), the rank commits its snapshot: the node is
+    cordoned and its agent stopped while the next poll is still an hour away. Before, the daemon
+    read acknowledgements only at its polls (1 s apart by default), and the drain waited for one."""
+    run = tmp_path / "run"
+    register_agent(run)  # this test process is the job's agent: its rank socket counts
+    stopped = tmp_path / "agent-stopped"
+    gate = tmp_path / "spare-gate"
+    os.mkfifo(gate)
+    daemon, source = _daemon(tmp_path, stopped, gate)
+    rank = RankEndpoint.open(run)
+    loop = threading.Thread(target=daemon.run, daemon=True)
+    try:
+        daemon.start()
+        loop.start()
+        source.push(XidEvent(gpu=0, xid=79, source="kmsg"))
+        requests: list = []
+        wait_for(lambda: requests.extend(r for r in rank.poll() if r.type == "migrate") or requests, timeout=60,
+                 what="the migrate request (an event-driven trip)")
+        assert _phase(tmp_path) == "requested" and not stopped.exists()  # nothing drains before the commit
+        req = requests[0]
+        rank.ack(Ack(id=req.id, rank=0, step=41, ok=True, path="/snapshots/step-41", request_type="migrate"))
+        wait_for(lambda: stopped.exists() and _phase(tmp_path) == "drained", timeout=60,
+                 what="the drain after the committed ack, with no poll in between")
+        record = _record(tmp_path)
+        assert record["snapshot_step"] == 41 and record["snapshot_ok"] is True
+        assert daemon.iterations == 1  # the loop's first poll, at its start: every step since came from an event
+        assert "spare_called" not in record.get("times", {})  # the scheduler had not answered: no wake from it
+    finally:
+        _release(gate)
+        daemon.stop()
+        loop.join(timeout=10)
+        daemon.close()
+        rank.close()
+
+
+def test_the_ack_watch_wakes_only_while_acknowledgements_are_due_and_ends_with_close():
+    """A datagram on a rank's pair wakes the loop only while a request's acks are due (a rank
+    writing to its own pair at other times costs the daemon nothing); close() ends the thread."""
+    import socket
+
+    from sentinel.ack_sockets import AckWatch
+
+    def watchers() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "sentinel-ack-watch"}
+
+    others = watchers()
+    asked, woken = [], []
+    due = threading.Event()
+    watch = AckWatch(lambda: woken.append(1), lambda: (asked.append(1), due.is_set())[1])
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        watch.add(ours)
+        theirs.send(b"not due")
+        wait_for(lambda: asked, timeout=30, what="the watch to see the first datagram")
+        assert woken == []  # nothing due: no wake
+        due.set()
+        theirs.send(b"due")
+        wait_for(lambda: woken, timeout=30, what="the wake for a due acknowledgement")
+        watch.remove(ours)
+    finally:
+        watch.close()
+        ours.close()
+        theirs.close()
+    assert watchers() <= others  # its thread is gone
