@@ -22,10 +22,12 @@ from trainer.slot_rendezvous import SlotTakenError
 pytestmark = [pytest.mark.needs_torch]
 
 KEY = "sentinel.rdzv.job/"
-FOREIGN = [b"", b"not json", b"\x1b[2Jforged\nline", b"[1, 2]", b'{"id": 7}', b'{"slot": 0}', b"null"]
+DEEP = b"[" * 100_000  # nesting past the recursion limit: json.loads raises RecursionError (review s19)
+FOREIGN = [b"", b"not json", b"\x1b[2Jforged\nline", b"[1, 2]", b'{"id": 7}', b'{"slot": 0}', b"null", DEEP,
+           b'{"id": "x", "probe": ' + DEEP + b"}", b"\xff\xfe{"]
 
 
-@pytest.mark.parametrize("raw", FOREIGN)
+@pytest.mark.parametrize("raw", FOREIGN, ids=lambda raw: ascii(raw[:24]))
 def test_a_value_that_is_no_arrival_record_belongs_to_nobody(raw):
     assert slot_marks.arrival(raw) is None
     assert not slot_marks.owns(raw, "7") and not slot_marks.owns(raw, "")
@@ -35,6 +37,14 @@ def test_a_value_that_is_no_arrival_record_belongs_to_nobody(raw):
     assert slot_marks.MALFORMED["vacancy"] == before + 1
     with pytest.raises(MalformedRecord, match="store key k holds"):
         slot_marks.generation(raw, "k")
+
+
+def test_a_record_nested_past_the_recursion_limit_is_a_malformed_record():
+    for raw in (DEEP, b'{"master_addr": "a", "master_port": 1, "x": ' + DEEP + b"}"):
+        with pytest.raises(MalformedRecord, match="store key k holds"):
+            slot_marks.record(raw, "k", ("master_addr",))
+        with pytest.raises(MalformedRecord):
+            slot_marks.endpoint(raw, "k")
 
 
 def test_records_the_rendezvous_writes_read_back_whole():
@@ -67,6 +77,18 @@ def test_a_survivor_whose_slot_holds_a_foreign_value_is_fenced_not_crashed(serve
     hs = first_join(server, 2)
     server.set(KEY + "g2/s0", "garbage")  # a foreign "arrival" in slot 0 of a generation ...
     server.set(KEY + "latest", "2")  # ... presented as committed
+    with pytest.raises(SlotTakenError, match="slot 0 belongs to another node since generation 2"):
+        hs[0].next_rendezvous()
+
+
+def test_a_mark_that_is_no_utf8_is_nobodys_for_a_survivor_and_a_watcher(server):  # noqa: F811
+    """Review s19: the rendezvous decoded marks strictly; a planted non-UTF-8 value ended a
+    survivor's rendezvous and a watcher's probe pass with a bare UnicodeDecodeError."""
+    hs = first_join(server, 2)
+    server.set(KEY + "g2/s1", b"\xff\xfe")  # slot 1's "arrival" in generation 2, before slot 1 arrives
+    assert hs[0].recovery.probe_pass(3, "review") == 0  # its holder is nobody: not probed, not declared
+    server.set(KEY + "g2/s0", b"\xff\xfe")
+    server.set(KEY + "latest", "2")
     with pytest.raises(SlotTakenError, match="slot 0 belongs to another node since generation 2"):
         hs[0].next_rendezvous()
 
