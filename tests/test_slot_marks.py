@@ -47,6 +47,31 @@ def test_a_record_nested_past_the_recursion_limit_is_a_malformed_record():
             slot_marks.endpoint(raw, "k")
 
 
+def test_malformed_values_log_once_per_key_even_past_the_logged_keys_bound(monkeypatch, caplog):
+    """Review s19: once 1,024 keys were logged, every further read of a malformed key logged again
+    (a watcher reading a planted ``latest`` each pass: a line each pass, for good)."""
+    monkeypatch.setattr(slot_marks, "_logged", set())
+    with caplog.at_level("WARNING", logger=slot_marks.log.name):
+        for n in range(slot_marks.LOGGED_KEYS + 1):
+            slot_marks.vacancy(b"x", f"vacancy/{n}", 4)  # a writer plants many malformed vacancies
+        caplog.clear()
+        for _ in range(50):
+            assert slot_marks.next_generation(_Store({"latest": b"x"}), "latest") is None
+            slot_marks.vacancy(b"x", "vacancy/0", 4)
+    assert len(caplog.records) <= 1
+
+
+class _Store:
+    def __init__(self, values):
+        self.values = values
+
+    def check(self, keys):
+        return all(k in self.values for k in keys)
+
+    def get(self, key):
+        return self.values[key]
+
+
 def test_records_the_rendezvous_writes_read_back_whole():
     assert slot_marks.owns(json.dumps({"id": "n1", "probe": "1.2.3.4:5"}), "n1")
     assert not slot_marks.owns("LEFT:n1", "n1") and not slot_marks.owns("LEFT:n1#ab12cd34", "n1")

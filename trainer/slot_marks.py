@@ -36,6 +36,7 @@ MALFORMED: Counter[str] = Counter()  # kind -> malformed values read (this proce
 _logged: set[str] = set()
 _lock = threading.Lock()
 SHOWN = 64  # characters of a foreign value shown in a line
+LOGGED_KEYS = 1024  # keys logged (each once); more are counted only
 
 
 class MalformedRecord(ValueError):
@@ -54,10 +55,12 @@ def malformed(kind: str, key: str, raw: bytes | str, why: str) -> str:
     line = f"store key {key} holds {_shown(raw)!r}: {why} (not written by Sentinel's slot rendezvous)"
     with _lock:
         MALFORMED[kind] += 1
-        first = key not in _logged
-        if first and len(_logged) < 1024:
+        first = key not in _logged and len(_logged) <= LOGGED_KEYS  # once full: counted only (a key
+        if first:  # read every pass, e.g. latest, would otherwise log every pass; review s19)
             _logged.add(key)
-    if first:
+    if first and len(_logged) > LOGGED_KEYS:
+        log.warning("%s; more malformed keys than %d: the next ones are counted only", line, LOGGED_KEYS)
+    elif first:
         log.warning("%s", line)
     return line
 
