@@ -14,6 +14,7 @@ import json
 
 import pytest
 
+from store_intruder import plant
 from test_slot_rendezvous import first_join, handler, rendezvous, server  # noqa: F401 (server: a fixture)
 from trainer import slot_marks
 from trainer.slot_marks import MalformedRecord
@@ -107,13 +108,14 @@ def test_a_survivor_whose_slot_holds_a_foreign_value_is_fenced_not_crashed(serve
 
 
 def test_a_mark_that_is_no_utf8_is_nobodys_for_a_survivor_and_a_watcher(server):  # noqa: F811
-    """Review s19: the rendezvous decoded marks strictly; a planted non-UTF-8 value ended a
-    survivor's rendezvous and a watcher's probe pass with a bare UnicodeDecodeError."""
+    """Review s19: the rendezvous decoded marks strictly; a non-UTF-8 value (or one nested past the
+    recursion limit) planted by another user ended a survivor's rendezvous and a watcher's probe
+    pass with a bare UnicodeDecodeError (RecursionError)."""
     hs = first_join(server, 2)
-    server.set(KEY + "g2/s1", b"\xff\xfe")  # slot 1's "arrival" in generation 2, before slot 1 arrives
-    assert hs[0].recovery.probe_pass(3, "review") == 0  # its holder is nobody: not probed, not declared
-    server.set(KEY + "g2/s0", b"\xff\xfe")
-    server.set(KEY + "latest", "2")
+    # as nobody, over the wire: slot 1's "arrival" in generation 2 before slot 1 arrives, slot 0's
+    # nested past the recursion limit, and generation 2 presented as committed
+    plant(server.port, {KEY + "g2/s1": b"\xff\xfe", KEY + "g2/s0": DEEP, KEY + "latest": b"2"})
+    assert hs[0].recovery.probe_pass(3, "review") == 0  # their holders are nobody: not probed, not declared
     with pytest.raises(SlotTakenError, match="slot 0 belongs to another node since generation 2"):
         hs[0].next_rendezvous()
 
