@@ -14,6 +14,7 @@ import json
 
 import pytest
 
+from store_intruder import plant
 from test_slot_rendezvous import first_join, handler, rendezvous, server  # noqa: F401 (server: a fixture)
 from trainer import slot_marks
 from trainer.slot_marks import MalformedRecord
@@ -22,10 +23,12 @@ from trainer.slot_rendezvous import SlotTakenError
 pytestmark = [pytest.mark.needs_torch]
 
 KEY = "sentinel.rdzv.job/"
-FOREIGN = [b"", b"not json", b"\x1b[2Jforged\nline", b"[1, 2]", b'{"id": 7}', b'{"slot": 0}', b"null"]
+DEEP = b"[" * 100_000  # nesting past the recursion limit: json.loads raises RecursionError (review s19)
+FOREIGN = [b"", b"not json", b"\x1b[2Jforged\nline", b"[1, 2]", b'{"id": 7}', b'{"slot": 0}', b"null", DEEP,
+           b'{"id": "x", "probe": ' + DEEP + b"}", b"\xff\xfe{"]
 
 
-@pytest.mark.parametrize("raw", FOREIGN)
+@pytest.mark.parametrize("raw", FOREIGN, ids=lambda raw: ascii(raw[:24]))
 def test_a_value_that_is_no_arrival_record_belongs_to_nobody(raw):
     assert slot_marks.arrival(raw) is None
     assert not slot_marks.owns(raw, "7") and not slot_marks.owns(raw, "")
@@ -35,6 +38,39 @@ def test_a_value_that_is_no_arrival_record_belongs_to_nobody(raw):
     assert slot_marks.MALFORMED["vacancy"] == before + 1
     with pytest.raises(MalformedRecord, match="store key k holds"):
         slot_marks.generation(raw, "k")
+
+
+def test_a_record_nested_past_the_recursion_limit_is_a_malformed_record():
+    for raw in (DEEP, b'{"master_addr": "a", "master_port": 1, "x": ' + DEEP + b"}"):
+        with pytest.raises(MalformedRecord, match="store key k holds"):
+            slot_marks.record(raw, "k", ("master_addr",))
+        with pytest.raises(MalformedRecord):
+            slot_marks.endpoint(raw, "k")
+
+
+def test_malformed_values_log_once_per_key_even_past_the_logged_keys_bound(monkeypatch, caplog):
+    """Review s19: once 1,024 keys were logged, every further read of a malformed key logged again
+    (a watcher reading a planted ``latest`` each pass: a line each pass, for good)."""
+    monkeypatch.setattr(slot_marks, "_logged", set())
+    with caplog.at_level("WARNING", logger=slot_marks.log.name):
+        for n in range(slot_marks.LOGGED_KEYS + 1):
+            slot_marks.vacancy(b"x", f"vacancy/{n}", 4)  # a writer plants many malformed vacancies
+        caplog.clear()
+        for _ in range(50):
+            assert slot_marks.next_generation(_Store({"latest": b"x"}), "latest") is None
+            slot_marks.vacancy(b"x", "vacancy/0", 4)
+    assert len(caplog.records) <= 1
+
+
+class _Store:
+    def __init__(self, values):
+        self.values = values
+
+    def check(self, keys):
+        return all(k in self.values for k in keys)
+
+    def get(self, key):
+        return self.values[key]
 
 
 def test_records_the_rendezvous_writes_read_back_whole():
@@ -67,6 +103,19 @@ def test_a_survivor_whose_slot_holds_a_foreign_value_is_fenced_not_crashed(serve
     hs = first_join(server, 2)
     server.set(KEY + "g2/s0", "garbage")  # a foreign "arrival" in slot 0 of a generation ...
     server.set(KEY + "latest", "2")  # ... presented as committed
+    with pytest.raises(SlotTakenError, match="slot 0 belongs to another node since generation 2"):
+        hs[0].next_rendezvous()
+
+
+def test_a_mark_that_is_no_utf8_is_nobodys_for_a_survivor_and_a_watcher(server):  # noqa: F811
+    """Review s19: the rendezvous decoded marks strictly; a non-UTF-8 value (or one nested past the
+    recursion limit) planted by another user ended a survivor's rendezvous and a watcher's probe
+    pass with a bare UnicodeDecodeError (RecursionError)."""
+    hs = first_join(server, 2)
+    # as nobody, over the wire: slot 1's "arrival" in generation 2 before slot 1 arrives, slot 0's
+    # nested past the recursion limit, and generation 2 presented as committed
+    plant(server.port, {KEY + "g2/s1": b"\xff\xfe", KEY + "g2/s0": DEEP, KEY + "latest": b"2"})
+    assert hs[0].recovery.probe_pass(3, "review") == 0  # their holders are nobody: not probed, not declared
     with pytest.raises(SlotTakenError, match="slot 0 belongs to another node since generation 2"):
         hs[0].next_rendezvous()
 

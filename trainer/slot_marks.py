@@ -36,6 +36,7 @@ MALFORMED: Counter[str] = Counter()  # kind -> malformed values read (this proce
 _logged: set[str] = set()
 _lock = threading.Lock()
 SHOWN = 64  # characters of a foreign value shown in a line
+LOGGED_KEYS = 1024  # keys logged (each once); more are counted only
 
 
 class MalformedRecord(ValueError):
@@ -54,10 +55,12 @@ def malformed(kind: str, key: str, raw: bytes | str, why: str) -> str:
     line = f"store key {key} holds {_shown(raw)!r}: {why} (not written by Sentinel's slot rendezvous)"
     with _lock:
         MALFORMED[kind] += 1
-        first = key not in _logged
-        if first and len(_logged) < 1024:
+        first = key not in _logged and len(_logged) <= LOGGED_KEYS  # once full: counted only (a key
+        if first:  # read every pass, e.g. latest, would otherwise log every pass; review s19)
             _logged.add(key)
-    if first:
+    if first and len(_logged) > LOGGED_KEYS:
+        log.warning("%s; more malformed keys than %d: the next ones are counted only", line, LOGGED_KEYS)
+    elif first:
         log.warning("%s", line)
     return line
 
@@ -66,16 +69,23 @@ def _text(raw: bytes | str) -> str:
     return raw.decode(errors="replace") if isinstance(raw, bytes) else raw
 
 
+def _json(text: str) -> Any:
+    """``text`` as JSON; None when it is not JSON. Nesting deeper than the interpreter's recursion
+    limit (``[[[[...``, a few kB anyone can plant) raises RecursionError, not ValueError, from
+    json.loads: read as not JSON too (review s19)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
 def arrival(raw: bytes | str) -> dict[str, Any] | None:
     """An arrival mark as its record; None for a ``LEFT`` mark or one that is not an arrival
     record (not JSON, not an object, no string ``id``)."""
     text = _text(raw)
     if text.startswith(LEFT):
         return None
-    try:
-        record = json.loads(text)
-    except ValueError:
-        return None
+    record = _json(text)
     return record if isinstance(record, dict) and isinstance(record.get("id"), str) else None
 
 
@@ -102,10 +112,7 @@ def generation(raw: bytes | str, key: str) -> int:
 
 def record(raw: bytes | str, key: str, fields: tuple[str, ...]) -> dict[str, Any]:
     """A JSON object stored at ``key`` with every field of ``fields``; :class:`MalformedRecord` otherwise."""
-    try:
-        value = json.loads(_text(raw))
-    except ValueError:
-        value = None
+    value = _json(_text(raw))
     if not isinstance(value, dict) or any(f not in value for f in fields):
         raise MalformedRecord(malformed("record", key, raw, f"not a JSON object with {', '.join(fields)}"))
     return value
@@ -137,10 +144,7 @@ def endpoint(raw: bytes | str | dict[str, Any], key: str) -> tuple[str, int]:
 
 def vacancy(raw: bytes | str, key: str, nodes: int) -> dict[str, Any] | None:
     """A vacancy (slot, gen, left) with its slot in range; None (counted, logged) otherwise."""
-    try:
-        value = json.loads(_text(raw))
-    except ValueError:
-        value = None
+    value = _json(_text(raw))
     ok = (isinstance(value, dict) and all(isinstance(value.get(k), int) and not isinstance(value.get(k), bool)
                                           for k in ("slot", "gen"))
           and 0 <= value["slot"] < nodes and value["gen"] >= 1 and isinstance(value.get("left"), str))

@@ -71,7 +71,7 @@ class Recovery:
         declaring the same node write different values, so only the one whose value is there
         posts the vacancy (with the same mark, both would see "theirs" and post two)."""
         mine = f"{mark}#{uuid.uuid4().hex[:8]}"
-        got = self._store.compare_set(self._k(f"g{f}", f"s{slot}"), "", mine).decode()
+        got = self._store.compare_set(self._k(f"g{f}", f"s{slot}"), "", mine).decode(errors="replace")
         if got != mine:
             return False  # it arrived (or another watcher declared it) meanwhile
         self._post_vacancy(slot, f, mine)
@@ -95,7 +95,7 @@ class Recovery:
         for s in range(self.nodes):
             key = self._k(f"g{f}", f"s{s}")
             if self._store.check([key]):
-                mark = self._store.get(key).decode()
+                mark = self._store.get(key).decode(errors="replace")
                 if mark.startswith(LEFT) and tickets >= vacancies:
                     # its vacancy went to a spare ticket, and nobody claimed it: that spare is gone
                     log.warning("generation %d: slot %d still vacant after %g s: offering it again", f, s,
@@ -114,7 +114,7 @@ class Recovery:
             last = hb or seen.get(s) or (self.lease_ran_out(f, s, hb_key) if hb is None else None)
             expired = hb is None and last is not None
             if expired or s in seen and seen[s] == hb and (hb is not None or self._no_beat[s] >= NO_BEAT_PASSES):
-                dead.append((s, LEFT + (last.decode().rsplit(":", 1)[0] if last else "unknown")))
+                dead.append((s, LEFT + (last.decode(errors="replace").rsplit(":", 1)[0] if last else "unknown")))
         # asked after the reads: an election before or during them voids what they compared
         if dead and self._writable_since_last_pass():
             for s, mark in dead:
@@ -148,7 +148,7 @@ class Recovery:
         owner_of = getattr(self._raw, "beat_owner", None)
         if owner_of is None or f < 2 or not self._store.check([self._k(f"g{f - 1}", f"s{slot}")]):
             return None
-        mark = self._store.get(self._k(f"g{f - 1}", f"s{slot}")).decode()
+        mark = self._store.get(self._k(f"g{f - 1}", f"s{slot}"))  # (bytes: owns() reads any value)
         owner = owner_of(hb_key)
         gone = owner is not None and owns(mark, owner)
         return f"{owner}:".encode() if gone else None
@@ -161,7 +161,7 @@ class Recovery:
             key = self._k(f"g{f - 1}", f"s{slot}")
             record: dict[str, Any] = {}
             if self._store.check([key]):
-                mark = self._store.get(key).decode()
+                mark = self._store.get(key)  # (bytes: a value that is no UTF-8 is no arrival record)
                 record = arrival(mark) or {}  # (LEFT, or not an arrival record: nobody's)
             self._holders[(f, slot)] = record
         return self._holders[(f, slot)]

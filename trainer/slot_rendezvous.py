@@ -296,7 +296,7 @@ class SlotRendezvousHandler(RendezvousHandler):
         finds its own mark and does not count twice."""
         self._forming = f
         info = self._info(f)
-        got = self._store.compare_set(self._k(f"g{f}", f"s{self.slot}"), expected, info).decode()
+        got = self._store.compare_set(self._k(f"g{f}", f"s{self.slot}"), expected, info).decode(errors="replace")
         if got != info:
             return False
         if self._arrived != (f, self.slot):
@@ -321,7 +321,7 @@ class SlotRendezvousHandler(RendezvousHandler):
     def _survivor_arrive(self) -> int | None:
         latest = generation(self._store.get(self._k("latest")), self._k("latest"))
         if latest != self.gen:  # behind: still a member of the latest generation?
-            mark = self._store.get(self._k(f"g{latest}", f"s{self.slot}")).decode()
+            mark = self._store.get(self._k(f"g{latest}", f"s{self.slot}")).decode(errors="replace")
             if not owns(mark, self.node_id):  # (a value that is no arrival record is nobody's)
                 raise SlotTakenError(f"slot {self.slot} belongs to another node since generation {latest}")
             # Our own mark: this node arrived in ``latest`` and its call ended (timed out) before the
@@ -331,7 +331,7 @@ class SlotRendezvousHandler(RendezvousHandler):
         f = latest + 1
         if self._claim(f, ""):
             return f
-        mark = self._store.get(self._k(f"g{f}", f"s{self.slot}")).decode()  # (one get, off the fast path)
+        mark = self._store.get(self._k(f"g{f}", f"s{self.slot}")).decode(errors="replace")  # (one get, off the fast path)
         return f if owns(mark, self.node_id) else None  # mine: arrived already, with other evidence; else declared vacant
 
     def _readmit(self, deadline: float) -> str:
@@ -495,14 +495,14 @@ class SlotRendezvousHandler(RendezvousHandler):
             return "was not in a slot"
         after = next_generation(self._store, self._k("latest"))  # malformed (counted): from our own
         latest = after - 1 if after is not None else self.gen
-        holder = self._store.get(self._k(f"g{latest}", f"s{self.slot}")).decode()
+        holder = self._store.get(self._k(f"g{latest}", f"s{self.slot}")).decode(errors="replace")
         if latest > self.gen and not owns(holder, self.node_id):
             self._store.refuse()  # fenced: a committed generation holds another node here (its mark never changes)
             self.fenced.append(f"leave of slot {self.slot} in generation {self.gen}")
             return f"fenced: slot {self.slot} belongs to another node since generation {latest}: nothing written"
         mark = LEFT + self.node_id
         for f in (latest + 1, latest + 2):
-            got = self._store.compare_set(self._k(f"g{f}", f"s{self.slot}"), "", mark).decode()
+            got = self._store.compare_set(self._k(f"g{f}", f"s{self.slot}"), "", mark).decode(errors="replace")
             if got == mark:
                 self._post_vacancy(self.slot, f, mark)
                 slot, self.slot = self.slot, None
