@@ -172,6 +172,7 @@ class Daemon:
         except OSError as exc:  # the job's CA or certificate cannot be read
             raise StartupError(f"cannot watch the job's etcd rendezvous ([job] rendezvous_etcd_*): {exc}") from None
         self.rdzv_store.start()
+        self.nvml.wake = self._wake.set  # an Xid from NVML's event set, like a kernel event: decided on at once
         self.start_nvml()
         watch_acks = getattr(self.endpoint, "watch_acks", None)
         if watch_acks is not None:  # a rank's acknowledgement wakes the loop: a drain never waits for a poll

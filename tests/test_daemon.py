@@ -25,10 +25,13 @@ def test_injected_faults_change_exact_metric_values(sim_state, start_daemon):
                    "xid=79", "xid=79", "xid=13", "temp=71").returncode == 0
 
     def changed():
+        # the Xids arrive through NVML's event set and wake the daemon at once; the counters and the
+        # temperature are read at its next poll: wait for both, not for the first to be published
         t = d.scrape()
-        return t if metric_value(t, "sentinel_gpu_xid_errors_total", gpu="2", xid="13") == 1 else None
+        polled = metric_value(t, "sentinel_gpu_temperature_celsius", gpu="2") == 71
+        return t if polled and metric_value(t, "sentinel_gpu_xid_errors_total", gpu="2", xid="13") == 1 else None
 
-    text = wait_for(changed, what="xid 13 counted")
+    text = wait_for(changed, what="xid 13 counted and the next poll's readings published")
     assert metric_value(text, "sentinel_gpu_ecc_errors_total", gpu="2", type="corrected", scope="volatile") == 7
     assert metric_value(text, "sentinel_gpu_ecc_errors_total", gpu="2", type="corrected", scope="aggregate") == 7
     assert metric_value(text, "sentinel_gpu_pcie_replay_total", gpu="2") == 3

@@ -136,3 +136,29 @@ def test_the_ack_watch_wakes_only_while_acknowledgements_are_due_and_ends_with_c
         ours.close()
         theirs.close()
     assert watchers() <= others  # its thread is gone
+
+
+def test_an_xid_from_nvmls_event_set_trips_without_waiting_for_a_poll(tmp_path):
+    """Xid 79 reported through NVML's event set (the simulated GPUs here): the daemon decides on it
+    while its next poll is an hour away. Before, the event thread queued it for the next poll."""
+    run = tmp_path / "run"
+    register_agent(run)
+    gate = tmp_path / "spare-gate"
+    os.mkfifo(gate)
+    daemon, _source = _daemon(tmp_path, tmp_path / "agent-stopped", gate)
+    rank = RankEndpoint.open(run)
+    loop = threading.Thread(target=daemon.run, daemon=True)
+    try:
+        daemon.start()
+        loop.start()
+        simulated.inject(tmp_path / "gpus.json", 0, ["xid=79"])
+        requests: list = []
+        wait_for(lambda: requests.extend(r for r in rank.poll() if r.type == "migrate") or requests, timeout=60,
+                 what="the migrate request from NVML's Xid event")
+        assert "79" in requests[0].reason and daemon.iterations == 1
+    finally:
+        _release(gate)
+        daemon.stop()
+        loop.join(timeout=10)
+        daemon.close()
+        rank.close()

@@ -120,6 +120,9 @@ class NvmlSource:
         self._xid_lock = threading.Lock()
         self._xid_counts: dict[int, Counter[int]] = {}
         self._xid_events: list[XidEvent] = []
+        # called by the Xid event thread for each Xid it records: the daemon decides on it at once
+        # (Daemon.start sets it to its loop's wake), not at its next poll (1 s by default)
+        self.wake: Callable[[], None] = lambda: None
         self._stop = threading.Event()
         self._event_thread: threading.Thread | None = None
         self._control = Worker("sentinel-nvml-init", clock)

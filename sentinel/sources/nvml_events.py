@@ -49,6 +49,7 @@ def xid_events(src: Any) -> None:
             if gpu is not None:
                 src._xid_counts.setdefault(gpu.index, Counter())[xid] += 1
             src._xid_events.append(event)
+        src.wake()  # decided on now, with the burst it may be part of (the daemon gathers those)
     try:
         nvml.nvmlEventSetFree(event_set)
     except nvml.NVMLError:
