@@ -96,7 +96,7 @@ class DaemonEndpoint:
         self.rejected: Counter[str] = Counter()
         self._rejected_seen: set[tuple[str, int, str]] = set()
         self.requests: dict[str, RequestState] = {}
-        self._acks_due_until = 0.0  # monotonic: until when a request's committed acks are still due
+        self._owing_until: dict[int, float] = {}  # rank pid -> until when it owes an acknowledgement (monotonic)
         self.agent_error = ""
         self.reports: list[Report] = []  # from verified ranks, taken by take_reports()
         self._granted: tuple[int, int] | None = None
@@ -371,20 +371,30 @@ class DaemonEndpoint:
             for rid in list(self.requests)[:-256]:
                 del self.requests[rid]
         self._note_due()
+        if self.ack_channels.watch is not None:
+            self.ack_channels.watch.new_round()
         return len(state.sent_to)
 
     def _note_due(self) -> None:
-        """Until when :class:`AckWatch` wakes the loop: the latest deadline of a request whose
-        committed acks are not all in (a plain float: the watch's thread only reads it)."""
-        self._acks_due_until = max((s.retry_until for s in self.requests.values() if s.sent_to.keys() - s.acks.keys()),
-                                   default=0.0)
+        """Until when :class:`AckWatch` wakes the loop for each rank's pair: per rank pid that
+        still owes an acknowledgement, the latest deadline of its requests (a new dict each time:
+        the watch's thread only reads it)."""
+        owing: dict[int, float] = {}
+        for s in self.requests.values():
+            for pid in s.sent_to.keys() - s.acks.keys():
+                owing[pid] = max(owing.get(pid, 0.0), s.retry_until)
+        self._owing_until = owing
+
+    def _owes(self, fd: int) -> bool:
+        pid = self.ack_channels.pid_of(fd)
+        return pid is not None and self.clock() < self._owing_until.get(pid, 0.0)
 
     def watch_acks(self, wake: Callable[[], None]) -> None:
         """From now on ``wake`` is called (from a thread of its own) when an acknowledgement
         arrives on a rank's pair while one is due; the loop then reads it with :meth:`poll_acks`
         at once, not at its next poll."""
         if self.ack_channels.watch is None:
-            self.ack_channels.watch = AckWatch(wake, lambda: self.clock() < self._acks_due_until)
+            self.ack_channels.watch = AckWatch(wake, self._owes)
             for sock in self.ack_channels.sockets():
                 self.ack_channels.watch.add(sock)
 

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import threading
+import time
 
 from conftest import register_agent, wait_for
 from sentinel import config
@@ -120,7 +121,7 @@ def test_the_ack_watch_wakes_only_while_acknowledgements_are_due_and_ends_with_c
     others = watchers()
     asked, woken = [], []
     due = threading.Event()
-    watch = AckWatch(lambda: woken.append(1), lambda: (asked.append(1), due.is_set())[1])
+    watch = AckWatch(lambda: woken.append(1), lambda fd: (asked.append(fd), due.is_set())[1])
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
     try:
         watch.add(ours)
@@ -162,3 +163,56 @@ def test_an_xid_from_nvmls_event_set_trips_without_waiting_for_a_poll(tmp_path):
         loop.join(timeout=10)
         daemon.close()
         rank.close()
+
+
+def test_a_rank_writing_to_its_own_pair_while_it_owes_an_ack_wakes_the_loop_at_most_every_slow_gap():
+    """Review of session 19 (F4): a rank that withholds its ack keeps its request open (up to
+    retry_seconds) and could write to its own pair to wake the root daemon's loop ~100 times a
+    second. Now a pair's first wakes of a round are immediate, then at most one per slow gap
+    (deferred, not lost), and another rank's pair still wakes the loop: its ack is not held back."""
+    import socket
+
+    from sentinel.ack_sockets import AckWatch
+
+    woken: list[float] = []
+    flood_a, flood_b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    good_a, good_b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    flood_b.setblocking(False)
+    owing = {flood_a.fileno(), good_a.fileno()}
+    watch = AckWatch(lambda: woken.append(time.monotonic()), lambda fd: fd in owing)
+    stop = threading.Event()
+
+    def flood() -> None:
+        while not stop.is_set():
+            try:
+                flood_b.send(b"x")
+            except OSError:  # its queue is full (nobody reads it here): the edge comes when it drains
+                pass
+            time.sleep(0.001)
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    try:
+        watch.add(flood_a)
+        watch.add(good_a)
+        start = time.monotonic()
+        flooder.start()
+        time.sleep(2.0)
+        flood_woken = len(woken)
+        span = time.monotonic() - start
+        # bound: the free wakes, then one per slow gap (a pair's queue filling stops its edges: fewer)
+        assert flood_woken <= AckWatch.FREE_WAKES + span / AckWatch.SLOW_GAP + 1, (flood_woken, span)
+        assert watch.deferred > 0  # the flood's wakes were held back, not the whole stream taken
+        before = len(woken)
+        good_b.send(b"committed")  # another rank's ack, while the flood goes on
+        wait_for(lambda: len(woken) > before, timeout=30, what="the other rank's wake during the flood")
+        owing.discard(flood_a.fileno())  # its ack came in: its writes cost nothing any more
+        time.sleep(0.3)
+        settled = len(woken)
+        time.sleep(1.0)
+        assert len(woken) == settled
+    finally:
+        stop.set()
+        flooder.join(5)
+        watch.close()
+        for sock in (flood_a, flood_b, good_a, good_b):
+            sock.close()
