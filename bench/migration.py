@@ -47,7 +47,7 @@ is its ``--json`` result with its exit status ``rc`` (and its stderr's tail, ``e
 that succeeded. ``migration_*`` is the warm-spare path (``migration_trip_to_first_step_seconds``,
 ``migration_fault_to_first_step_seconds``, ``migration_lost_steps``, ``migration_ok_fraction``,
 ``migration_stage_<stage>_seconds`` = each stage's own duration), ``crash_*`` the plain torchrun
-crash failover, and ``one_of_three_*``, ``two_victims_*``, ``two_adjacent_memory_ack_*``, ``etcd_migration_*``,
+crash failover, and ``one_of_three_*``, ``two_victims_*`` (``two_victims_slot_*``: the same on the slot rendezvous, named in --only), ``two_adjacent_memory_ack_*``, ``etcd_migration_*``,
 ``cold_spare_torchrun_*`` the other paths, ``sudden_kill_*``, ``sudden_kill_two_*``, ``sudden_kill_snapshot_*`` the
 sudden losses (with ``*_fault_to_declared_seconds``: until the rendezvous declared the dead node, and
 ``*_fault_to_spare_workers_seconds``: until the spare's workers started; ``--only kill,kill-two,kill-snap``
@@ -81,6 +81,9 @@ PATHS = {
     "warm-etcd": ("Sentinel, warm spare (etcd-v2)", ["--fault", "xid79", "--rdzv-backend", "etcd-v2"]),
     "one3": ("Sentinel, 1 victim of 3 nodes", ["--fault", "xid79", "--nodes", "3", "--spares", "2", "--victims", "1"]),
     "two": ("Sentinel, 2 victims, 2 warm spares", ["--fault", "xid79", "--nodes", "3", "--spares", "2", "--victims", "2"]),
+    # the same two victims on the rendezvous README.md gives a job (rank-preserving slots: no c10d round)
+    "two-slot": ("Sentinel, 2 victims, 2 warm spares, slot rendezvous", ["--fault", "xid79", "--nodes", "3", "--spares", "2",
+                                                                         "--victims", "2", "--rdzv-backend", "sentinel"]),
     "two-memory": ("Sentinel, 2 adjacent victims, memory acks", ["--fault", "dbe", "--nodes", "3", "--spares", "2",
                                                                  "--victims", "2", "--migrate-ack", "memory"]),
     # the baselines are plain torchrun as it was before Sentinel: no memory tier (disk snapshots only)
@@ -106,8 +109,8 @@ PATHS = {
     "hosts-partition": ("hosts: partition, fenced", ["--hosts", "netns", "--fault", "partition"]),
 }
 HOST_PATHS = ("loopback-xid79", "hosts-xid79", "loopback-kill", "hosts-power-off", "hosts-partition")
-BY_NAME = ("warm-etcd", "lightning", "torchtitan", "hosts-power-off-0.3")  # only when named in --only (or --etcd)
-FIGURE_PREFIX = {"warm": "migration_", "warm-etcd": "etcd_migration_", "one3": "one_of_three_", "two": "two_victims_",
+BY_NAME = ("warm-etcd", "lightning", "torchtitan", "hosts-power-off-0.3", "two-slot")  # only when named in --only (or --etcd)
+FIGURE_PREFIX = {"warm": "migration_", "warm-etcd": "etcd_migration_", "one3": "one_of_three_", "two": "two_victims_", "two-slot": "two_victims_slot_",
                  "two-memory": "two_adjacent_memory_ack_",
                  "lightning": "lightning_migration_", "torchtitan": "torchtitan_migration_",
                  "cold": "cold_spare_torchrun_", "crash": "crash_", "loopback-xid79": "loopback_xid79_",
