@@ -89,7 +89,12 @@ def verdict(drill, result, outcome) -> bool:
     # collective finished first); any later step would be the job split in two
     before = [e["step"] for e in outcome.events if e["event"] == "step" and e["time"] < outcome.t_fault]
     in_flight = (max(before) + 1) if before else 0
-    cut_off_steps = [e["step"] for e in steps if e["node"] == victim and e["step"] > in_flight]
+    # ... and so may any step the new world resumed after: the old world, the cut-off host in it,
+    # finished it together (the link went down later than the fault's timestamp: its injection
+    # took more than a step under load, ci19b); a split is a cut-off step after the resume point
+    resumed = (result.get("restore") or {}).get("step")
+    last_old = max(in_flight, resumed) if isinstance(resumed, int) else in_flight
+    cut_off_steps = [e["step"] for e in steps if e["node"] == victim and e["step"] > last_old]
     by_rank_step: dict[tuple[int, int], set[int]] = {}
     for e in steps:
         by_rank_step.setdefault((e["rank"], e["step"]), set()).add(e["pid"])

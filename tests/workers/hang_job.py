@@ -60,7 +60,9 @@ def main() -> int:
         (out / f"verdict-{rank}.json").write_text(json.dumps({**v.as_dict(), "rank": rank, "reports": endpoint.reports}))
         os._exit(code)
 
-    hang = HangSettings(timeout_seconds=float(timeout), gather_seconds=1.0) if timeout else HangSettings()
+    # gather 4 s, not 1: at load ~10 (the suite on 2 cores) a rank that can talk took over 1 s to
+    # publish its report and was named "stopped" (ci18c, ci19b); the verdict, not its speed, is the subject
+    hang = HangSettings(timeout_seconds=float(timeout), gather_seconds=4.0) if timeout else HangSettings()
     watch = JobWatch(endpoint=endpoint, rank=rank, world=world, control_group=control,
                      every=5, hang=hang, store=store, prefix="sentinel/hang/test", node=f"node{rank // per_node}",
                      total_steps=steps, exit=leave)
