@@ -6,11 +6,13 @@ drains a node whose ranks committed their migrate snapshot before its next poll 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import threading
 import time
+from typing import Iterator
 
 from conftest import register_agent, wait_for
 from sentinel import config
@@ -72,12 +74,13 @@ def _phase(tmp_path) -> str:
     return _record(tmp_path).get("phase", "")
 
 
-def test_a_committed_migrate_snapshot_is_drained_without_waiting_for_a_poll(tmp_path):
-    """Xid 79 arrives between polls (a kernel event), the rank commits its snapshot: the node is
-    cordoned and its agent stopped while the next poll is still an hour away. Before, the daemon
-    read acknowledgements only at its polls (1 s apart by default), and the drain waited for one."""
+@contextlib.contextmanager
+def _running(tmp_path) -> Iterator[tuple]:
+    """The daemon of :func:`_daemon` started with its loop running, this test process registered as
+    the job's agent (its rank socket counts) and one rank endpoint open: (daemon, pushed source,
+    rank, the agent-stopped marker). Stopped, closed and the slow scheduler released on any exit."""
     run = tmp_path / "run"
-    register_agent(run)  # this test process is the job's agent: its rank socket counts
+    register_agent(run)
     stopped = tmp_path / "agent-stopped"
     gate = tmp_path / "spare-gate"
     os.mkfifo(gate)
@@ -87,12 +90,29 @@ def test_a_committed_migrate_snapshot_is_drained_without_waiting_for_a_poll(tmp_
     try:
         daemon.start()
         loop.start()
+        yield daemon, source, rank, stopped
+    finally:
+        _release(gate)
+        daemon.stop()
+        loop.join(timeout=10)
+        daemon.close()
+        rank.close()
+
+
+def _migrate_request(rank, what: str):
+    requests: list = []
+    wait_for(lambda: requests.extend(r for r in rank.poll() if r.type == "migrate") or requests, timeout=60, what=what)
+    return requests[0]
+
+
+def test_a_committed_migrate_snapshot_is_drained_without_waiting_for_a_poll(tmp_path):
+    """Xid 79 arrives between polls (a kernel event), the rank commits its snapshot: the node is
+    cordoned and its agent stopped while the next poll is still an hour away. Before, the daemon
+    read acknowledgements only at its polls (1 s apart by default), and the drain waited for one."""
+    with _running(tmp_path) as (daemon, source, rank, stopped):
         source.push(XidEvent(gpu=0, xid=79, source="kmsg"))
-        requests: list = []
-        wait_for(lambda: requests.extend(r for r in rank.poll() if r.type == "migrate") or requests, timeout=60,
-                 what="the migrate request (an event-driven trip)")
+        req = _migrate_request(rank, "the migrate request (an event-driven trip)")
         assert _phase(tmp_path) == "requested" and not stopped.exists()  # nothing drains before the commit
-        req = requests[0]
         rank.ack(Ack(id=req.id, rank=0, step=41, ok=True, path="/snapshots/step-41", request_type="migrate"))
         wait_for(lambda: stopped.exists() and _phase(tmp_path) == "drained", timeout=60,
                  what="the drain after the committed ack, with no poll in between")
@@ -100,12 +120,6 @@ def test_a_committed_migrate_snapshot_is_drained_without_waiting_for_a_poll(tmp_
         assert record["snapshot_step"] == 41 and record["snapshot_ok"] is True
         assert daemon.iterations == 1  # the loop's first poll, at its start: every step since came from an event
         assert "spare_called" not in record.get("times", {})  # the scheduler had not answered: no wake from it
-    finally:
-        _release(gate)
-        daemon.stop()
-        loop.join(timeout=10)
-        daemon.close()
-        rank.close()
 
 
 def test_the_ack_watch_wakes_only_while_acknowledgements_are_due_and_ends_with_close():
@@ -142,27 +156,10 @@ def test_the_ack_watch_wakes_only_while_acknowledgements_are_due_and_ends_with_c
 def test_an_xid_from_nvmls_event_set_trips_without_waiting_for_a_poll(tmp_path):
     """Xid 79 reported through NVML's event set (the simulated GPUs here): the daemon decides on it
     while its next poll is an hour away. Before, the event thread queued it for the next poll."""
-    run = tmp_path / "run"
-    register_agent(run)
-    gate = tmp_path / "spare-gate"
-    os.mkfifo(gate)
-    daemon, _source = _daemon(tmp_path, tmp_path / "agent-stopped", gate)
-    rank = RankEndpoint.open(run)
-    loop = threading.Thread(target=daemon.run, daemon=True)
-    try:
-        daemon.start()
-        loop.start()
+    with _running(tmp_path) as (daemon, _source, rank, _stopped):
         simulated.inject(tmp_path / "gpus.json", 0, ["xid=79"])
-        requests: list = []
-        wait_for(lambda: requests.extend(r for r in rank.poll() if r.type == "migrate") or requests, timeout=60,
-                 what="the migrate request from NVML's Xid event")
-        assert "79" in requests[0].reason and daemon.iterations == 1
-    finally:
-        _release(gate)
-        daemon.stop()
-        loop.join(timeout=10)
-        daemon.close()
-        rank.close()
+        req = _migrate_request(rank, "the migrate request from NVML's Xid event")
+        assert "79" in req.reason and daemon.iterations == 1
 
 
 def test_a_rank_writing_to_its_own_pair_while_it_owes_an_ack_wakes_the_loop_at_most_every_slow_gap():
