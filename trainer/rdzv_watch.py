@@ -51,8 +51,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterator
 
-from sentinel.settings import printable
-from trainer.slot_marks import arrival_id
+from trainer.slot_marks import arrival_id, shown
 
 log = logging.getLogger("sentinel.elastic")
 
@@ -238,16 +237,6 @@ def describe_dynamic(state: Any, settings: Any, me: Any, sanitizer: Sanitizer | 
     return "; ".join(parts)
 
 
-SHOWN_MAX = 64  # characters of a name from the store shown in a line (a node id is far shorter)
-
-
-def shown(text: str, limit: int = SHOWN_MAX) -> str:
-    """A name or number read from the rendezvous store, as the stall line shows it: one line of
-    printable ASCII, at most ``limit`` characters (then ``...``). On a TCPStore anyone who reaches
-    the port writes there: a record's terminal escapes, line breaks (a forged ``rendezvous
-    stalled:`` line, which the drill's report picks up) or megabytes must not reach the log."""
-    text = printable(text)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def describe_slots(store: Any, prefix: str, nodes: int, forming: int, waited: float,

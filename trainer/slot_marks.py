@@ -35,7 +35,7 @@ LEFT = "LEFT:"
 MALFORMED: Counter[str] = Counter()  # kind -> malformed values read (this process)
 _logged: set[str] = set()
 _lock = threading.Lock()
-SHOWN = 64  # characters of a foreign value shown in a line
+SHOWN_MAX = 64  # characters of a name or value from the store shown in a line (a node id is far shorter)
 LOGGED_KEYS = 1024  # keys logged (each once); more are counted only
 
 
@@ -45,14 +45,18 @@ class MalformedRecord(ValueError):
     drill's report reads arrival marks through it); torchrun's agent ends on it with this line."""
 
 
-def _shown(raw: bytes | str) -> str:
-    text = printable(raw.decode(errors="replace") if isinstance(raw, bytes) else raw)
-    return text if len(text) <= SHOWN else text[:SHOWN] + "..."
+def shown(text: str, limit: int = SHOWN_MAX) -> str:
+    """A name or value read from the rendezvous store, as a log line shows it: one line of
+    printable ASCII, at most ``limit`` characters (then ``...``). On a TCPStore anyone who reaches
+    the port writes there: a record's terminal escapes, line breaks (a forged ``rendezvous
+    stalled:`` line, which the drill's report picks up) or megabytes must not reach the log."""
+    text = printable(text)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def malformed(kind: str, key: str, raw: bytes | str, why: str) -> str:
     """Count one malformed value of ``kind`` read at ``key`` and log it (once per key); the line."""
-    line = f"store key {key} holds {_shown(raw)!r}: {why} (not written by Sentinel's slot rendezvous)"
+    line = f"store key {key} holds {shown(_text(raw))!r}: {why} (not written by Sentinel's slot rendezvous)"
     with _lock:
         MALFORMED[kind] += 1
         first = key not in _logged and len(_logged) <= LOGGED_KEYS  # once full: counted only (a key
